@@ -1,0 +1,55 @@
+# opfuse: the two README commands (`make demo`, `make test`) set everything up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of this torch lies on the CI/dev machines; installing it first keeps pip from
+# pulling a multi-GB CUDA build to satisfy `torch>=2.11`.
+TORCH_PIN ?= torch==2.13.0
+NVCC ?= nvcc
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: all venv test test-unit test-dist test-gpu demo dump build check-cuda clean
+
+all: test
+
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.stamp
+
+test: venv check-cuda
+	$(PY) -m pytest -q tests
+
+test-unit: venv
+	$(PY) -m pytest -q tests/unit
+
+test-dist: venv
+	$(PY) -m pytest -q tests/dist
+
+test-gpu:
+	PYTHONPATH=. $(PYTHON) -m pytest -q tests/gpu
+
+demo: venv
+	$(PY) -m opfuse demo
+
+dump: venv
+	$(PY) -m opfuse dump
+
+# Build the CUDA extension ahead of first use (GPU hosts; uses the torch in $(PYTHON)).
+build:
+	PYTHONPATH=. $(PYTHON) -m opfuse.backend.extension --build
+
+# Compile every CUDA source without a GPU (runs in CI when nvcc is present; skipped otherwise).
+check-cuda:
+	@if command -v $(NVCC) >/dev/null 2>&1; then \
+		$(PYTHON) tools/check_cuda.py --nvcc $(NVCC); \
+	else \
+		echo "check-cuda: nvcc not found, skipped"; \
+	fi
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,15 @@
+"""opfuse: op fusion for tensor-parallel transformer blocks in PyTorch.
+
+Declare a block as ``opfuse.ops.Sequential(...)``; on first call opfuse lowers it to a torch.fx
+graph, inserts the collectives its tensor parallelism needs, fuses patterns such as
+all-reduce -> add -> RMSNorm into single implementations, and caches the result as a
+:class:`Program` (see :func:`compile`).
+"""
+
+from . import ops, passes
+from .config import config  # the settings object (shadows the module name on purpose)
+from .fuser import Program, compile
+
+__version__ = "0.1.0"
+
+__all__ = ["ops", "passes", "config", "compile", "Program", "__version__"]

@@ -1,0 +1,1 @@
+"""Fused-op implementations, the dispatch table, the symmetric-memory pool, and the CUDA extension."""

@@ -1,0 +1,1 @@
+"""Modules that replace matched ops, each calling a ``torch.library`` custom op."""

@@ -1,0 +1,149 @@
+"""opfuse settings: one object, ``opfuse.config``, overridable by ``OPFUSE_*`` environment variables.
+
+Every field below is documented in the README ("Settings"). The environment is read when the
+module is imported and again by ``opfuse.config.reload_from_env()``. Settings can be assigned
+(``opfuse.config.fuse = False``) or changed for a scope::
+
+    with opfuse.config.override(fuse=False):
+        y = block(x)          # runs the unfused graph
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterator
+
+__all__ = ["Config", "config", "override", "reload_from_env", "version"]
+
+
+@dataclasses.dataclass
+class Config:
+    """The settings (see the module docstring). Assigning a field invalidates compiled programs."""
+
+    #: Apply fusion rules when compiling (``OPFUSE_FUSE=0`` runs the unfused graph).
+    fuse: bool = True
+    #: Rule names never applied (``OPFUSE_DISABLE_RULES=name1,name2``).
+    disabled_rules: tuple[str, ...] = ()
+    #: Force implementations: ``"FusedOp=impl,..."`` or a bare impl name tried for every op
+    #: (``OPFUSE_FORCE_IMPL``). A forced impl that is not capable is an error, not a fallback.
+    force_impl: str = ""
+    #: Directory that receives the graph after every pass of every compiled program
+    #: (``OPFUSE_DUMP``); empty disables dumping.
+    dump_dir: str = ""
+    #: Run the verify pass after the pipeline (``OPFUSE_VERIFY``).
+    verify: bool = True
+    #: Use the CUDA extension when a GPU and nvcc are present (``OPFUSE_CUDA=0`` disables it).
+    cuda: bool = True
+    #: Build/cache directory of the CUDA extension (``OPFUSE_CACHE_DIR``).
+    cache_dir: str = os.path.join(os.path.expanduser("~"), ".cache", "opfuse")
+    #: Symmetric-memory pool size per process group in MiB (``OPFUSE_SYMM_POOL_MB``).
+    symm_pool_mb: int = 512
+    #: Upper bound of a group's symmetric pool (all segments) in MiB (``OPFUSE_SYMM_POOL_MAX_MB``).
+    symm_pool_max_mb: int = 4096
+    #: Largest message (bytes per rank) for the one-shot Lamport kernel (``OPFUSE_ONESHOT_MAX_BYTES``).
+    oneshot_max_bytes: int = 512 * 1024
+    #: Largest message (bytes per rank) for the two-shot kernel; larger messages use NCCL
+    #: (``OPFUSE_TWOSHOT_MAX_BYTES``).
+    twoshot_max_bytes: int = 256 * 1024 * 1024
+    #: Chunks per rank in the comm+GEMM overlap pipelines (``OPFUSE_OVERLAP_CHUNKS``); 0 = auto.
+    overlap_chunks: int = 0
+
+
+    def __setattr__(self, name, value):
+        global _version
+        if name not in _FIELD_NAMES:
+            raise AttributeError(f"opfuse.config has no setting {name!r}; known: {sorted(_FIELD_NAMES)}")
+        object.__setattr__(self, name, value)
+        _version += 1
+
+    def override(self, **settings):
+        """Context manager: change settings inside a ``with`` block."""
+        return override(**settings)
+
+    def reload_from_env(self, environ=None) -> None:
+        """Reset to defaults, then apply ``OPFUSE_*`` variables."""
+        reload_from_env(environ)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
+_ENV_PREFIX = "OPFUSE_"
+_ENV_NAMES = {
+    "fuse": "FUSE",
+    "disabled_rules": "DISABLE_RULES",
+    "force_impl": "FORCE_IMPL",
+    "dump_dir": "DUMP",
+    "verify": "VERIFY",
+    "cuda": "CUDA",
+    "cache_dir": "CACHE_DIR",
+    "symm_pool_mb": "SYMM_POOL_MB",
+    "symm_pool_max_mb": "SYMM_POOL_MAX_MB",
+    "oneshot_max_bytes": "ONESHOT_MAX_BYTES",
+    "twoshot_max_bytes": "TWOSHOT_MAX_BYTES",
+    "overlap_chunks": "OVERLAP_CHUNKS",
+}
+
+_version = 0
+config = Config()
+
+
+def version() -> int:
+    """A counter bumped on every settings change; compiled-program caches key on it."""
+    return _version
+
+
+def _parse(field: dataclasses.Field, raw: str, source: str) -> Any:
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    if kind == "bool":
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{source}={raw!r}: expected one of 1/0/true/false/yes/no/on/off")
+    if kind == "int":
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{source}={raw!r}: expected an integer") from None
+        if value < 0:
+            raise ValueError(f"{source}={raw!r}: expected a non-negative integer")
+        return value
+    if kind.startswith("tuple"):
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    return raw
+
+
+def reload_from_env(environ: dict[str, str] | None = None) -> None:
+    """Reset every setting to its default, then apply ``OPFUSE_*`` variables."""
+    environ = os.environ if environ is None else environ
+    fresh = Config()
+    for field in dataclasses.fields(Config):
+        name = _ENV_PREFIX + _ENV_NAMES[field.name]
+        if name in environ:
+            setattr(fresh, field.name, _parse(field, environ[name], name))
+    for field in dataclasses.fields(Config):
+        setattr(config, field.name, getattr(fresh, field.name))
+
+
+@contextlib.contextmanager
+def override(**settings: Any) -> Iterator[Config]:
+    """Change settings inside a ``with`` block; the previous values come back afterwards."""
+    names = _FIELD_NAMES
+    unknown = sorted(set(settings) - names)
+    if unknown:
+        raise TypeError(f"opfuse.config.override: unknown setting(s) {unknown}; known: {sorted(names)}")
+    saved = {name: getattr(config, name) for name in settings}
+    for name, value in settings.items():
+        if name == "disabled_rules" and isinstance(value, str):
+            value = (value,)
+        setattr(config, name, tuple(value) if name == "disabled_rules" else value)
+    try:
+        yield config
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
+reload_from_env()

@@ -1,0 +1,104 @@
+"""``opfuse.compile``: lower, run the pass pipeline, and cache programs per input signature."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+from torch import fx
+
+from ..config import config, version
+from ..debug.dump import render_python, render_text
+from ..ops.base import BasicOp, TensorMeta
+from ..ops.sequential import Sequential
+from ..passes.pipeline import PassContext, run_pipeline
+from ..passes.rule import generation
+from .lower import lower
+from .program import Program
+
+__all__ = ["compile", "cached_program", "build_program", "signature"]
+
+_program_ids = itertools.count()
+
+
+def signature(seq: Sequential, inputs) -> tuple:
+    """Everything a compiled program depends on besides the block's structure."""
+    shapes = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in inputs)
+    params = tuple(p.requires_grad for p in seq.parameters())
+    return shapes, params, torch.is_grad_enabled(), version(), generation()
+
+
+def _light_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of the graph that shares (does not copy) the submodules and their parameters."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    modules = {n.target: gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    return fx.GraphModule(modules, graph, class_name="OpfuseProgram")
+
+
+def _rank_tag() -> str:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return f"rank{torch.distributed.get_rank()}_"
+    return ""
+
+
+def build_program(seq: Sequential, inputs) -> Program:
+    metas = [TensorMeta.of(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    gm = lower(seq, metas)
+    ctx = PassContext()
+    dump_dir = None
+    if config.dump_dir:
+        dump_dir = os.path.join(config.dump_dir, f"{_rank_tag()}program{next(_program_ids)}")
+        os.makedirs(dump_dir, exist_ok=True)
+    steps = itertools.count()
+
+    def after_pass(name: str, module: fx.GraphModule) -> None:
+        if name == "partition":
+            ctx.unfused = _light_copy(module)
+        if dump_dir is not None:
+            stem = os.path.join(dump_dir, f"{next(steps):02d}_{name}")
+            title = f"after pass {name}"
+            with open(stem + ".py", "w") as handle:
+                handle.write(render_python(module, title))
+            with open(stem + ".txt", "w") as handle:
+                handle.write(render_text(module, title))
+
+    run_pipeline(gm, ctx, after_pass)
+    program = Program(seq, gm, ctx.unfused, ctx.fusions, metas, ctx.snapshots)
+    if dump_dir is not None:
+        with open(os.path.join(dump_dir, "explain.txt"), "w") as handle:
+            handle.write(program.explain())
+    return program
+
+
+def cached_program(seq: Sequential, inputs) -> Program:
+    key = signature(seq, inputs)
+    program = seq._programs.get(key)
+    if program is None:
+        program = build_program(seq, inputs)
+        seq._programs[key] = program
+    return program
+
+
+def compile(module, *example_inputs) -> Program:  # noqa: A001 - mirrors torch.compile
+    """Compile ``module`` (an ``ops.Sequential`` or a single op) for ``example_inputs``.
+
+    Returns the same cached :class:`Program` that ``module(*example_inputs)`` runs.
+
+    Examples
+    --------
+    >>> program = opfuse.compile(block, x, residual)       # doctest: +SKIP
+    >>> [f.rule for f in program.fusions]                  # doctest: +SKIP
+    ['allreduce_add_rmsnorm']
+    >>> print(program.dump("python"))                      # doctest: +SKIP
+    """
+    if isinstance(module, BasicOp) and not isinstance(module, Sequential):
+        module = Sequential(module)
+    if not isinstance(module, Sequential):
+        raise TypeError(
+            f"opfuse.compile: expected an opfuse.ops.Sequential or an opfuse op, got {type(module).__name__}"
+        )
+    module.check_inputs(example_inputs)
+    return cached_program(module, example_inputs)

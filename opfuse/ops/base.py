@@ -1,0 +1,153 @@
+"""The basic-op contract every fusible op follows.
+
+A basic op is an ``nn.Module`` whose ``forward`` is the pure-torch reference (differentiable, so
+backward comes from autograd or from the op's own ``autograd.Function``). Besides computing, an op
+answers one question without touching data: given the metadata of its inputs, what is the
+metadata of its output (:meth:`BasicOp.infer_meta`)? Lowering uses that to annotate every graph
+value, validate user inputs with errors that name the op, and give fusion rules shapes and dtypes
+to test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["BasicOp", "OpInputError", "TensorMeta", "check_meta_equal", "dtype_name"]
+
+
+class OpInputError(ValueError):
+    """An op received inputs of the wrong count, shape, dtype or device."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype, device and requires_grad of a tensor, without its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool = False
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, bool(tensor.requires_grad))
+
+    def with_(self, **changes) -> "TensorMeta":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def tokens(self) -> int:
+        """Product of the leading dims (every dim but the last)."""
+        count = 1
+        for size in self.shape[:-1]:
+            count *= size
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.dtype).element_size()
+
+    def __str__(self) -> str:
+        dims = ", ".join(str(s) for s in self.shape)
+        return f"{dtype_name(self.dtype)}[{dims}]@{self.device}"
+
+
+def check_meta_equal(op: "BasicOp", what: str, got: TensorMeta, expected: TensorMeta) -> None:
+    """Raise :class:`OpInputError` unless ``got`` has ``expected``'s shape, dtype and device."""
+    for field, label in (("shape", "shape"), ("dtype", "dtype"), ("device", "device")):
+        want, have = getattr(expected, field), getattr(got, field)
+        if field == "device":
+            want, have = torch.device(want), torch.device(have)
+        if want != have:
+            raise OpInputError(
+                f"{op.describe()}: {what} has {label} {_fmt(have)}, expected {_fmt(want)}"
+            )
+
+
+def _fmt(value) -> str:
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+class BasicOp(nn.Module):
+    """Base class of fusible ops.
+
+    Subclasses set the class attributes below, implement ``forward(x, *extra_inputs)`` as the
+    pure-torch reference, and implement :meth:`infer_meta`.
+    """
+
+    #: Extra inputs consumed from ``Sequential``'s extra arguments, left to right.
+    num_extra_inputs: ClassVar[int] = 0
+    #: Extra outputs appended after ``Sequential``'s main output.
+    num_extra_outputs: ClassVar[int] = 0
+    #: True for ops that only rearrange data across processes (no local arithmetic).
+    is_collective: ClassVar[bool] = False
+    #: True for composite ops that the partition pass expands into basic ops.
+    is_composite: ClassVar[bool] = False
+
+    @property
+    def kind(self) -> str:
+        """The op kind rules match on: the class name (``"RMSNorm"``)."""
+        return type(self).__name__
+
+    def describe(self) -> str:
+        """Name used in error messages: the kind and its arguments."""
+        extra = self.extra_repr()
+        return f"{self.kind}({extra})" if extra else self.kind
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        """Output metadata for inputs with metadata ``x`` (main) and ``extra``; raise
+        :class:`OpInputError` naming this op and the expected value when inputs are invalid."""
+        raise NotImplementedError(f"{type(self).__name__}.infer_meta")
+
+    # Helpers for subclasses -------------------------------------------------------------
+
+    def _require_features(self, x: TensorMeta, expected: int, what: str = "input") -> None:
+        if len(x.shape) < 1:
+            raise OpInputError(f"{self.describe()}: {what} must have at least 1 dim, got a scalar")
+        if x.features != expected:
+            raise OpInputError(
+                f"{self.describe()}: {what} has {x.features} features (last dim of shape "
+                f"{list(x.shape)}), expected {expected}"
+            )
+
+    def _require_float(self, x: TensorMeta, what: str = "input") -> None:
+        if not x.dtype.is_floating_point:
+            raise OpInputError(
+                f"{self.describe()}: {what} has dtype {dtype_name(x.dtype)}, expected a floating "
+                f"point dtype (float32, bfloat16, float16, float64)"
+            )
+
+    def _require_param_match(self, x: TensorMeta, params: Sequence[torch.Tensor], what: str = "input") -> None:
+        for param in params:
+            if param is None:
+                continue
+            if param.dtype != x.dtype:
+                raise OpInputError(
+                    f"{self.describe()}: {what} dtype {dtype_name(x.dtype)} differs from the "
+                    f"parameter dtype {dtype_name(param.dtype)}; convert the module with .to(dtype) "
+                    f"or the input"
+                )
+            if param.device.type != "meta" and torch.device(param.device) != torch.device(x.device):
+                raise OpInputError(
+                    f"{self.describe()}: {what} is on {x.device} but the parameters are on "
+                    f"{param.device}"
+                )

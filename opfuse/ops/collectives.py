@@ -1,0 +1,258 @@
+"""Collective ops over a process group, with the tensor-parallel backward conventions.
+
+Each forward/backward pair is the conjugate one (Megatron-LM's "f"/"g" regions):
+
+=================  =============================  ==============================
+op                 forward                        backward
+=================  =============================  ==============================
+``AllReduce``      sum over ranks                 identity
+``GradAllReduce``  identity                       sum over ranks
+``AllGather``      concatenate ranks along dim 0  reduce-scatter along dim 0
+``ReduceScatter``  reduce-scatter along dim 0     all-gather along dim 0
+``SplitFeatures``  this rank's slice of features  all-gather along the last dim
+=================  =============================  ==============================
+
+The functions (:func:`all_reduce`, ...) are the reference implementations that fused ops and the
+backend fall back on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import group as groups
+from .base import BasicOp, OpInputError, TensorMeta
+
+__all__ = [
+    "AllReduce",
+    "GradAllReduce",
+    "AllGather",
+    "ReduceScatter",
+    "SplitFeatures",
+    "all_reduce",
+    "grad_all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "split_features",
+    "raw_all_reduce",
+    "raw_all_gather",
+    "raw_reduce_scatter",
+]
+
+
+# Raw (non-differentiable) collectives --------------------------------------------------------
+
+
+def raw_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=groups.resolve(group))
+    return out
+
+
+def raw_all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0."""
+    pg = groups.resolve(group)
+    world = dist.get_world_size(pg)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=pg)
+    return out
+
+
+def raw_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's block of dim 0."""
+    pg = groups.resolve(group)
+    world = dist.get_world_size(pg)
+    if x.shape[0] % world:
+        raise OpInputError(
+            f"ReduceScatter: dim 0 has size {x.shape[0]}, which is not divisible by the world "
+            f"size {world}"
+        )
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=pg)
+    return out
+
+
+def _raw_all_gather_features(x: torch.Tensor, group) -> torch.Tensor:
+    pg = groups.resolve(group)
+    world = dist.get_world_size(pg)
+    parts = [torch.empty_like(x.contiguous()) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=pg)
+    return torch.cat(parts, dim=-1)
+
+
+# Differentiable collectives ---------------------------------------------------------------
+
+
+class _AllReduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return raw_all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None
+
+
+class _GradAllReduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_all_reduce(dy, ctx.group), None
+
+
+class _AllGatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return raw_all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_reduce_scatter(dy, ctx.group), None
+
+
+class _ReduceScatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return raw_reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return raw_all_gather(dy, ctx.group), None
+
+
+class _SplitFeaturesFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world, rank = groups.world_size(group), groups.rank(group)
+        width = x.shape[-1] // world
+        return x[..., rank * width:(rank + 1) * width].contiguous()
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _raw_all_gather_features(dy, ctx.group), None
+
+
+def all_reduce(x, group=None):
+    """Sum ``x`` over the ranks of ``group``; the gradient passes through unchanged."""
+    return _AllReduceFn.apply(x, group)
+
+
+def grad_all_reduce(x, group=None):
+    """Identity; the gradient is summed over the ranks of ``group``."""
+    return _GradAllReduceFn.apply(x, group)
+
+
+def all_gather(x, group=None):
+    """Concatenate ``x`` of every rank along dim 0; the gradient is reduce-scattered."""
+    return _AllGatherFn.apply(x, group)
+
+
+def reduce_scatter(x, group=None):
+    """Sum over ranks and keep this rank's block of dim 0; the gradient is all-gathered."""
+    return _ReduceScatterFn.apply(x, group)
+
+
+def split_features(x, group=None):
+    """This rank's contiguous slice of the last dim; the gradient is all-gathered."""
+    return _SplitFeaturesFn.apply(x, group)
+
+
+# Ops ------------------------------------------------------------------------------------
+
+
+class _CollectiveOp(BasicOp):
+    is_collective = True
+
+    def __init__(self, group=None):
+        super().__init__()
+        self.group = group
+
+    @property
+    def world_size(self) -> int:
+        return groups.world_size(self.group)
+
+    def extra_repr(self) -> str:
+        if self.group is None:
+            return "group=default"
+        try:
+            return f"group={self.group.group_name}"
+        except Exception:  # pragma: no cover - exotic group objects
+            return "group=?"
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        if len(x.shape) < 1:
+            raise OpInputError(f"{self.describe()}: input must have at least 1 dim")
+        return x
+
+
+class AllReduce(_CollectiveOp):
+    """Sum over the ranks of ``group`` (e.g. after a row-parallel GEMM). Backward: identity."""
+
+    def forward(self, x):
+        return all_reduce(x, self.group)
+
+
+class GradAllReduce(_CollectiveOp):
+    """Identity forward; sums the gradient over ``group`` in backward.
+
+    It marks where a replicated activation enters a column-parallel GEMM: each rank's
+    ``dx`` is a partial sum there.
+    """
+
+    def forward(self, x):
+        return grad_all_reduce(x, self.group)
+
+
+class AllGather(_CollectiveOp):
+    """Concatenate every rank's tokens along dim 0. Backward: reduce-scatter."""
+
+    def forward(self, x):
+        return all_gather(x, self.group)
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        super().infer_meta(x)
+        return x.with_(shape=(x.shape[0] * self.world_size,) + x.shape[1:])
+
+
+class ReduceScatter(_CollectiveOp):
+    """Sum over ranks and keep this rank's block of dim 0 (tokens). Backward: all-gather."""
+
+    def forward(self, x):
+        return reduce_scatter(x, self.group)
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        super().infer_meta(x)
+        world = self.world_size
+        if x.shape[0] % world:
+            raise OpInputError(
+                f"{self.describe()}: dim 0 of input {list(x.shape)} is {x.shape[0]}, not divisible "
+                f"by the world size {world}"
+            )
+        return x.with_(shape=(x.shape[0] // world,) + x.shape[1:])
+
+
+class SplitFeatures(_CollectiveOp):
+    """Keep this rank's slice of the last dim (a replicated input entering a row-parallel GEMM).
+    Backward: all-gather along the last dim."""
+
+    def forward(self, x):
+        return split_features(x, self.group)
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        super().infer_meta(x)
+        world = self.world_size
+        if x.features % world:
+            raise OpInputError(
+                f"{self.describe()}: {x.features} features are not divisible by the world size {world}"
+            )
+        return x.with_(shape=x.shape[:-1] + (x.features // world,))

@@ -1,0 +1,245 @@
+"""Linear layers: the local GEMM (:class:`BasicLinear`), :class:`Bias`, and the tensor-parallel
+composite :class:`Linear` that the partition pass expands into them plus collectives."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import group as groups
+from .base import BasicOp, OpInputError, TensorMeta
+from .sharding import REPLICATED, Sharding
+
+__all__ = ["BasicLinear", "Bias", "Linear"]
+
+_PARALLEL_MODES = (None, "column", "row")
+
+
+def _init_weight_(weight: torch.Tensor, fan_in: int) -> None:
+    # nn.Linear's default (kaiming_uniform with a=sqrt(5)) computed from the *global* fan-in,
+    # so a sharded layer starts with the same distribution as its unsharded twin.
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)
+
+
+class BasicLinear(BasicOp):
+    """``y = x @ weight.T`` on the local shard, no bias, no communication.
+
+    Parameters
+    ----------
+    in_features, out_features:
+        Local sizes (``weight`` is ``[out_features, in_features]``).
+    weight:
+        An existing parameter to use instead of creating one (the partition pass builds the
+        BasicLinear of a :class:`Linear` around the Linear's own parameter).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None,
+                 weight: nn.Parameter | None = None, fan_in: int | None = None):
+        super().__init__()
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        if weight is None:
+            weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+            _init_weight_(weight, fan_in or in_features)
+        elif tuple(weight.shape) != (out_features, in_features):
+            raise OpInputError(
+                f"BasicLinear: weight has shape {list(weight.shape)}, expected "
+                f"[{out_features}, {in_features}]"
+            )
+        self.weight = weight
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        self._require_float(x)
+        self._require_features(x, self.in_features)
+        self._require_param_match(x, [self.weight])
+        return x.with_(shape=x.shape[:-1] + (self.out_features,),
+                       requires_grad=x.requires_grad or self.weight.requires_grad)
+
+
+class Bias(BasicOp):
+    """``y = x + bias`` over the last dim."""
+
+    def __init__(self, features: int, *, device=None, dtype=None, bias: nn.Parameter | None = None):
+        super().__init__()
+        self.features = int(features)
+        if bias is None:
+            bias = nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
+        elif tuple(bias.shape) != (features,):
+            raise OpInputError(f"Bias: parameter has shape {list(bias.shape)}, expected [{features}]")
+        self.bias = bias
+
+    def extra_repr(self) -> str:
+        return f"features={self.features}"
+
+    def forward(self, x):
+        return x + self.bias
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        self._require_float(x)
+        self._require_features(x, self.features)
+        self._require_param_match(x, [self.bias])
+        return x.with_(requires_grad=x.requires_grad or self.bias.requires_grad)
+
+
+class Linear(BasicOp):
+    """A (tensor-parallel) linear layer ``y = x @ W.T + b`` with *global* feature sizes.
+
+    Parameters
+    ----------
+    in_features, out_features:
+        Global sizes of the unsharded layer.
+    bias:
+        Add a bias. A row-parallel bias is added once, after the reduction.
+    parallel:
+        ``None`` (not sharded), ``"column"`` (``weight`` is ``[out/world, in]``, output sharded on
+        features) or ``"row"`` (``weight`` is ``[out, in/world]``, input sharded on features, output
+        summed over ranks).
+    sequence_parallel:
+        Tokens (dim 0) are sharded outside the layer: a column layer all-gathers its input, a row
+        layer reduce-scatters its output.
+    group:
+        The tensor-parallel ``ProcessGroup``; ``None`` means the default group.
+
+    Examples
+    --------
+    >>> fc2 = ops.Linear(28672, 8192, parallel="row", group=tp)        # doctest: +SKIP
+    >>> fc2.load_unsharded(full_weight, full_bias)                     # doctest: +SKIP
+    """
+
+    is_composite = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, parallel=None,
+                 sequence_parallel: bool = False, group=None, device=None, dtype=None):
+        super().__init__()
+        if parallel not in _PARALLEL_MODES:
+            raise ValueError(f"Linear: parallel={parallel!r}; accepted: None, 'column', 'row'")
+        if sequence_parallel and parallel is None:
+            raise ValueError("Linear: sequence_parallel=True needs parallel='column' or 'row'")
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Linear: {name}={value!r}; expected a positive int")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.parallel = parallel
+        self.sequence_parallel = bool(sequence_parallel)
+        self.group = group
+        world = groups.world_size(group) if parallel else 1
+        self.world_size = world
+        self.rank = groups.rank(group) if parallel else 0
+        local_in, local_out = in_features, out_features
+        if parallel == "column":
+            local_out = self._divide(out_features, world, "out_features")
+        elif parallel == "row":
+            local_in = self._divide(in_features, world, "in_features")
+        self.weight = nn.Parameter(torch.empty(local_out, local_in, device=device, dtype=dtype))
+        _init_weight_(self.weight, in_features)
+        if bias:
+            bias_features = local_out if parallel == "column" else out_features
+            self.bias = nn.Parameter(torch.zeros(bias_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self._expansions: dict[Sharding, list[BasicOp]] = {}
+
+    def _divide(self, size: int, world: int, name: str) -> int:
+        if size % world:
+            raise ValueError(
+                f"Linear(parallel={self.parallel!r}): {name}={size} is not divisible by the world "
+                f"size {world}"
+            )
+        return size // world
+
+    def extra_repr(self) -> str:
+        text = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        if self.parallel:
+            text += f", parallel={self.parallel!r}, world={self.world_size}"
+        if self.sequence_parallel:
+            text += ", sequence_parallel=True"
+        return text
+
+    # Sharding ---------------------------------------------------------------------------
+
+    @property
+    def local_in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def local_out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def natural_input_sharding(self, x: TensorMeta | None = None) -> Sharding:
+        """The layout this layer expects of its input when nothing upstream says otherwise."""
+        if self.parallel is None:
+            return REPLICATED
+        if self.parallel == "column":
+            return Sharding(tokens=self.sequence_parallel, group=self.group)
+        # Row: a column-parallel activation (sharded features) unless the caller passes the
+        # full width, in which case the partition rules slice it locally.
+        if x is not None and self.world_size > 1 and x.features == self.in_features:
+            return REPLICATED
+        return Sharding(features=True, group=self.group)
+
+    def expand(self, input_sharding: Sharding) -> tuple[list[BasicOp], Sharding]:
+        """Basic ops equivalent to this layer for an input laid out as ``input_sharding``, and
+        the layout of the result (see :func:`opfuse.passes.partition.plan_linear`)."""
+        from ..passes.partition import plan_linear  # the partition rules live in passes
+
+        return plan_linear(self, input_sharding)
+
+    def load_unsharded(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's shard of the full ``weight [out, in]`` (and ``bias [out]``)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"Linear.load_unsharded: weight has shape {list(weight.shape)}, expected "
+                f"[{self.out_features}, {self.in_features}]"
+            )
+        rows, cols = self.local_out_features, self.local_in_features
+        with torch.no_grad():
+            if self.parallel == "column":
+                self.weight.copy_(weight[self.rank * rows:(self.rank + 1) * rows])
+            elif self.parallel == "row":
+                self.weight.copy_(weight[:, self.rank * cols:(self.rank + 1) * cols])
+            else:
+                self.weight.copy_(weight)
+            if bias is not None:
+                if self.bias is None:
+                    raise ValueError("Linear.load_unsharded: got a bias but the layer has bias=False")
+                if tuple(bias.shape) != (self.out_features,):
+                    raise ValueError(
+                        f"Linear.load_unsharded: bias has shape {list(bias.shape)}, expected "
+                        f"[{self.out_features}]"
+                    )
+                if self.parallel == "column":
+                    self.bias.copy_(bias[self.rank * rows:(self.rank + 1) * rows])
+                else:
+                    self.bias.copy_(bias)
+
+    # Reference ----------------------------------------------------------------------------
+
+    def forward(self, x):
+        meta = TensorMeta.of(x)
+        ops, _ = self._expansion(self.natural_input_sharding(meta))
+        for op in ops:
+            x = op(x)
+        return x
+
+    def _expansion(self, sharding: Sharding):
+        if sharding not in self._expansions:
+            self._expansions[sharding] = self.expand(sharding)
+        return self._expansions[sharding]
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        ops, _ = self._expansion(self.natural_input_sharding(x))
+        for op in ops:
+            x = op.infer_meta(x)
+        return x

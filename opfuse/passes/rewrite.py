@@ -1,0 +1,117 @@
+"""Replacing a matched subgraph by one fused node (plus ``getitem`` nodes for its outputs)."""
+
+from __future__ import annotations
+
+import operator
+import re
+
+from torch import fx
+
+from .pattern import PatternError
+from .rule import Match, Replacement
+
+__all__ = ["replace_match", "snake_case", "add_submodule", "reorder_topologically"]
+
+
+def snake_case(name: str) -> str:
+    text = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name)
+    text = re.sub(r"(?<=[A-Z])([A-Z][a-z])", r"_\1", text)
+    return re.sub(r"[^0-9a-zA-Z_]", "_", text).lower()
+
+
+def add_submodule(gm: fx.GraphModule, base: str, module) -> str:
+    """Register ``module`` on ``gm`` under a fresh name derived from ``base``; return the name."""
+    name, counter = base, 1
+    while hasattr(gm, name):
+        counter += 1
+        name = f"{base}_{counter}"
+    gm.add_submodule(name, module)
+    return name
+
+
+def reorder_topologically(graph: fx.Graph) -> None:
+    """Reorder nodes so that every node follows its inputs, keeping the original order
+    where it already does (placeholders stay first, the output stays last)."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    placed: set[fx.Node] = set()
+    result: list[fx.Node] = []
+
+    def visit(node: fx.Node) -> None:
+        if node in placed:
+            return
+        for dep in sorted(node.all_input_nodes, key=order.__getitem__):
+            visit(dep)
+        placed.add(node)
+        result.append(node)
+
+    for node in list(graph.nodes):
+        visit(node)
+    anchor = None
+    for node in result:
+        if anchor is None:
+            anchor = node
+            continue
+        anchor.append(node)
+        anchor = node
+
+
+def replace_match(gm: fx.GraphModule, match: Match, replacement: Replacement, module_base: str) -> fx.Node:
+    """Insert ``replacement`` for ``match``; returns the fused node."""
+    if not isinstance(replacement, Replacement):
+        raise PatternError(
+            f"rule {match.rule.name!r} ({match.rule.source}): build returned {type(replacement).__name__}; "
+            f"expected an opfuse.passes.Replacement"
+        )
+    exported = match.pattern.outputs()
+    outputs = replacement.outputs
+    if outputs is None:
+        if len(exported) != 1:
+            raise PatternError(
+                f"rule {match.rule.name!r} ({match.rule.source}): the pattern exports {exported}; the "
+                f"Replacement must map each to an output index (outputs={{name: index}})"
+            )
+        outputs = {exported[0]: None}
+    missing = [name for name in exported if name not in outputs and match[name].node.users]
+    if missing:
+        raise PatternError(
+            f"rule {match.rule.name!r} ({match.rule.source}): Replacement.outputs lacks exported op(s) "
+            f"{missing}; it maps {sorted(outputs)}"
+        )
+    inside = set(match.nodes())
+    for arg in replacement.args:
+        if isinstance(arg, fx.Node) and arg in inside:
+            raise PatternError(
+                f"rule {match.rule.name!r} ({match.rule.source}): Replacement.args uses {arg.name}, a value "
+                f"computed inside the match; pass the match's inputs (match.input(name, arg))"
+            )
+
+    graph = gm.graph
+    ordered = [n for n in graph.nodes if n in inside]
+    target = add_submodule(gm, module_base, replacement.module)
+    with graph.inserting_after(ordered[-1]):
+        fused = graph.call_module(target, tuple(replacement.args))
+    fused.meta["opfuse_rule"] = match.rule.name
+    fused.meta["opfuse_source"] = match.rule.source
+    fused.meta["opfuse_covered"] = [(m.node.name, m.kind) for m in match.ordered()]
+    last_meta = match.ordered()[-1].node.meta
+    fused.meta["opfuse_sharding"] = last_meta.get("opfuse_sharding")
+
+    cursor = fused
+    for name, index in outputs.items():
+        old = match[name].node
+        if index is None:
+            value = fused
+            fused.meta["opfuse_meta"] = old.meta.get("opfuse_meta")
+        else:
+            with graph.inserting_after(cursor):
+                value = graph.call_function(operator.getitem, (fused, index))
+            cursor = value
+            value.meta["opfuse_meta"] = old.meta.get("opfuse_meta")
+            value.meta["opfuse_sharding"] = old.meta.get("opfuse_sharding")
+        old.replace_all_uses_with(value, delete_user_cb=lambda user: user not in inside)
+    if all(index is not None for index in outputs.values()):
+        fused.meta["opfuse_meta"] = tuple(match[n].node.meta.get("opfuse_meta") for n in outputs)
+    for node in reversed(ordered):
+        graph.erase_node(node)
+    reorder_topologically(graph)
+    return fused

@@ -1,0 +1,309 @@
+"""Fusion rules: a pattern, predicates, a replacement builder, a priority, and where it was defined.
+
+Users add fusions without editing opfuse::
+
+    from opfuse.passes import OpSpec, Pattern, Replacement, register_rule
+
+    @register_rule(name="bias_gelu", pattern=Pattern.chain(OpSpec("bias", "Bias"), OpSpec("act", "GELU")))
+    def build_bias_gelu(match):
+        return Replacement(MyBiasGelu(match["bias"].op.bias), args=[match.input("bias")])
+
+Rules are applied highest priority first; :func:`disabled_rules` switches rules off in a scope
+(tests), ``OPFUSE_DISABLE_RULES`` does so globally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import os
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from torch import fx, nn
+
+from ..config import config
+from .pattern import Pattern, PatternError, Predicate, _as_predicates
+
+__all__ = [
+    "Rule",
+    "MatchedOp",
+    "Match",
+    "Replacement",
+    "RuleRegistry",
+    "get_registry",
+    "register_rule",
+    "remove_rule",
+    "disabled_rules",
+    "rules",
+]
+
+
+@dataclasses.dataclass
+class MatchedOp:
+    """One op of a match: its spec name, graph node, module and metadata."""
+
+    name: str
+    node: fx.Node
+    op: Any
+    meta: Any
+    input_metas: tuple
+    sharding: Any
+
+    @property
+    def kind(self) -> str:
+        return self.op.kind
+
+
+class Match:
+    """A structural match of a rule's pattern variant in a graph (spec name -> :class:`MatchedOp`)."""
+
+    def __init__(self, rule: "Rule", pattern: Pattern, ops: Mapping[str, MatchedOp]):
+        self.rule = rule
+        self.pattern = pattern
+        self.ops = dict(ops)
+
+    def __getitem__(self, name: str) -> MatchedOp:
+        try:
+            return self.ops[name]
+        except KeyError:
+            raise KeyError(
+                f"rule {self.rule.name!r}: no op {name!r} in this match (matched: {sorted(self.ops)}); "
+                f"use match.get(name) for optional ops"
+            ) from None
+
+    def get(self, name: str) -> MatchedOp | None:
+        return self.ops.get(name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ops
+
+    def input(self, name: str, arg: int = 0) -> fx.Node:
+        """The graph value feeding argument ``arg`` of matched op ``name``."""
+        node = self[name].node
+        if arg >= len(node.args):
+            raise IndexError(f"rule {self.rule.name!r}: op {name!r} has {len(node.args)} args, asked for {arg}")
+        return node.args[arg]
+
+    def nodes(self) -> list[fx.Node]:
+        return [m.node for m in self.ops.values()]
+
+    def ordered(self) -> list[MatchedOp]:
+        return [self.ops[n] for n in self.pattern.topological_names()]
+
+
+@dataclasses.dataclass
+class Replacement:
+    """What a rule's builder returns.
+
+    ``module`` replaces the matched ops and is called with ``args`` (graph values or constants).
+    ``outputs`` maps each exported spec name to the index of its value in the module's output
+    tuple; ``None`` means the module returns one tensor standing for the pattern's single output.
+    """
+
+    module: nn.Module
+    args: Sequence[Any]
+    outputs: Mapping[str, int] | None = None
+    #: Name of the implementation the module will run, if it chooses one (shown in dumps).
+    impl: str | None = None
+
+
+def _caller_location(depth: int) -> str:
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth + 1):
+            frame = frame.f_back
+        path = os.path.relpath(frame.f_code.co_filename) if frame else "?"
+        if path.startswith(".."):
+            path = frame.f_code.co_filename
+        return f"{path}:{frame.f_lineno}" if frame else "?"
+    finally:
+        del frame
+
+
+@dataclasses.dataclass
+class Rule:
+    """A fusion rule. ``source`` is filled with the ``file:line`` of the definition."""
+
+    name: str
+    pattern: Pattern
+    build: Callable[[Match], Replacement]
+    priority: int = 0
+    where: Sequence[Any] = ()
+    description: str = ""
+    enabled: bool = True
+    source: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or not self.name.replace("-", "_").isidentifier():
+            raise PatternError(f"Rule: name={self.name!r}; expected a non-empty identifier-like string")
+        if not isinstance(self.pattern, Pattern):
+            raise PatternError(
+                f"Rule {self.name!r}: pattern={self.pattern!r}; expected an opfuse.passes.Pattern "
+                f"(e.g. Pattern.chain(OpSpec(...), ...))"
+            )
+        if not callable(self.build):
+            raise PatternError(f"Rule {self.name!r}: build={self.build!r} is not callable")
+        try:
+            inspect.signature(self.build).bind(None)
+        except TypeError:
+            raise PatternError(
+                f"Rule {self.name!r}: build must take one argument (the Match); got signature "
+                f"{inspect.signature(self.build)}"
+            ) from None
+        except ValueError:  # builtins without signatures
+            pass
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise PatternError(f"Rule {self.name!r}: priority={self.priority!r}; expected an int")
+        self.where = _as_predicates(self.where, f"Rule {self.name!r}")
+        if not self.source:
+            self.source = _caller_location(2)
+        self._variants = self.pattern.variants()
+
+    @property
+    def variants(self) -> list[Pattern]:
+        return self._variants
+
+    def rule_predicates(self) -> tuple[Predicate, ...]:
+        return tuple(self.where)
+
+    def __repr__(self) -> str:
+        return f"Rule({self.name!r}, {self.pattern.describe()}, priority={self.priority}, at {self.source})"
+
+
+class RuleRegistry:
+    """Ordered collection of rules. The built-in list is registered when the registry is made."""
+
+    def __init__(self, initial: Sequence[Rule] = ()):
+        self._rules: dict[str, Rule] = {}
+        self._disabled: list[str] = []
+        for rule in initial:
+            self.add(rule)
+
+    def add(self, rule: Rule, *, replace: bool = False) -> Rule:
+        if not isinstance(rule, Rule):
+            raise PatternError(f"register_rule: expected a Rule, got {type(rule).__name__}")
+        if rule.name in self._rules and not replace:
+            raise PatternError(
+                f"register_rule: a rule named {rule.name!r} exists (defined at "
+                f"{self._rules[rule.name].source}); pass replace=True or remove_rule({rule.name!r})"
+            )
+        self._rules[rule.name] = rule
+        _bump()
+        return rule
+
+    def remove(self, name: str) -> Rule:
+        if name not in self._rules:
+            raise KeyError(f"remove_rule: no rule named {name!r}; known: {sorted(self._rules)}")
+        _bump()
+        return self._rules.pop(name)
+
+    def get(self, name: str) -> Rule:
+        return self._rules[name]
+
+    def all(self) -> list[Rule]:
+        """Every rule, highest priority first (ties: registration order)."""
+        order = {name: i for i, name in enumerate(self._rules)}
+        return sorted(self._rules.values(), key=lambda r: (-r.priority, order[r.name]))
+
+    def is_disabled(self, rule: Rule) -> str | None:
+        """Why ``rule`` is off, or ``None`` if it is active."""
+        if not rule.enabled:
+            return "rule.enabled is False"
+        if rule.name in self._disabled:
+            return "disabled by opfuse.passes.disabled_rules(...)"
+        if rule.name in config.disabled_rules:
+            return "disabled by OPFUSE_DISABLE_RULES / config.disabled_rules"
+        return None
+
+    def active(self) -> list[Rule]:
+        return [r for r in self.all() if self.is_disabled(r) is None]
+
+    @contextlib.contextmanager
+    def disabled(self, *names: str) -> Iterator[None]:
+        unknown = [n for n in names if n not in self._rules]
+        if unknown:
+            raise KeyError(f"disabled_rules: unknown rule(s) {unknown}; known: {sorted(self._rules)}")
+        self._disabled.extend(names)
+        _bump()
+        try:
+            yield
+        finally:
+            for name in names:
+                self._disabled.remove(name)
+            _bump()
+
+
+_generation = 0
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    """Changes whenever the set of active rules may have changed (compile caches key on it)."""
+    return _generation
+
+
+def _make_registry() -> RuleRegistry:
+    from .rules_builtin import BUILTIN_RULES  # the explicit, readable list
+
+    return RuleRegistry(BUILTIN_RULES)
+
+
+_REGISTRY: RuleRegistry | None = None
+
+
+def get_registry() -> RuleRegistry:
+    """The process-wide rule registry (built-in rules registered on first use)."""
+    global _REGISTRY
+    if _REGISTRY is None:
+        _REGISTRY = _make_registry()
+    return _REGISTRY
+
+
+_registry = get_registry
+
+
+def register_rule(rule: Rule | None = None, *, name: str | None = None, pattern: Pattern | None = None,
+                  build: Callable[[Match], Replacement] | None = None, priority: int = 0,
+                  where: Sequence[Any] = (), description: str = "", replace: bool = False):
+    """Register a fusion rule (a :class:`Rule`, or its fields as keywords).
+
+    Without ``build`` it returns a decorator for the builder function. Returns the registered
+    :class:`Rule`.
+    """
+    if rule is not None:
+        if any(v is not None for v in (name, pattern, build)):
+            raise PatternError("register_rule: pass either a Rule or its fields, not both")
+        return _registry().add(rule, replace=replace)
+    if name is None or pattern is None:
+        raise PatternError("register_rule: name= and pattern= are required")
+    source = _caller_location(1)
+
+    def finish(builder: Callable[[Match], Replacement]) -> Rule:
+        made = Rule(name=name, pattern=pattern, build=builder, priority=priority, where=where,
+                    description=description or (builder.__doc__ or "").strip().split("\n")[0],
+                    source=source)
+        return _registry().add(made, replace=replace)
+
+    if build is None:
+        return finish
+    return finish(build)
+
+
+def remove_rule(name: str) -> Rule:
+    """Unregister the rule called ``name`` and return it."""
+    return _registry().remove(name)
+
+
+def disabled_rules(*names: str):
+    """Context manager: rules ``names`` do not fire inside the block."""
+    return _registry().disabled(*names)
+
+
+def rules() -> list[Rule]:
+    """All registered rules, in the order they are tried."""
+    return _registry().all()
