@@ -165,16 +165,20 @@ def partition(gm: fx.GraphModule, ctx) -> None:
         op = gm.get_submodule(node.target)
         src = node.args[0]
         sharding = src.meta["opfuse_sharding"]
-        if isinstance(op, Linear):
-            expanded, out = plan_linear(op, sharding)
+        if getattr(op, "is_composite", False):
+            # Composite ops expand through their own partition rules (Linear: plan_linear).
+            expanded, out = op.expand(sharding)
             value = src
             meta = src.meta["opfuse_meta"]
+            extras = list(node.args[1:])
             path = node.meta.get("opfuse_path", node.name)
             with graph.inserting_before(node):
                 for basic in expanded:
                     name = add_submodule(gm, f"{node.target}_{snake_case(basic.kind)}", basic)
-                    value = graph.call_module(name, (value,))
-                    meta = basic.infer_meta(meta)
+                    # Extra inputs of the composite go to the expanded ops that declare them, in order.
+                    taken = [extras.pop(0) for _ in range(basic.num_extra_inputs)]
+                    value = graph.call_module(name, (value, *taken))
+                    meta = basic.infer_meta(meta, *(t.meta["opfuse_meta"] for t in taken))
                     value.meta["opfuse_meta"] = meta
                     value.meta["opfuse_path"] = f"{path}.{snake_case(basic.kind)}"
                     value.meta["opfuse_sharding"] = _propagate(basic, value.args[0].meta["opfuse_sharding"], value)

@@ -20,6 +20,7 @@ allreduce                      AllReduce -> [Bias]                              
 from __future__ import annotations
 
 from ..backend.fused.linear_activation import LinearBiasActivation
+from ..backend.grouped.rules import GROUPED_RULES
 from ..backend.fused.linear_comm import AllGatherLinear, LinearReduceScatter
 from ..backend.fused.residual_norm import (
     AddLayerNorm,
@@ -164,4 +165,4 @@ BUILTIN_RULES = [
                        OpSpec("bias", "Bias", optional=True, where=[bias_matches_input])),
          _residual_norm_builder(FusedAllReduce), priority=10,
          description="all-reduce (+ bias) through the peer-memory kernels"),
-]
+] + GROUPED_RULES
