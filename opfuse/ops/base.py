@@ -136,11 +136,12 @@ class BasicOp(nn.Module):
                 f"point dtype (float32, bfloat16, float16, float64)"
             )
 
-    def _require_param_match(self, x: TensorMeta, params: Sequence[torch.Tensor], what: str = "input") -> None:
+    def _require_param_match(self, x: TensorMeta, params: Sequence[torch.Tensor], what: str = "input",
+                             check_dtype: bool = True) -> None:
         for param in params:
             if param is None:
                 continue
-            if param.dtype != x.dtype:
+            if check_dtype and param.dtype != x.dtype:
                 raise OpInputError(
                     f"{self.describe()}: {what} dtype {dtype_name(x.dtype)} differs from the "
                     f"parameter dtype {dtype_name(param.dtype)}; convert the module with .to(dtype) "

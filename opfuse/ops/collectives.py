@@ -43,6 +43,10 @@ __all__ = [
 
 # Raw (non-differentiable) collectives --------------------------------------------------------
 
+# torch >= 2.13 renamed the tensor collectives (the old names warn); 2.11/2.12 only have the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def raw_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     out = x.contiguous().clone()
@@ -56,7 +60,7 @@ def raw_all_gather(x: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(pg)
     x = x.contiguous()
     out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=pg)
+    _all_gather_tensor(out, x, group=pg)
     return out
 
 
@@ -71,7 +75,7 @@ def raw_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
         )
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=pg)
+    _reduce_scatter_tensor(out, x, group=pg)
     return out
 
 

@@ -36,11 +36,18 @@ class BasicLinear(BasicOp):
     weight:
         An existing parameter to use instead of creating one (the partition pass builds the
         BasicLinear of a :class:`Linear` around the Linear's own parameter).
+    weight_sharding:
+        ``None``, ``"in"`` (this is a K-shard of a row-parallel weight: the output is a partial
+        sum) or ``"out"`` (an N-shard of a column-parallel weight). Set by the partition pass.
     """
 
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None,
-                 weight: nn.Parameter | None = None, fan_in: int | None = None):
+                 weight: nn.Parameter | None = None, fan_in: int | None = None,
+                 weight_sharding: str | None = None):
         super().__init__()
+        if weight_sharding not in (None, "in", "out"):
+            raise ValueError(f"BasicLinear: weight_sharding={weight_sharding!r}; accepted: None, 'in', 'out'")
+        self.weight_sharding = weight_sharding
         self.in_features = int(in_features)
         self.out_features = int(out_features)
         if weight is None:
@@ -54,7 +61,8 @@ class BasicLinear(BasicOp):
         self.weight = weight
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        text = f"in_features={self.in_features}, out_features={self.out_features}"
+        return text + (f", weight_sharding={self.weight_sharding!r}" if self.weight_sharding else "")
 
     def forward(self, x):
         return F.linear(x, self.weight)

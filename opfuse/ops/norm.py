@@ -66,7 +66,9 @@ class _Norm(BasicOp):
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         self._require_float(x)
         self._require_features(x, self.hidden_size)
-        self._require_param_match(x, list(self.parameters()))
+        # Parameters may be wider than the activations (float32 norm weights with bf16 activations
+        # are common); the result keeps the activation dtype.
+        self._require_param_match(x, list(self.parameters()), check_dtype=False)
         return x.with_(requires_grad=x.requires_grad or any(p.requires_grad for p in self.parameters()))
 
 

@@ -37,7 +37,7 @@ class PartitionError(OpInputError):
 
 
 def _same(a, b) -> bool:
-    return a is None or b is None or groups.same_group(a, b)
+    return groups.same_group(a, b)  # None is the default group, resolved by name
 
 
 def plan_gemm(lhs: Sharding, rhs_k: bool, rhs_n: bool, sequence_parallel: bool, who: str = "GEMM"):
@@ -100,7 +100,8 @@ def plan_linear(linear: Linear, sharding: Sharding) -> tuple[list[BasicOp], Shar
     for kind in pre:
         ops.append({"all_gather": coll.AllGather, "split_features": coll.SplitFeatures,
                     "grad_all_reduce": coll.GradAllReduce}[kind](group))
-    ops.append(BasicLinear(linear.local_in_features, linear.local_out_features, weight=linear.weight))
+    ops.append(BasicLinear(linear.local_in_features, linear.local_out_features, weight=linear.weight,
+                           weight_sharding="in" if linear.parallel == "row" else "out"))
     if reduce == "all_reduce":
         ops.append(coll.AllReduce(group))
     elif reduce == "reduce_scatter":
@@ -128,14 +129,20 @@ def _propagate(op: BasicOp, sharding: Sharding, node: fx.Node) -> Sharding:
             f"before its reduction); put the op after the AllReduce/ReduceScatter"
         )
     if isinstance(op, coll.AllReduce):
-        return Sharding(tokens=sharding.tokens, group=sharding.group) if sharding.tokens else REPLICATED
+        return Sharding(tokens=True, group=sharding.group) if sharding.tokens else REPLICATED
     if isinstance(op, coll.ReduceScatter):
         return Sharding(tokens=True, group=op.group)
+    if isinstance(op, coll.GradAllReduce):
+        return sharding
     if isinstance(op, coll.AllGather):
         return Sharding(features=sharding.features, group=sharding.group) if sharding.features else REPLICATED
     if isinstance(op, coll.SplitFeatures):
         return Sharding(tokens=sharding.tokens, features=True, group=op.group)
     if isinstance(op, BasicLinear):
+        if op.weight_sharding == "in":
+            return Sharding(tokens=sharding.tokens, partial=True, group=sharding.group)
+        if op.weight_sharding == "out":
+            return Sharding(tokens=sharding.tokens, features=True, group=sharding.group)
         # A user-declared local GEMM: its weight layout is unknown, keep the token layout.
         return Sharding(tokens=True, group=sharding.group) if sharding.tokens else REPLICATED
     return sharding

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import inspect
 import os
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -108,6 +109,22 @@ class Replacement:
     impl: str | None = None
 
 
+def known_kinds() -> set[str]:
+    """Kinds a pattern can name: every BasicOp and FusedOp subclass defined so far, plus fx's
+    ``placeholder``/``output``/``getitem``."""
+    from ..backend.fused.base import FusedOp
+    from ..ops.base import BasicOp
+
+    kinds = {"placeholder", "output", "getitem"}
+    stack = [BasicOp, FusedOp]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            kinds.add(sub.__name__)
+            stack.append(sub)
+    return kinds
+
+
 def _caller_location(depth: int) -> str:
     frame = inspect.currentframe()
     try:
@@ -153,6 +170,16 @@ class Rule:
             ) from None
         except ValueError:  # builtins without signatures
             pass
+        unknown = sorted({k for spec in self.pattern.specs for k in spec.kinds} - known_kinds())
+        if unknown:
+            hints = []
+            for kind in unknown:
+                close = difflib.get_close_matches(kind, sorted(known_kinds()), n=1)
+                hints.append(f"{kind!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise PatternError(
+                f"Rule {self.name!r}: unknown op kind(s) {', '.join(hints)}; kinds are op class names "
+                f"(define custom ops before rules that match them)"
+            )
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise PatternError(f"Rule {self.name!r}: priority={self.priority!r}; expected an int")
         self.where = _as_predicates(self.where, f"Rule {self.name!r}")

@@ -29,39 +29,11 @@ from ..backend.fused.residual_norm import (
     AllReduceAddRMSNorm,
     FusedAllReduce,
 )
-from ..ops import group as groups
-from ..ops.base import dtype_name
-from .pattern import OpSpec, Pattern, predicate
+from .pattern import OpSpec, Pattern
+from .predicates import bias_matches_input, norm_params_match_input, one_group
 from .rule import Match, Replacement, Rule
 
 __all__ = ["BUILTIN_RULES"]
-
-
-# Predicates -----------------------------------------------------------------------------------
-
-
-@predicate("norm parameters have the activation dtype")
-def norm_params_match_input(matched) -> bool | str:
-    dtype = matched.input_metas[0].dtype
-    for name in ("weight", "bias"):
-        param = getattr(matched.op, name, None)
-        if param is not None and param.dtype != dtype:
-            return f"{name} is {dtype_name(param.dtype)}, input is {dtype_name(dtype)}"
-    return True
-
-
-@predicate("all collectives use one process group")
-def one_group(match: Match) -> bool | str:
-    names = {groups.group_name(m.op.group) for m in match.ops.values() if getattr(m.op, "is_collective", False)}
-    return True if len(names) <= 1 else f"groups {sorted(names)}"
-
-
-@predicate("bias has the activation dtype")
-def bias_matches_input(matched) -> bool | str:
-    dtype = matched.input_metas[0].dtype
-    if matched.op.bias.dtype != dtype:
-        return f"bias is {dtype_name(matched.op.bias.dtype)}, input is {dtype_name(dtype)}"
-    return True
 
 
 # Builders -------------------------------------------------------------------------------------

@@ -1,0 +1,17 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="session")
+def world1():
+    """A one-rank gloo process group: collectives are identities, so rules with collectives can be
+    compiled and run in a single process."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(torch.seed() % (2**31))
