@@ -9,7 +9,8 @@ all-reduce -> add -> RMSNorm into single implementations, and caches the result 
 from . import ops, passes
 from .config import config  # the settings object (shadows the module name on purpose)
 from .fuser import Program, compile
+from .ops.collectives import sync_sequence_parallel_grads
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "passes", "config", "compile", "Program", "__version__"]
+__all__ = ["ops", "passes", "config", "compile", "Program", "sync_sequence_parallel_grads", "__version__"]

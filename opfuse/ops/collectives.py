@@ -38,6 +38,7 @@ __all__ = [
     "raw_all_reduce",
     "raw_all_gather",
     "raw_reduce_scatter",
+    "sync_sequence_parallel_grads",
 ]
 
 
@@ -260,3 +261,19 @@ class SplitFeatures(_CollectiveOp):
                 f"{self.describe()}: {x.features} features are not divisible by the world size {world}"
             )
         return x.with_(shape=x.shape[:-1] + (x.features // world,))
+
+
+def sync_sequence_parallel_grads(module: torch.nn.Module) -> int:
+    """All-reduce (sum) the gradients of parameters that act on token-sharded activations.
+
+    With ``sequence_parallel=True`` each rank sees only its tokens in the norm layers and the
+    row-parallel bias, so their ``.grad`` is a partial sum; call this after ``backward()`` and
+    before the optimizer step (the compile step marks such parameters with
+    ``param.sequence_parallel = True``). Returns the number of gradients reduced.
+    """
+    count = 0
+    for param in module.parameters():
+        if getattr(param, "sequence_parallel", False) and param.grad is not None:
+            dist.all_reduce(param.grad, group=groups.resolve(getattr(param, "sequence_parallel_group", None)))
+            count += 1
+    return count

@@ -148,6 +148,17 @@ def _propagate(op: BasicOp, sharding: Sharding, node: fx.Node) -> Sharding:
     return sharding
 
 
+def _mark_sequence_parallel_params(op: BasicOp, sharding: Sharding) -> None:
+    """Parameters applied to token-sharded activations get gradients from this rank's tokens only
+    (a partial sum over the group). Mark them, as Megatron-LM does, so
+    :func:`opfuse.sync_sequence_parallel_grads` can all-reduce them before the optimizer step."""
+    if not sharding.tokens:
+        return
+    for param in op.parameters(recurse=False):
+        param.sequence_parallel = True
+        param.sequence_parallel_group = sharding.group
+
+
 def input_sharding(ops: list[BasicOp], metas) -> Sharding:
     """Layout of the block input: what its first parallel Linear expects."""
     for op, meta in zip(ops, metas):
@@ -188,13 +199,16 @@ def partition(gm: fx.GraphModule, ctx) -> None:
                     meta = basic.infer_meta(meta, *(t.meta["opfuse_meta"] for t in taken))
                     value.meta["opfuse_meta"] = meta
                     value.meta["opfuse_path"] = f"{path}.{snake_case(basic.kind)}"
-                    value.meta["opfuse_sharding"] = _propagate(basic, value.args[0].meta["opfuse_sharding"], value)
+                    inner = value.args[0].meta["opfuse_sharding"]
+                    value.meta["opfuse_sharding"] = _propagate(basic, inner, value)
+                    _mark_sequence_parallel_params(basic, inner)
             value.meta["opfuse_sharding"] = out
             node.replace_all_uses_with(value)
             graph.erase_node(node)
             gm.delete_submodule(node.target)
             continue
         out = _propagate(op, sharding, node)
+        _mark_sequence_parallel_params(op, sharding)
         for extra in node.args[1:]:
             if isinstance(extra, fx.Node) and extra.op == "placeholder":
                 extra.meta["opfuse_sharding"] = sharding
