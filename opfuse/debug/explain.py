@@ -42,6 +42,9 @@ def explain_program(program, verbose: bool = False) -> Explanation:
             if any(r.rule == rule.name for r in records.values()):
                 continue  # the rule fired here
             if len(miss.matched) == miss.total and miss.reason.startswith("matches:"):
+                if len(records) == 1 and len(records) == len({covered_by.get(n) and covered_by[n].fused_node
+                                                              for n in names}) and not verbose:
+                    continue  # a larger rule took exactly these ops: nothing to explain
                 other = ", ".join(f"{r.rule} ({r.fused_node})" for r in records.values()) or "another rule"
                 miss.reason = f"shadowed: these ops were fused by {other}, which ran first"
             elif len(miss.matched) < miss.total and not verbose:

@@ -10,7 +10,7 @@ allreduce_add_layernorm        same, LayerNorm                                  
 all_gather_linear              AllGather -> BasicLinear -> [Bias]                                    30
 linear_reduce_scatter          BasicLinear -> ReduceScatter -> [Bias]                                30
 linear_bias_reduce_scatter     BasicLinear -> Bias -> ReduceScatter                                  30
-add_rmsnorm                    [Bias] -> AddExtraInput -> [MakeExtraOutput] -> RMSNorm               20
+add_rmsnorm                    [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm             20
 add_layernorm                  same, LayerNorm                                                       20
 linear_bias_activation         BasicLinear -> Bias -> GELU                                           15
 allreduce                      AllReduce -> [Bias]                                                   10
@@ -95,7 +95,7 @@ def _norm_chain(norm_kind: str, reduce: bool) -> Pattern:
         specs.append(OpSpec("allreduce", "AllReduce"))
     specs += [
         OpSpec("bias", "Bias", optional=True, where=[bias_matches_input]),
-        OpSpec("add", "AddExtraInput", optional=reduce),
+        OpSpec("add", "AddExtraInput", optional=True),
         OpSpec("extra", "MakeExtraOutput", optional=True, exported=True),
         OpSpec("norm", norm_kind, where=[norm_params_match_input]),
     ]
@@ -125,9 +125,9 @@ BUILTIN_RULES = [
          build_linear_bias_reduce_scatter, priority=30,
          description="GEMM + per-rank bias overlapped with the token reduce-scatter"),
     Rule("add_rmsnorm", _norm_chain("RMSNorm", reduce=False), _residual_norm_builder(AddRMSNorm), priority=20,
-         description="residual add + RMSNorm in one pass"),
+         description="(bias +) (residual add +) RMSNorm in one pass"),
     Rule("add_layernorm", _norm_chain("LayerNorm", reduce=False), _residual_norm_builder(AddLayerNorm),
-         priority=20, description="residual add + LayerNorm in one pass"),
+         priority=20, description="(bias +) (residual add +) LayerNorm in one pass"),
     Rule("linear_bias_activation",
          Pattern.chain(OpSpec("linear", "BasicLinear"), OpSpec("bias", "Bias", where=[bias_matches_input]),
                        OpSpec("act", "GELU")),

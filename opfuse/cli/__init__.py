@@ -1,0 +1,1 @@
+"""Command-line tools (``python -m opfuse ...``) and the process launcher."""

@@ -1,0 +1,49 @@
+"""``python -m opfuse doctor``: what this machine offers opfuse (torch, CUDA, nvcc, the extension,
+symmetric memory), the settings in effect, the rules and the dispatch table."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+
+import torch
+
+import opfuse
+from opfuse.backend.dispatch import implementations
+from opfuse.backend.table import builtin_table
+
+
+def main_doctor(argv) -> int:
+    print(f"opfuse {opfuse.__version__}  torch {torch.__version__}  python {os.sys.version.split()[0]}")
+    if torch.cuda.is_available():
+        names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+        print(f"cuda: {torch.cuda.device_count()} device(s) {sorted(names)}, runtime {torch.version.cuda}")
+        try:
+            print(f"nccl: {'.'.join(map(str, torch.cuda.nccl.version()))}")
+        except Exception as error:  # noqa: BLE001 - informational
+            print(f"nccl: unavailable ({error})")
+    else:
+        print("cuda: not available (reference implementations on CPU)")
+    nvcc = shutil.which(os.environ.get("NVCC", "nvcc"))
+    if nvcc:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        print(f"nvcc: {nvcc} ({version})")
+    else:
+        print("nvcc: not found (the CUDA extension cannot be built here)")
+    from opfuse.backend import extension
+
+    print(f"extension: {extension.status()}")
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        print(f"{var}={os.environ.get(var, '(unset)')}")
+    print("settings:")
+    for field in dataclasses.fields(opfuse.config):
+        print(f"  {field.name} = {getattr(opfuse.config, field.name)!r}")
+    print("rules (in the order tried):")
+    for rule in opfuse.passes.rules():
+        print(f"  {rule.priority:>3}  {rule.name:<28} {rule.pattern.describe()}  [{rule.source}]")
+    print("dispatch table (implementations in the order tried):")
+    for op in builtin_table():
+        print(f"  {op:<24} {', '.join(i.name for i in implementations(op)) or '(none)'}")
+    return 0

@@ -1,0 +1,84 @@
+"""Run a function in N spawned processes with a gloo (CPU) or NCCL (GPU) process group.
+
+``run(fn, world, *args)`` starts ``world`` processes, each calling ``fn(rank, world, *args)``
+after ``init_process_group``; an exception in any rank fails the caller with that rank's
+traceback (:class:`LaunchError`). ``fn`` must be importable (module level): processes are
+spawned. Used by ``python -m opfuse demo/dump``, the benchmarks and the distributed tests.
+NCCL runs keep NVLink multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``)
+unless the caller's environment sets those variables.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LaunchError(AssertionError):
+    """A spawned rank failed or hung."""
+
+
+def _worker(rank, world, port, backend, fn, args, errors):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group(backend, rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world)
+        fn(rank, world, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def default_backend() -> tuple[str, int]:
+    """``("nccl", gpu_count)`` when this host has 2+ GPUs, else ``("gloo", 2)``."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        return "nccl", torch.cuda.device_count()
+    return "gloo", 2
+
+
+def run(fn, world: int, *args, backend: str = "gloo", timeout: float = 300.0) -> None:
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise LaunchError(f"world={world} needs {world} GPUs for NCCL, this host has {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, errors)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for proc in alive:
+        proc.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, text = sorted(failures)[0]
+        raise LaunchError(f"rank {rank} failed:\n{text}")
+    if alive:
+        raise LaunchError(f"{len(alive)} rank(s) did not finish within {timeout}s (deadlock?)")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise LaunchError(f"ranks exited with codes {bad}")
