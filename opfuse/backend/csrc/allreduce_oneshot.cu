@@ -1,0 +1,165 @@
+// One-shot all-reduce (+ bias + residual + RMSNorm/LayerNorm) with Lamport-style receive buffers.
+//
+// Every rank pushes its whole message into slot [its rank] of every peer's receive buffer, then
+// reads all slots of its own buffer, spinning on each 16-byte pack until no element holds the
+// -0.0 sentinel. No flags, no barrier: the data is the flag. The sum runs in rank order 0..W-1
+// in float32 on every rank, so all ranks produce bitwise-identical results.
+//
+// Three receive buffers rotate: call k writes buffer k%3 and clears (back to the sentinel) the
+// part of buffer (k-1)%3 that call k-1 filled. A peer can only write buffer (k-1)%3 again at call
+// k+2, which it cannot reach before this rank's call k+1 pushed its data, i.e. after this call
+// (and its clearing) finished. Which buffer, and how much of it is dirty, lives in device memory,
+// so the kernel needs nothing from the host per call and can be captured in CUDA graphs.
+//
+// Region layout (bytes): [0, 256) state; then 3 buffers of world * capacity bytes.
+//   state[0]: completed calls (the iteration counter);  state[1]: blocks finished in this call;
+//   state[2 + b]: elements of buffer b that the last call using it filled.
+
+#include "row.cuh"
+
+namespace opfuse {
+namespace {
+
+constexpr int64_t kStateBytes = 256;
+
+inline int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
+
+inline int64_t buffer_bytes(int world, int64_t capacity) { return align256(world * capacity); }
+
+struct OneShotLaunch {
+  ResidualNormArgs args;
+  const uint64_t* peers;
+  uint32_t* state;
+  int rank;
+  int world;
+  int64_t buffer_bytes;
+};
+
+template <typename T, int VPT>
+__global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunch p) {
+  __shared__ float scratch[33];
+  const ResidualNormArgs& a = p.args;
+  const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
+  const int64_t message_packs = a.tokens * nvec;  // packs per rank slot
+
+  const uint32_t iteration = *reinterpret_cast<volatile uint32_t*>(p.state);
+  const int current = iteration % 3;
+  const int previous = (iteration + 2) % 3;
+  char* local = reinterpret_cast<char*>(p.peers[p.rank]);
+
+  // 1. Return the part of the previous buffer that was used to the sentinel.
+  {
+    uint4* prev = reinterpret_cast<uint4*>(local + kStateBytes + previous * p.buffer_bytes);
+    const int64_t dirty_packs = p.state[2 + previous] / Pack<T>::kElems;
+    const uint4 sentinel = sentinel_pack<T>();
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < dirty_packs;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      prev[i] = sentinel;
+  }
+
+  // 2. Push this rank's rows into slot [rank] of every peer's current buffer.
+  const uint4* x = static_cast<const uint4*>(a.x);
+  for (int64_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      const int idx = j * blockDim.x + threadIdx.x;
+      if (idx >= nvec) continue;
+      const uint4 value = clear_negative_zero<T>(__ldg(x + row * nvec + idx));
+      for (int step = 1; step < p.world; ++step) {
+        const int peer = (p.rank + step) % p.world;  // stagger so ranks do not all hit one peer
+        uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(p.peers[peer]) + kStateBytes +
+                                              current * p.buffer_bytes) +
+                     p.rank * message_packs + row * nvec + idx;
+        st_volatile(dst, value);
+      }
+    }
+  }
+
+  // 3. Reduce every row this block owns, in rank order, then the epilogue.
+  const uint4* inbox = reinterpret_cast<const uint4*>(local + kStateBytes + current * p.buffer_bytes);
+  for (int64_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
+    RowRegs<T, VPT> regs;
+    regs.zero();
+    for (int src = 0; src < p.world; ++src) {
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int idx = j * blockDim.x + threadIdx.x;
+        if (idx >= nvec) continue;
+        uint4 value;
+        if (src == p.rank) {
+          value = clear_negative_zero<T>(__ldg(x + row * nvec + idx));
+        } else {
+          const uint4* slot = inbox + src * message_packs + row * nvec + idx;
+          const long long start = clock64();
+          int polls = 0;
+          while (true) {
+            value = ld_volatile(slot);
+            if (!has_sentinel<T>(value)) break;
+            if ((++polls & 1023) == 0) spin_check(start, "one-shot all-reduce");
+          }
+        }
+        regs.add(j, value);
+      }
+    }
+    finish_row<T, VPT>(regs, row, a, nvec, scratch);
+  }
+
+  // 4. The last block to finish advances the iteration and records how much it dirtied.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(p.state + 1, 1u);
+    if (done == gridDim.x - 1) {
+      p.state[1] = 0;
+      p.state[2 + current] = static_cast<uint32_t>(p.world * message_packs * Pack<T>::kElems);
+      __threadfence();
+      atomicExch(p.state, iteration + 1);
+    }
+  }
+}
+
+template <typename T>
+__global__ void fill_sentinel_kernel(uint4* data, int64_t packs) {
+  const uint4 sentinel = sentinel_pack<T>();
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < packs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    data[i] = sentinel;
+}
+
+}  // namespace
+
+int64_t oneshot_region_bytes(int world, int64_t capacity) {
+  return kStateBytes + 3 * buffer_bytes(world, align256(capacity));
+}
+
+const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t stream) {
+  if (cudaMemsetAsync(region.local, 0, kStateBytes, stream) != cudaSuccess) return launch_status();
+  const int64_t packs = 3 * buffer_bytes(region.world, align256(region.capacity)) / kPackBytes;
+  uint4* data = reinterpret_cast<uint4*>(static_cast<char*>(region.local) + kStateBytes);
+  if (dtype == static_cast<int>(DType::kFloat32))
+    fill_sentinel_kernel<float><<<256, 256, 0, stream>>>(data, packs);
+  else
+    fill_sentinel_kernel<__nv_bfloat16><<<256, 256, 0, stream>>>(data, packs);
+  return launch_status();
+}
+
+const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, int max_blocks,
+                              cudaStream_t stream) {
+  if (const char* bad = check_residual_norm_args(args)) return bad;
+  if (region.world < 1 || region.world > kMaxWorld || region.rank < 0 || region.rank >= region.world)
+    return "opfuse one-shot: rank/world out of range (world 1..8)";
+  const int64_t message = args.tokens * args.hidden * dtype_size(args.dtype);
+  if (message > region.capacity) return "opfuse one-shot: message larger than the region capacity";
+  if (oneshot_region_bytes(region.world, region.capacity) > region.bytes) return "opfuse one-shot: region too small";
+  if (args.tokens == 0) return nullptr;
+  const RowLayout layout = row_layout(args.hidden, args.dtype);
+  const int blocks = static_cast<int>(args.tokens < max_blocks ? args.tokens : max_blocks);
+  OneShotLaunch launch{args, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
+                       buffer_bytes(region.world, align256(region.capacity))};
+  return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {
+    oneshot_kernel<T, VPT><<<blocks, layout.threads, 0, stream>>>(launch);
+    return launch_status();
+  });
+}
+
+}  // namespace opfuse

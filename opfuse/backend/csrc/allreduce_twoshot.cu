@@ -1,0 +1,202 @@
+// Two-shot all-reduce (+ bias + residual + norm) for large messages, over peer memory with
+// per-block flags.
+//
+// Tokens are split into W chunks of R = ceil(T / W) rows; rank j owns chunk j. Block b of every
+// rank handles rows i = b, b + G, ... (G = gridDim.x, identical on all ranks) of every chunk:
+//
+//   A. push rows i of chunk j (j != rank) of x into slot [rank] of rank j's reduce-scatter area,
+//      then set flag A[b][rank] on rank j (release);
+//   B. wait for flags A[b][*] on this rank (acquire), sum rows i of its own chunk over the W
+//      slots in rank order (float32), round to the dtype, and push the sums into every rank's
+//      all-gather area; set flag B[b][rank] on every peer;
+//   C. wait for flags B[b][*], then apply bias + residual + norm to rows i of every chunk.
+//
+// Each rank sends 2 (W-1)/W of the message over NVLink, the minimum for an all-reduce without
+// multicast. Blocks move through the phases independently, so one block's phase C overlaps
+// another's phase A. Flags hold the call number (state[0] + 1): no reset between calls. Buffers
+// are reused safely because a peer can only start writing call k+1's data after this rank pushed
+// its own call-k+1 data, i.e. after it finished reading call k's. All ranks compute phase C from
+// the same reduced rows, so outputs are bitwise identical across ranks.
+//
+// Region layout (bytes): [0, 256) state; flags A and B (kMaxBlocks x kMaxWorld u32 each);
+// reduce-scatter area (W slots of R rows); all-gather area (T rows). Areas are sized for the
+// region's capacity.
+
+#include "row.cuh"
+
+namespace opfuse {
+namespace {
+
+constexpr int64_t kStateBytes = 256;
+constexpr int64_t kFlagBytes = 2LL * kMaxBlocks * kMaxWorld * sizeof(uint32_t);
+constexpr int64_t kMaxRowBytes = 65536LL * 2;
+
+__host__ __device__ inline int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
+__host__ __device__ inline int64_t rs_bytes(int world, int64_t capacity) { return align256(capacity + world * kMaxRowBytes); }
+__host__ __device__ inline int64_t rs_offset() { return kStateBytes + kFlagBytes; }
+__host__ __device__ inline int64_t ag_offset(int world, int64_t capacity) { return rs_offset() + rs_bytes(world, capacity); }
+
+struct TwoShotLaunch {
+  ResidualNormArgs args;
+  const uint64_t* peers;
+  uint32_t* state;
+  int rank;
+  int world;
+  int64_t ag_offset;
+};
+
+__device__ __forceinline__ uint32_t* flag_ptr(uint64_t base, int phase, int block, int src) {
+  return reinterpret_cast<uint32_t*>(base + kStateBytes) + (phase * kMaxBlocks + block) * kMaxWorld + src;
+}
+
+__device__ __forceinline__ void signal_peers(const TwoShotLaunch& p, int phase, uint32_t epoch) {
+  // Called after __syncthreads(): every thread's pushes of this block precede the release.
+  const int peer = threadIdx.x;
+  if (peer < p.world && peer != p.rank) {
+    __threadfence_system();
+    st_release_sys(flag_ptr(p.peers[peer], phase, blockIdx.x, p.rank), epoch);
+  }
+}
+
+__device__ __forceinline__ void wait_peers(const TwoShotLaunch& p, int phase, uint32_t epoch, const char* what) {
+  const int src = threadIdx.x;
+  if (src < p.world && src != p.rank) {
+    const uint32_t* flag = flag_ptr(p.peers[p.rank], phase, blockIdx.x, src);
+    const long long start = clock64();
+    int polls = 0;
+    while (static_cast<int32_t>(ld_acquire_sys(flag) - epoch) < 0) {
+      if ((++polls & 1023) == 0) spin_check(start, what);
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T, int VPT>
+__global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunch p) {
+  __shared__ float scratch[33];
+  const ResidualNormArgs& a = p.args;
+  const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
+  const int64_t rows_per_rank = (a.tokens + p.world - 1) / p.world;
+  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(p.state) + 1;
+  const uint4* x = static_cast<const uint4*>(a.x);
+
+  auto rs_slot = [&](int owner, int src, int64_t i) {  // row i of src's contribution, on owner
+    return reinterpret_cast<uint4*>(reinterpret_cast<char*>(p.peers[owner]) + rs_offset()) +
+           (src * rows_per_rank + i) * nvec;
+  };
+  auto ag_row = [&](int owner, int64_t t) {
+    return reinterpret_cast<uint4*>(reinterpret_cast<char*>(p.peers[owner]) + p.ag_offset) + t * nvec;
+  };
+
+  // A. Reduce-scatter, push side.
+  for (int64_t i = blockIdx.x; i < rows_per_rank; i += gridDim.x) {
+    for (int step = 1; step < p.world; ++step) {
+      const int owner = (p.rank + step) % p.world;
+      const int64_t t = owner * rows_per_rank + i;
+      if (t >= a.tokens) continue;
+      uint4* dst = rs_slot(owner, p.rank, i);
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int idx = j * blockDim.x + threadIdx.x;
+        if (idx < nvec) dst[idx] = __ldg(x + t * nvec + idx);
+      }
+    }
+  }
+  __syncthreads();
+  signal_peers(p, 0, epoch);
+
+  // B. Reduce this rank's chunk; push the sums to every rank.
+  wait_peers(p, 0, epoch, "two-shot reduce-scatter");
+  const uint4* own_rs = rs_slot(p.rank, 0, 0);
+  for (int64_t i = blockIdx.x; i < rows_per_rank; i += gridDim.x) {
+    const int64_t t = p.rank * rows_per_rank + i;
+    if (t >= a.tokens) break;
+    RowRegs<T, VPT> regs;
+    regs.zero();
+    for (int src = 0; src < p.world; ++src) {
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int idx = j * blockDim.x + threadIdx.x;
+        if (idx >= nvec) continue;
+        regs.add(j, src == p.rank ? __ldg(x + t * nvec + idx)
+                                  : ld_l2(own_rs + (src * rows_per_rank + i) * nvec + idx));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      const int idx = j * blockDim.x + threadIdx.x;
+      if (idx >= nvec) continue;
+      const uint4 sum = regs.round(j);
+      for (int step = 0; step < p.world; ++step) {
+        const int peer = (p.rank + step) % p.world;
+        ag_row(peer, t)[idx] = sum;
+      }
+    }
+  }
+  __syncthreads();
+  signal_peers(p, 1, epoch);
+
+  // C. All rows of every chunk that this block's index covers: bias + residual + norm.
+  wait_peers(p, 1, epoch, "two-shot all-gather");
+  for (int owner = 0; owner < p.world; ++owner) {
+    for (int64_t i = blockIdx.x; i < rows_per_rank; i += gridDim.x) {
+      const int64_t t = owner * rows_per_rank + i;
+      if (t >= a.tokens) break;
+      RowRegs<T, VPT> regs;
+      regs.zero();
+      const uint4* sums = ag_row(p.rank, t);
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int idx = j * blockDim.x + threadIdx.x;
+        if (idx < nvec) regs.add(j, ld_l2(sums + idx));
+      }
+      finish_row<T, VPT>(regs, t, a, nvec, scratch);
+    }
+  }
+
+  // The last block to finish publishes the call number.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(p.state + 1, 1u);
+    if (done == gridDim.x - 1) {
+      p.state[1] = 0;
+      __threadfence();
+      atomicExch(p.state, epoch);
+    }
+  }
+}
+
+}  // namespace
+
+int64_t twoshot_region_bytes(int world, int64_t capacity) {
+  return ag_offset(world, capacity) + align256(capacity);
+}
+
+const char* twoshot_init(const PeerRegion& region, cudaStream_t stream) {
+  // State and flags start at zero; data areas need no initial value.
+  if (cudaMemsetAsync(region.local, 0, kStateBytes + kFlagBytes, stream) != cudaSuccess) return launch_status();
+  return nullptr;
+}
+
+const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, int blocks,
+                              cudaStream_t stream) {
+  if (const char* bad = check_residual_norm_args(args)) return bad;
+  if (region.world < 1 || region.world > kMaxWorld || region.rank < 0 || region.rank >= region.world)
+    return "opfuse two-shot: rank/world out of range (world 1..8)";
+  if (blocks < 1 || blocks > kMaxBlocks) return "opfuse two-shot: blocks must be in 1..128";
+  const int64_t row_bytes = args.hidden * dtype_size(args.dtype);
+  if (row_bytes > kMaxRowBytes) return "opfuse two-shot: rows larger than 128 KiB are not supported";
+  if (args.tokens * row_bytes > region.capacity) return "opfuse two-shot: message larger than the region capacity";
+  if (twoshot_region_bytes(region.world, region.capacity) > region.bytes) return "opfuse two-shot: region too small";
+  if (args.tokens == 0) return nullptr;
+  const RowLayout layout = row_layout(args.hidden, args.dtype);
+  TwoShotLaunch launch{args, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
+                       ag_offset(region.world, region.capacity)};
+  return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {
+    twoshot_kernel<T, VPT><<<blocks, layout.threads, 0, stream>>>(launch);
+    return launch_status();
+  });
+}
+
+}  // namespace opfuse
