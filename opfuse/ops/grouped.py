@@ -84,13 +84,21 @@ def check_group_sizes_meta(op: BasicOp, x: TensorMeta, sizes: TensorMeta, num_gr
             f"counts on the device (reading them back to the host would stall the stream)")
 
 
-def _check_x(op: BasicOp, x: TensorMeta, in_features: int) -> None:
+def _infer_meta(op: BasicOp, x: TensorMeta, extra, num_groups: int, out_features: int) -> TensorMeta:
+    """Checks shared by :class:`GroupedLinear` and :class:`BasicGroupedLinear`; the output meta."""
+    if len(extra) != 1:
+        raise OpInputError(f"{op.describe()}: expected one extra input (group_sizes), got {len(extra)}")
     if len(x.shape) != 2:
         raise OpInputError(
-            f"{op.describe()}: x has shape {list(x.shape)}, expected 2 dims [tokens, {in_features}] "
+            f"{op.describe()}: x has shape {list(x.shape)}, expected 2 dims [tokens, {op.in_features}] "
             f"(tokens sorted by group)")
     op._require_float(x, "x")
-    op._require_features(x, in_features, "x")
+    op._require_features(x, op.in_features, "x")
+    check_group_sizes_meta(op, x, extra[0], num_groups)
+    params = [op.weight, op.bias]
+    op._require_param_match(x, params, "x")
+    grad = x.requires_grad or any(p is not None and p.requires_grad for p in params)
+    return x.with_(shape=(x.shape[0], out_features), requires_grad=grad)
 
 
 class BasicGroupedLinear(BasicOp):
@@ -153,13 +161,7 @@ class BasicGroupedLinear(BasicOp):
         return grouped_linear_reference(x, group_sizes, self.full_weight(), self.full_bias())
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
-        if len(extra) != 1:
-            raise OpInputError(f"{self.describe()}: expected one extra input (group_sizes), got {len(extra)}")
-        _check_x(self, x, self.in_features)
-        check_group_sizes_meta(self, x, extra[0], self.num_groups)
-        self._require_param_match(x, [self.weight, self.bias], "x")
-        grad = x.requires_grad or self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-        return x.with_(shape=(x.shape[0], self.out_features), requires_grad=grad)
+        return _infer_meta(self, x, extra, self.num_groups, self.out_features)
 
 
 class GroupedLinear(BasicOp):
@@ -347,10 +349,12 @@ class GroupedLinear(BasicOp):
     # Reference ---------------------------------------------------------------------------------
 
     def forward(self, x, group_sizes):
+        self.infer_meta(TensorMeta.of(x), TensorMeta.of(group_sizes))  # errors that name this layer
         return self.basic_op()(x, group_sizes)
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
-        return self.basic_op().infer_meta(x, *extra)
+        # Validate under this op's own name (the user's layer), with the local group count.
+        return _infer_meta(self, x, extra, self.local_num_groups, self.out_features)
 
 
 def _partition_error(message: str) -> Exception:

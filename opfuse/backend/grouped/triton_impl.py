@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ...ops.base import dtype_name
 
-__all__ = ["GemmConfig", "gemm_config", "wgrad_config", "grouped_mm", "grouped_wgrad", "check", "check_tma",
+__all__ = ["GemmConfig", "gemm_config", "m_tile_bound", "wgrad_config", "grouped_mm", "grouped_wgrad", "check", "check_tma",
            "forward", "backward", "forward_tma", "backward_tma", "triton_status"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -108,6 +108,13 @@ def wgrad_config(tokens: int, groups: int, n: int, k: int, dtype: torch.dtype, a
     return GemmConfig(bt, _fit(bn, n), _fit(bk, k), warps, stages)
 
 
+def m_tile_bound(tokens: int, groups: int, bm: int) -> int:
+    """Upper bound of the m-tiles ``grouped_mm_kernel`` needs for any group sizes: each group's
+    rows and the tail are tiled separately, so ``sum_g ceil(c_g / BM) + ceil(tail / BM)`` over the
+    ``G + 1`` row ranges, which is at most ``(T + (G + 1) * (BM - 1)) // BM``."""
+    return (tokens + (groups + 1) * (bm - 1)) // bm
+
+
 def _precision(dtype: torch.dtype) -> str:
     # float32 follows torch's matmul setting: exact ("ieee") unless the user allowed TF32.
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
@@ -146,7 +153,7 @@ def grouped_mm(a: Tensor, sizes: Tensor, weight: Tensor, *, nk: bool, bias: Tens
     aligned = (k_contract * a.element_size()) % 16 == 0 and (pitch_b * a.element_size()) % 16 == 0
     cfg = gemm_config(tokens, groups, n_out, k_contract, a.dtype, aligned)
     even_k = k_contract % cfg.bk == 0
-    m_tiles = (tokens + (groups + 1) * (cfg.bm - 1)) // cfg.bm
+    m_tiles = m_tile_bound(tokens, groups, cfg.bm)
     a_src, b_src, a_tma, b_tma = a, weight, False, False
     if use_tma and a.element_size() == 2:
         # (float32 stays on pointer loads: its FMA dot gains nothing from TMA and the
