@@ -1,0 +1,347 @@
+"""Pipelines as data: the per-rank instruction lists of the comm + GEMM overlap schedules.
+
+A plan is the list of instructions one rank issues for one call, in host issue order, each tagged
+with the stream it goes to (``compute`` = the caller's current stream, ``comm`` / ``comm2`` =
+high-priority side streams). Two interpreters run plans:
+
+* :mod:`.executor` on CUDA (cuBLAS GEMMs, copy-engine copies, symmetric-memory signals);
+* :mod:`.simulate` on CPU (every rank and stream of several consecutive calls, in random
+  interleavings, non-atomic copies/GEMMs), which is how the schedules are tested without GPUs:
+  no deadlock, every output element right, no read of data still in flight, no slot overwritten
+  while a peer may still read it.
+
+Buffers are 2-D and named; a :class:`View` names a rectangle of one rank's buffer:
+
+``a``       the GEMM's left operand on this rank (a token shard, or all tokens)
+``out``     the GEMM result
+``tmp``     local staging of the ring's first hop (``[count * sub_rows, sub_cols]``)
+``gather``  symmetric region: ``[world * rows, cols]``, every rank's shard in rank order
+``ring``    symmetric region: receive slots of the ring, ``[(world - 1) * count * sub_rows, sub_cols]``
+
+and ``b`` (the right operand, ``[K, N]``) / ``bias`` are addressed by column range only.
+
+Synchronisation (see the builders for the exact order):
+
+* A call starts with a barrier on the comm stream, after the compute stream's work so far. When it
+  completes, every rank has finished the previous call (each call ends by joining its side
+  streams), so every receive slot may be overwritten: this is what makes buffer reuse across calls
+  and across layers sharing a region safe, with no host-side epoch.
+* Data moves by *push* (the owner's copy engine writes into the peer's region), followed by
+  ``put_signal(peer, channel)``; the consumer issues ``wait_signal(sender, channel)`` on the stream
+  that reads the data. Each (sender, receiver, channel) carries one signal per call.
+* A call ends with the compute stream waiting for the side streams, so every buffer the side
+  streams touched is free when the call returns, and CUDA-graph capture sees a joined fork.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional
+
+from .policy import ChannelMap, Grid
+
+__all__ = ["View", "Gemm", "Copy", "Put", "Wait", "Barrier", "Record", "WaitEvent", "Probe", "Plan",
+           "all_gather_matmul_plan", "matmul_reduce_scatter_plan", "gather_only_plan", "validate"]
+
+COMPUTE, COMM, COMM2 = "compute", "comm", "comm2"
+STREAMS = (COMPUTE, COMM, COMM2)
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """Rows ``[row0, row0 + rows)`` x cols ``[col0, col0 + cols)`` of buffer ``buf`` owned by rank
+    ``owner`` (a peer's symmetric region when ``owner`` is not the issuing rank). ``cols = -1``:
+    all columns."""
+
+    buf: str
+    owner: int
+    row0: int
+    rows: int
+    col0: int = 0
+    cols: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """``dst = a @ b[:, cols]`` (``mode="set"``), ``+ bias[cols]`` (``"bias"``), or
+    ``dst += a @ b[:, cols]`` (``"acc"``, the cuBLAS epilogue with beta = 1)."""
+
+    stream: str
+    dst: View
+    a: View
+    b_col0: int
+    b_cols: int
+    mode: str = "set"
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """``dst = src`` (one ``cudaMemcpyAsync`` when both are contiguous: the copy engine)."""
+
+    stream: str
+    dst: View
+    src: View
+
+
+@dataclasses.dataclass(frozen=True)
+class Put:
+    """``put_signal(peer, channel)``: tell ``peer`` that data this stream wrote has landed."""
+
+    stream: str
+    peer: int
+    channel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """``wait_signal(peer, channel)``: later work on this stream sees what ``peer`` signalled."""
+
+    stream: str
+    peer: int
+    channel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Barrier:
+    """All ranks reach this point of this stream before any goes on."""
+
+    stream: str
+    channel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    stream: str
+    event: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitEvent:
+    stream: str
+    event: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """Simulation only: snapshot ``view`` when ``stream`` gets here (what code issued after the
+    plan on that stream would read). The CUDA executor skips it."""
+
+    stream: str
+    view: View
+    name: str
+
+
+Instruction = Gemm | Copy | Put | Wait | Barrier | Record | WaitEvent | Probe
+
+
+@dataclasses.dataclass
+class Plan:
+    """One rank's instructions for one call, in issue order, plus the buffer shapes they assume."""
+
+    rank: int
+    world: int
+    instructions: list
+    shapes: dict  # buffer name -> (rows, cols) of this rank's buffers
+    events: int = 0
+    channels: Optional[ChannelMap] = None
+
+    def streams(self) -> set[str]:
+        return {i.stream for i in self.instructions}
+
+
+class _Builder:
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.out: list = []
+        self.events = 0
+
+    def emit(self, *instructions):
+        self.out.extend(instructions)
+
+    def event(self) -> int:
+        self.events += 1
+        return self.events - 1
+
+    def fork(self, stream: str, barrier_channel: Optional[int]):
+        """``stream`` waits for the compute stream's work so far (then a barrier)."""
+        ev = self.event()
+        self.emit(Record(COMPUTE, ev), WaitEvent(stream, ev))
+        if barrier_channel is not None:
+            self.emit(Barrier(stream, barrier_channel))
+
+    def join(self, streams: Iterable[str]):
+        for stream in streams:
+            ev = self.event()
+            self.emit(Record(stream, ev), WaitEvent(COMPUTE, ev))
+
+
+def _sub_view(buf: str, owner: int, base_row: int, grid: Grid, j: int) -> View:
+    r0, nr, c0, nc = grid.sub(j)
+    return View(buf, owner, base_row + r0, nr, c0, nc if grid.col_parts > 1 else -1)
+
+
+def _emit_gather_pushes(bld: _Builder, stream: str, grid: Grid, channels: ChannelMap, fill_own: bool):
+    """Push this rank's shard ``a`` (``grid.rows`` rows) into every peer's ``gather`` region at
+    row block ``rank``. Step ``i`` goes to rank ``rank - i``, so at each step the ranks push to
+    distinct peers, and rank ``d`` receives from ``d + 1, d + 2, ...``: the order it consumes."""
+    r, w, rows = bld.rank, bld.world, grid.rows
+    for i in range(1, w):
+        dst = (r - i) % w
+        for j in range(grid.count):
+            bld.emit(Copy(stream, _sub_view("gather", dst, r * rows, grid, j), _sub_view("a", r, 0, grid, j)),
+                     Put(stream, dst, channels.gather(j)))
+    if fill_own:
+        bld.emit(Copy(stream, View("gather", r, r * rows, rows), View("a", r, 0, rows)))
+
+
+def all_gather_matmul_plan(rank: int, world: int, grid: Grid, n: int, channels: ChannelMap, *,
+                           bias: bool, fill_own: bool = False, gemm: bool = True, probe: bool = False) -> Plan:
+    """``out = all_gather(a) @ b (+ bias)``: ``a`` is this rank's ``[rows, K]`` shard, ``out`` is
+    ``[world * rows, n]``. ``fill_own`` also copies ``a`` into this rank's own block of ``gather``
+    (the whole gathered operand is then in ``gather`` after the call, for a weight gradient).
+    ``gemm=False`` only gathers.
+
+    Schedule (rank r): compute: GEMM(own shard from ``a``) while comm: barrier, then push to
+    r-1, r-2, ...; compute: for s = r+1, r+2, ...: wait for s's shard, GEMM into out's block s.
+    """
+    bld = _Builder(rank, world)
+    rows = grid.rows
+    mode = "bias" if bias else "set"
+    bld.fork(COMM, channels.barrier)
+    _emit_gather_pushes(bld, COMM, grid, channels, fill_own)
+    if gemm:
+        for j in range(grid.count):
+            r0, nr, _, _ = grid.sub(j)
+            bld.emit(Gemm(COMPUTE, View("out", rank, rank * rows + r0, nr), View("a", rank, r0, nr), 0, n, mode))
+    for i in range(1, world):
+        src = (rank + i) % world
+        for j in range(grid.count):
+            r0, nr, _, _ = grid.sub(j)
+            bld.emit(Wait(COMPUTE, src, channels.gather(j)))
+            if gemm:
+                bld.emit(Gemm(COMPUTE, View("out", rank, src * rows + r0, nr),
+                              View("gather", rank, src * rows + r0, nr), 0, n, mode))
+    bld.join([COMM])
+    if probe:
+        if gemm:
+            bld.emit(Probe(COMPUTE, View("out", rank, 0, world * rows), "out"))
+        if fill_own or not gemm:
+            bld.emit(Probe(COMPUTE, View("gather", rank, 0, world * rows), "gather"))
+    shapes = {"a": (rows, None), "gather": (world * rows, None)}
+    if gemm:
+        shapes["out"] = (world * rows, n)
+    return Plan(rank, world, bld.out, shapes, bld.events, channels)
+
+
+def gather_only_plan(rank: int, world: int, grid: Grid, channels: ChannelMap, *, probe: bool = False) -> Plan:
+    """Gather ``a`` into ``gather`` (own block included); the compute stream has waited for all of
+    it when the plan ends."""
+    return all_gather_matmul_plan(rank, world, grid, 0, channels, bias=False, fill_own=True, gemm=False,
+                                  probe=probe)
+
+
+def _ring_slot(grid: Grid, step: int, j: int) -> int:
+    """Receive slot of ring step ``step`` (>= 1), sub-chunk ``j``: one slot per (step, sub-chunk),
+    so a slot is written once per call."""
+    return ((step - 1) * grid.count + j) * grid.sub_rows
+
+
+def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: ChannelMap, *, bias: bool,
+                               probe: bool = False, side_gather: Optional[Grid] = None) -> Plan:
+    """``out = reduce_scatter(a @ b) (+ bias once)``: ``a`` is ``[world * rows, K]``, ``out`` is
+    this rank's ``[rows, n]`` block of the sum (``grid`` = rows x n of one chunk).
+
+    Ring (rank r, step i = 0 .. world-1, sub-chunk j): chunk ``c = (r + i + 1) % world``.
+    Step 0 computes ``a[c] @ b (+ bias)`` into ``tmp``; step i >= 1 waits for rank r+1's step
+    i-1 of the same chunk, which landed in a receive slot, and accumulates into it in the GEMM
+    epilogue (``beta = 1``); steps < world-1 push their result to rank r-1; the last step's chunk
+    is r's own: the comm stream copies the received sum into ``out`` and the GEMM accumulates
+    onto it. Items run step-major, so with >= 2 sub-chunks a hop has one sub-GEMM of time to
+    land before the next rank needs it.
+
+    ``side_gather``: also gather ``a``-independent shard ``x`` (the caller binds it as buffer
+    ``x``) into ``gather`` on stream comm2 (the column-parallel backward re-gathers its input for
+    the weight gradient while the data-gradient ring runs); the compute stream waits for it at the
+    end.
+    """
+    bld = _Builder(rank, world)
+    rows, n, count = grid.rows, grid.cols, grid.count
+    left, right = (rank - 1) % world, (rank + 1) % world
+    bld.fork(COMM, channels.barrier)
+    if side_gather is not None:
+        # The barrier (on comm) already proved every peer's previous call finished; comm2 only
+        # needs to start after it.
+        ev = bld.event()
+        bld.emit(Record(COMM, ev), WaitEvent(COMM2, ev))
+        for i in range(1, world):
+            dst = (rank - i) % world
+            for j in range(side_gather.count):
+                bld.emit(Copy(COMM2, _sub_view("gather", dst, rank * side_gather.rows, side_gather, j),
+                              _sub_view("x", rank, 0, side_gather, j)),
+                         Put(COMM2, dst, channels.gather(j)))
+        bld.emit(Copy(COMM2, View("gather", rank, rank * side_gather.rows, side_gather.rows),
+                      View("x", rank, 0, side_gather.rows)))
+    own_ready = {}
+    for step in range(world):
+        chunk = (rank + step + 1) % world
+        for j in range(count):
+            item = step * count + j
+            r0, nr, c0, nc = grid.sub(j)
+            cols = nc if grid.col_parts > 1 else -1
+            a_view = View("a", rank, chunk * rows + r0, nr)
+            if step == world - 1:
+                # Own chunk: the received partial sum goes to out first (comm stream, overlapped
+                # with the previous GEMM), then the GEMM adds onto out in place.
+                dst = View("out", rank, r0, nr, c0, cols)
+                bld.emit(WaitEvent(COMPUTE, own_ready[j]), Gemm(COMPUTE, dst, a_view, c0, nc, "acc"))
+                continue
+            if step == 0:
+                dst = View("tmp", rank, j * grid.sub_rows, nr)
+                bld.emit(Gemm(COMPUTE, dst, a_view, c0, nc, "bias" if bias else "set"))
+            else:
+                dst = View("ring", rank, _ring_slot(grid, step, j), nr)
+                bld.emit(Wait(COMPUTE, right, channels.ring(item - count)),
+                         Gemm(COMPUTE, dst, a_view, c0, nc, "acc"))
+            done = bld.event()
+            bld.emit(Record(COMPUTE, done), WaitEvent(COMM, done),
+                     Copy(COMM, View("ring", left, _ring_slot(grid, step + 1, j), nr), dst),
+                     Put(COMM, left, channels.ring(item)))
+            if step == world - 2:
+                # Rank r+1 pushes its step world-2 of this sub-chunk (our own chunk) about now.
+                ready = bld.event()
+                bld.emit(Wait(COMM, right, channels.ring(item)),
+                         Copy(COMM, View("out", rank, r0, nr, c0, cols),
+                              View("ring", rank, _ring_slot(grid, world - 1, j), nr)),
+                         Record(COMM, ready))
+                own_ready[j] = ready
+    if side_gather is not None:
+        for i in range(1, world):
+            for j in range(side_gather.count):
+                bld.emit(Wait(COMPUTE, (rank + i) % world, channels.gather(j)))
+    bld.join([COMM] + ([COMM2] if side_gather is not None else []))
+    if probe:
+        bld.emit(Probe(COMPUTE, View("out", rank, 0, rows), "out"))
+        if side_gather is not None:
+            bld.emit(Probe(COMPUTE, View("gather", rank, 0, world * side_gather.rows), "gather"))
+    shapes = {"a": (world * rows, None), "out": (rows, n), "tmp": (count * grid.sub_rows, grid.sub_cols),
+              "ring": ((world - 1) * count * grid.sub_rows, grid.sub_cols)}
+    if side_gather is not None:
+        shapes["x"] = (side_gather.rows, None)
+        shapes["gather"] = (world * side_gather.rows, None)
+    return Plan(rank, world, bld.out, shapes, bld.events, channels)
+
+
+def validate(plan: Plan) -> None:
+    """Static checks: every awaited event was recorded earlier in issue order (a CUDA event
+    waited before it is recorded is a silent no-op), events are recorded once, and only known
+    streams are used."""
+    recorded: set[int] = set()
+    for index, ins in enumerate(plan.instructions):
+        if ins.stream not in STREAMS:
+            raise ValueError(f"instruction {index} ({ins}) uses unknown stream {ins.stream!r}")
+        if isinstance(ins, Record):
+            if ins.event in recorded:
+                raise ValueError(f"event {ins.event} recorded twice (instruction {index})")
+            recorded.add(ins.event)
+        elif isinstance(ins, WaitEvent) and ins.event not in recorded:
+            raise ValueError(f"instruction {index} waits for event {ins.event} before it is recorded")

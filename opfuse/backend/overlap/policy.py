@@ -1,0 +1,157 @@
+"""Sizing decisions of the overlap pipelines: how a rank's chunk is split into sub-chunks, which
+signal channels a pipeline uses, and how many bytes of symmetric memory it needs.
+
+Pure Python (no CUDA): the capability check, the plan builders and the CPU tests share it.
+
+Why these choices (numbers for bf16 on H100/H200, see docs/PERF_NOTES.overlap.md):
+
+* All-gather + GEMM needs no sub-chunks: the GEMM of the local shard runs first, so the first
+  peer shard has a whole chunk-GEMM of time to arrive, and every later shard more.
+* GEMM + reduce-scatter runs a ring whose partial sums are accumulated by the next rank's GEMM
+  epilogue (``beta = 1``). A ring step depends on the previous step of the next rank, so with one
+  GEMM per chunk every hop's transfer would be exposed. Two sub-chunks per chunk give every hop
+  one sub-GEMM of slack. Rows are split when each half keeps >= 512 rows (the GEMM stays
+  compute-bound); otherwise columns are split, which keeps the weight traffic per FLOP of the
+  whole chunk (splitting 512 rows into 2 x 256 would re-read the weight twice as often and put
+  the GEMM near the memory roofline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Grid", "ChannelMap", "channel_map", "ring_grid", "gather_grid", "gather_region_bytes", "ring_region_bytes",
+           "CHANNEL_BASE", "MIN_ROWS_PER_ROW_SPLIT"]
+
+#: Signal-pad channels below this are left to other users of the pool's handles (the lead's
+#: kernels, torch); the overlap pipelines use ``CHANNEL_BASE`` and up.
+CHANNEL_BASE = 8
+#: A row split keeps at least this many rows per sub-GEMM (compute-bound on H100/H200 for
+#: K >= 4096); smaller chunks are split along the output columns instead.
+MIN_ROWS_PER_ROW_SPLIT = 512
+#: Sub-chunks per ring chunk when the setting is "auto".
+RING_SUBCHUNKS_AUTO = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """A chunk of ``rows x cols`` cut into ``row_parts x col_parts`` equal sub-chunks, numbered
+    row-major. ``count == 1`` means the chunk is not split."""
+
+    rows: int
+    cols: int
+    row_parts: int = 1
+    col_parts: int = 1
+
+    def __post_init__(self):
+        if self.row_parts < 1 or self.col_parts < 1:
+            raise ValueError(f"Grid: parts must be >= 1 (got {self.row_parts} x {self.col_parts})")
+        if self.rows % self.row_parts or self.cols % self.col_parts:
+            raise ValueError(f"Grid: {self.rows} x {self.cols} does not split evenly into "
+                             f"{self.row_parts} x {self.col_parts}")
+
+    @property
+    def count(self) -> int:
+        return self.row_parts * self.col_parts
+
+    @property
+    def sub_rows(self) -> int:
+        return self.rows // self.row_parts
+
+    @property
+    def sub_cols(self) -> int:
+        return self.cols // self.col_parts
+
+    @property
+    def sub_elems(self) -> int:
+        return self.sub_rows * self.sub_cols
+
+    def sub(self, j: int) -> tuple[int, int, int, int]:
+        """``(row0, rows, col0, cols)`` of sub-chunk ``j`` inside the chunk."""
+        if not 0 <= j < self.count:
+            raise IndexError(f"Grid: sub-chunk {j} of {self.count}")
+        jr, jc = divmod(j, self.col_parts)
+        return jr * self.sub_rows, self.sub_rows, jc * self.sub_cols, self.sub_cols
+
+
+def _split(size: int, parts: int) -> bool:
+    return parts >= 1 and size % parts == 0 and size // parts >= 1
+
+
+def ring_grid(rows: int, cols: int, setting: int = 0) -> Grid:
+    """Sub-chunk grid of one reduce-scatter ring chunk (``rows`` tokens x ``cols`` outputs).
+
+    ``setting`` is ``config.overlap_chunks``: 0 = auto (2 sub-chunks), ``n`` = ``n`` sub-chunks.
+    Rows are split when every part keeps >= :data:`MIN_ROWS_PER_ROW_SPLIT` rows, else columns;
+    a count that divides neither falls back to fewer parts (1 at worst, which is correct but
+    exposes every ring hop)."""
+    want = RING_SUBCHUNKS_AUTO if setting == 0 else setting
+    for parts in range(want, 0, -1):
+        if _split(rows, parts) and rows // parts >= MIN_ROWS_PER_ROW_SPLIT:
+            return Grid(rows, cols, parts, 1)
+        if _split(cols, parts):
+            return Grid(rows, cols, 1, parts)
+        if _split(rows, parts):
+            return Grid(rows, cols, parts, 1)
+    return Grid(rows, cols)
+
+
+def gather_grid(rows: int, cols: int, setting: int = 0) -> Grid:
+    """Sub-chunk grid of one all-gather shard: auto = 1 (the local GEMM hides the first
+    transfer); ``setting = n`` splits the rows into the largest count <= n that divides them."""
+    want = 1 if setting == 0 else setting
+    for parts in range(want, 0, -1):
+        if _split(rows, parts):
+            return Grid(rows, cols, parts, 1)
+    return Grid(rows, cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelMap:
+    """Signal-pad channels of one pipeline call. Every (sender, receiver, channel) slot carries
+    at most one signal per call, so no ``put_signal`` ever spins on a slot still set."""
+
+    world: int
+    gather_parts: int
+    ring_items: int
+    base: int = CHANNEL_BASE
+
+    @property
+    def barrier(self) -> int:
+        return self.base
+
+    def gather(self, j: int) -> int:
+        if not 0 <= j < self.gather_parts:
+            raise IndexError(j)
+        return self.base + 1 + j
+
+    def ring(self, item: int) -> int:
+        if not 0 <= item < self.ring_items:
+            raise IndexError(item)
+        return self.base + 1 + self.gather_parts + item
+
+    @property
+    def end(self) -> int:
+        """One past the last channel used."""
+        return self.base + 1 + self.gather_parts + self.ring_items
+
+    @staticmethod
+    def available(signal_pad_bytes: int, world: int) -> int:
+        """Channels a signal pad of ``signal_pad_bytes`` offers at ``world`` ranks (torch's
+        layout: one uint32 per (channel, peer))."""
+        return signal_pad_bytes // 4 // world
+
+
+def channel_map(world: int, gather: Grid | None, ring: Grid | None) -> ChannelMap:
+    return ChannelMap(world, gather.count if gather else 1, (world - 1) * ring.count if ring else 0)
+
+
+def gather_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:
+    """The gathered operand ``[world * rows, cols]`` (every rank's shard, rank order)."""
+    return world * rows * cols * itemsize
+
+
+def ring_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:
+    """Receive slots of the ring: ``world - 1`` chunks of ``rows x cols`` (whatever the grid,
+    since sub-chunks split a chunk evenly)."""
+    return (world - 1) * rows * cols * itemsize
