@@ -1,0 +1,204 @@
+"""All-reduce + residual add + RMSNorm: opfuse's kernels against NCCL, torch.compile and torch
+symmetric memory, in one run (ratios are only meaningful within a run).
+
+    PYTHONPATH=. python3 bench/allreduce_norm.py --world 2 4
+
+Method (as ../shared/ANCHORS.md): CUDA-graph replays of 40 back-to-back calls, median of 7
+replays, max over ranks; bf16; hidden 8192; inputs reset (untimed) before each replay so in-place
+baselines stay finite. Columns:
+  nccl_ar        NCCL all-reduce alone (in place)
+  nccl_eager     NCCL all-reduce + eager ``x + res`` + ``F.rms_norm``
+  nccl_compiled  NCCL all-reduce + the add+norm under torch.compile (one Triton kernel)
+  symm1_eager    torch symm_mem one_shot_all_reduce + eager add+norm
+  symm2_ar       torch symm_mem two_shot_all_reduce_ alone
+  ours           opfuse AllReduceAddRMSNorm, implementation chosen by the dispatch table
+  ours_1shot / ours_2shot   the same with the implementation forced (where capable)
+  ours_ar        opfuse plain AllReduce (implementation chosen by the dispatch table)
+  addnorm_*      single-GPU add+RMSNorm: opfuse kernel / eager / compiled (rank 0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import opfuse  # noqa: E402
+from opfuse import ops  # noqa: E402
+from opfuse.cli.launch import run  # noqa: E402
+
+CALLS, REPLAYS, EPS = 40, 7, 1e-6
+
+
+def graph_time_us(fn, reset=None) -> float:
+    """Median over REPLAYS of a CUDA graph holding CALLS calls of ``fn``, per call (microseconds)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            if reset:
+                reset()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    if reset:
+        reset()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        if reset:
+            reset()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / CALLS)
+    times.sort()
+    value = torch.tensor([times[len(times) // 2]], device="cuda")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def rms_block(hidden, dtype, reduce=True):
+    return ops.Sequential(*([ops.AllReduce()] if reduce else []), ops.AddExtraInput(), ops.MakeExtraOutput(),
+                          ops.RMSNorm(hidden, eps=EPS, dtype=dtype, device="cuda"))
+
+
+def worker(rank, world, opts, out_path):
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    torch.manual_seed(1234 + rank)
+    dtype = getattr(torch, opts["dtype"])
+    group_name = dist.group.WORLD.group_name
+    rows = []
+    compiled_add_norm = torch.compile(lambda a, r, w: F.rms_norm(a + r, (a.shape[-1],), w, EPS), dynamic=True)
+    for hidden in opts["hidden"]:
+        weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+        for tokens in opts["tokens"]:
+            x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+            res = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+            buf = torch.empty_like(x)
+            symm = symm_mem.empty(tokens, hidden, dtype=dtype, device="cuda")
+            symm_mem.rendezvous(symm, group_name)
+            reset_buf = lambda: buf.copy_(x)  # noqa: E731
+            reset_symm = lambda: symm.copy_(x)  # noqa: E731
+            row = {"hidden": hidden, "tokens": tokens, "bytes": x.numel() * x.element_size()}
+
+            def nccl_eager():
+                dist.all_reduce(buf)
+                F.rms_norm(buf + res, (hidden,), weight, EPS)
+
+            def nccl_compiled():
+                dist.all_reduce(buf)
+                compiled_add_norm(buf, res, weight)
+
+            def symm1_eager():
+                out = torch.ops.symm_mem.one_shot_all_reduce(symm, "sum", group_name)
+                F.rms_norm(out + res, (hidden,), weight, EPS)
+
+            row["nccl_ar"] = graph_time_us(lambda: dist.all_reduce(buf), reset_buf)
+            row["nccl_eager"] = graph_time_us(nccl_eager, reset_buf)
+            row["nccl_compiled"] = graph_time_us(nccl_compiled, reset_buf)
+            row["symm1_eager"] = graph_time_us(symm1_eager, reset_symm)
+            row["symm2_ar"] = graph_time_us(lambda: torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name),
+                                            reset_symm)
+            with torch.no_grad():
+                block = rms_block(hidden, dtype)
+                with torch.no_grad():
+                    block[-1].weight.copy_(weight)
+                block(x, res)
+                row["ours_impl"] = opfuse.compile(block, x, res).fusions[0].impl
+                row["ours"] = graph_time_us(lambda: block(x, res))
+                for impl, key in (("cuda_oneshot", "ours_1shot"), ("cuda_twoshot", "ours_2shot")):
+                    try:
+                        with opfuse.config.override(force_impl=f"allreduce_add_norm={impl}"):
+                            forced = rms_block(hidden, dtype)
+                            forced(x, res)
+                        row[key] = graph_time_us(lambda: forced(x, res))
+                    except Exception as error:  # noqa: BLE001 - not capable at this size
+                        row[key] = None
+                        row[key + "_why"] = str(error).splitlines()[0][:120]
+                plain = ops.Sequential(ops.AllReduce())
+                plain(x)
+                row["ours_ar_impl"] = opfuse.compile(plain, x).fusions[0].impl
+                row["ours_ar"] = graph_time_us(lambda: plain(x))
+                local = rms_block(hidden, dtype, reduce=False)
+                local(x, res)
+                row["addnorm_ours"] = graph_time_us(lambda: local(x, res))
+                row["addnorm_eager"] = graph_time_us(lambda: F.rms_norm(x + res, (hidden,), weight, EPS))
+                row["addnorm_compiled"] = graph_time_us(lambda: compiled_add_norm(x, res, weight))
+            rows.append(row)
+            del symm
+    if rank == 0:
+        with open(out_path, "w") as handle:
+            json.dump(rows, handle)
+
+
+def fmt(v, digits=1):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(world, rows) -> str:
+    lines = [f"\nworld {world}, {rows[0]['hidden'] if rows else ''} hidden, bf16, microseconds per call "
+             f"(CUDA graph of {CALLS} calls, median of {REPLAYS}, max over ranks)",
+             "| tokens | bytes | NCCL AR | NCCL+eager | NCCL+compiled | symm1+eager | symm2 AR | ours | impl | "
+             "ours/compiled | ours/symm1 | ours/symm2 | ours 1shot | ours 2shot | AR ours | AR ours/NCCL | "
+             "add+norm ours/compiled |",
+             "|" + "---|" * 17]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']} | {r['bytes'] >> 10} KiB | {fmt(r['nccl_ar'])} | {fmt(r['nccl_eager'])} | "
+            f"{fmt(r['nccl_compiled'])} | {fmt(r['symm1_eager'])} | {fmt(r['symm2_ar'])} | {fmt(r['ours'])} | "
+            f"{r['ours_impl']} | {r['ours'] / r['nccl_compiled']:.2f} | {r['ours'] / r['symm1_eager']:.2f} | "
+            f"{r['ours'] / r['symm2_ar']:.2f} | {fmt(r.get('ours_1shot'))} | {fmt(r.get('ours_2shot'))} | "
+            f"{fmt(r['ours_ar'])} | {r['ours_ar'] / r['nccl_ar']:.2f} | "
+            f"{r['addnorm_ours'] / r['addnorm_compiled']:.2f} ({fmt(r['addnorm_ours'])}/{fmt(r['addnorm_compiled'])}) |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048, 8192])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--json", default=None, help="also write all rows here")
+    args = parser.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    results = {}
+    for world in args.world:
+        if torch.cuda.device_count() < world:
+            print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+            out_path = handle.name
+        run(worker, world, {"hidden": args.hidden, "tokens": args.tokens, "dtype": args.dtype}, out_path,
+            backend="nccl", timeout=900)
+        with open(out_path) as handle:
+            results[world] = json.load(handle)
+        os.unlink(out_path)
+        print(table(world, results[world]), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The residual-norm CUDA kernels on one GPU.
+
+The peer-memory kernels are exercised with *simulated ranks*: W regions in ordinary device memory
+stand for the W ranks' symmetric buffers (every pointer is valid on the one GPU), and W kernels
+run concurrently on W streams, each believing it is rank r. This checks the Lamport and flag
+protocols, the reduction order (bitwise-identical results across ranks) and the epilogue without
+a multi-GPU machine; tests/gpu/test_residual_norm_dist.py runs them across real GPUs.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from opfuse.backend import extension  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+NORM = {"none": 0, "rms": 1, "layer": 2}
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return extension.load()
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def reference(xs, bias, residual, weight, norm_bias, norm, eps):
+    h = sum(x.double() for x in xs)
+    if bias is not None:
+        h = h + bias.double()
+    if residual is not None:
+        h = h + residual.double()
+    if norm == "none":
+        return h, h
+    if norm == "rms":
+        y = h / torch.sqrt((h * h).mean(-1, keepdim=True) + eps)
+    else:
+        mu = h.mean(-1, keepdim=True)
+        y = (h - mu) / torch.sqrt(((h - mu) ** 2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.double()
+    if norm_bias is not None:
+        y = y + norm_bias.double()
+    return y, h
+
+
+def make(tokens, hidden, dtype, world, gen, with_bias=True, with_res=True, with_w=True, with_nb=False):
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda", dtype=torch.float32).to(dtype)  # noqa: E731
+    xs = [rnd(tokens, hidden) for _ in range(world)]
+    return (xs, rnd(hidden) if with_bias else None, rnd(tokens, hidden) if with_res else None,
+            (1 + 0.2 * rnd(hidden)) if with_w else None, rnd(hidden) if with_nb else None)
+
+
+def ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+class SimulatedRanks:
+    """W ranks on one GPU: W peer regions in plain device memory, one stream per rank."""
+
+    def __init__(self, ext, kind, world, dtype, capacity):
+        self.ext, self.kind, self.world = ext, kind, world
+        size = (ext.oneshot_region_bytes if kind == "oneshot" else ext.twoshot_region_bytes)(world, capacity)
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(world)]
+        self.peers = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device="cuda")
+        self.regions = [ext.PeerRegion(self.peers.data_ptr(), b.data_ptr(), r, world, size, capacity)
+                        for r, b in enumerate(self.buffers)]
+        self.streams = [torch.cuda.Stream() for _ in range(world)]
+        stream = torch.cuda.current_stream().cuda_stream
+        for region in self.regions:
+            if kind == "oneshot":
+                ext.oneshot_init(region, CODE[dtype], stream)
+            else:
+                ext.twoshot_init(region, stream)
+        torch.cuda.synchronize()
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.blocks = max(1, (sms - 4) // world)  # every rank's grid must be resident at once
+
+    def run(self, xs, bias, residual, weight, norm_bias, norm, eps=1e-6, write_h=True):
+        tokens, hidden = xs[0].shape
+        ys = [torch.full_like(xs[0], float("nan")) for _ in range(self.world)]
+        hs = [torch.full_like(xs[0], float("nan")) if write_h else None for _ in range(self.world)]
+        ready = torch.cuda.current_stream()
+        for stream in self.streams:
+            stream.wait_stream(ready)
+        for r in range(self.world):
+            args = (ptr(xs[r]), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), ys[r].data_ptr(), ptr(hs[r]),
+                    tokens, hidden, eps, NORM[norm], CODE[xs[0].dtype], self.regions[r])
+            with torch.cuda.stream(self.streams[r]):
+                if self.kind == "oneshot":
+                    self.ext.allreduce_oneshot(*args, self.blocks, self.streams[r].cuda_stream)
+                else:
+                    blocks = max(1, min(self.blocks, math.ceil(tokens / self.world)))
+                    self.ext.allreduce_twoshot(*args, blocks, self.streams[r].cuda_stream)
+        for stream in self.streams:
+            ready.wait_stream(stream)
+        torch.cuda.synchronize()
+        return ys, hs
+
+
+def check_ranks(ys, hs, xs, bias, residual, weight, norm_bias, norm, dtype, eps=1e-6):
+    y_ref, h_ref = reference(xs, bias, residual, weight, norm_bias, norm, eps)
+    for r, y in enumerate(ys):
+        assert not torch.isnan(y).any(), f"rank {r}: unwritten output elements"
+        assert torch.equal(y, ys[0]), f"rank {r} differs from rank 0 (must be bitwise identical)"
+        assert rel(y, y_ref) < TOL[dtype], f"rank {r}: y error {rel(y, y_ref)}"
+        if hs[r] is not None:
+            assert torch.equal(hs[r], hs[0])
+            assert rel(hs[r], h_ref) < TOL[dtype], f"rank {r}: h error {rel(hs[r], h_ref)}"
+
+
+@pytest.mark.parametrize("kind", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_peer_kernels_simulated_ranks(ext, kind, world, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(world * 100 + CODE[dtype])
+    sim = SimulatedRanks(ext, kind, world, dtype, capacity=4 << 20)
+    # Consecutive calls of different sizes exercise buffer rotation and the dirty-size bookkeeping.
+    for tokens, hidden, norm in [(5, 2880, "rms"), (1, 8192, "rms"), (33, 5120, "layer"), (2, 1024, "none"),
+                                 (64, 4096, "rms"), (7, 2880, "rms"), (3, 16384, "rms")]:
+        if kind == "twoshot" and tokens * hidden * xs_elem(dtype) > 4 << 20:
+            continue
+        xs, bias, res, w, nb = make(tokens, hidden, dtype, world, gen, with_nb=norm == "layer")
+        ys, hs = sim.run(xs, bias, res, w, nb, norm)
+        check_ranks(ys, hs, xs, bias, res, w, nb, norm, dtype)
+
+
+def xs_elem(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@pytest.mark.parametrize("kind", ["oneshot", "twoshot"])
+def test_peer_kernels_negative_zero_and_options(ext, kind):
+    dtype, world = torch.bfloat16, 4
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    sim = SimulatedRanks(ext, kind, world, dtype, capacity=1 << 20)
+    for step in range(6):
+        xs, bias, res, w, _ = make(9, 1024, dtype, world, gen, with_bias=step % 2 == 0, with_res=step % 3 != 0,
+                                   with_w=step != 4)
+        for r, x in enumerate(xs):  # -0.0 must not be taken for "not arrived yet"
+            x[:, r::5] = -0.0
+        ys, hs = sim.run(xs, bias, res, w, None, "rms", write_h=step % 2 == 1)
+        check_ranks(ys, hs, xs, bias, res, w, None, "rms", dtype)
+
+
+def test_add_norm_kernel_many_shapes(ext):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for tokens, hidden in [(1, 128), (3, 2880), (17, 5120), (256, 8192), (1000, 1024), (2, 16384), (5, 40960)]:
+            if dtype == torch.float32 and hidden > 32768:
+                continue
+            for norm in ("rms", "layer", "none"):
+                xs, bias, res, w, nb = make(tokens, hidden, dtype, 1, gen, with_nb=norm == "layer")
+                y = torch.full_like(xs[0], float("nan"))
+                h = torch.full_like(xs[0], float("nan"))
+                ext.add_norm(xs[0].data_ptr(), ptr(bias), ptr(res), ptr(w), ptr(nb), y.data_ptr(), h.data_ptr(),
+                             tokens, hidden, 1e-5, NORM[norm], CODE[dtype], 264,
+                             torch.cuda.current_stream().cuda_stream)
+                torch.cuda.synchronize()
+                y_ref, h_ref = reference(xs, bias, res, w, nb, norm, 1e-5)
+                assert not torch.isnan(y).any() and not torch.isnan(h).any()
+                assert rel(y, y_ref) < TOL[dtype], (dtype, tokens, hidden, norm, rel(y, y_ref))
+                assert rel(h, h_ref) < TOL[dtype]
+
+
+def test_rms_backward_kernel(ext):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for tokens, hidden in [(1, 2880), (37, 8192), (700, 1024), (4, 16384)]:
+            h = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+            dy = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+            dh_out = torch.randn(tokens, hidden, generator=gen, device="cuda").to(dtype)
+            w = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
+            blocks = min(tokens, 264)
+            dh = torch.full_like(h, float("nan"))
+            dw = torch.full_like(w, float("nan"))
+            partial = torch.full((blocks, hidden), float("nan"), device="cuda")
+            ext.rms_norm_backward(dy.data_ptr(), h.data_ptr(), w.data_ptr(), dh_out.data_ptr(), dh.data_ptr(),
+                                  partial.data_ptr(), dw.data_ptr(), tokens, hidden, 1e-6, CODE[dtype], blocks,
+                                  torch.cuda.current_stream().cuda_stream)
+            hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+            yr = hr / torch.sqrt((hr * hr).mean(-1, keepdim=True) + 1e-6) * wr
+            yr.backward(dy.double())
+            assert rel(dh, hr.grad + dh_out.double()) < 2 * TOL[dtype], (dtype, tokens, hidden)
+            assert rel(dw, wr.grad) < 2 * TOL[dtype], (dtype, tokens, hidden, rel(dw, wr.grad))
+
+
+def test_kernel_argument_errors(ext):
+    x = torch.randn(4, 100, device="cuda", dtype=torch.bfloat16)  # 200 bytes per row: not a multiple of 16
+    y = torch.empty_like(x)
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        ext.add_norm(x.data_ptr(), 0, 0, 0, 0, y.data_ptr(), 0, 4, 100, 1e-6, 1, 1, 8,
+                     torch.cuda.current_stream().cuda_stream)
+    x = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        ext.add_norm(x.data_ptr() + 2, 0, 0, 0, 0, x.data_ptr(), 0, 2, 128, 1e-6, 1, 1, 8,
+                     torch.cuda.current_stream().cuda_stream)

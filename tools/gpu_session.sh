@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The one command sent to a lent GPU machine: build the extension, run the GPU tests and the
+# benchmarks of a stage, keep every log under $OUT, and print a short summary last.
+#
+#   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
+#   tools/gpu_session.sh multi     # 2-4 GPUs: NCCL tests at world 2/4, allreduce+norm and overlap benches
+#   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
+set -uo pipefail
+stage=${1:-single}; shift || true
+export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export OPFUSE_CACHE_DIR=${OPFUSE_CACHE_DIR:-/tmp/opfuse-cache}
+OUT=${OUT:-/tmp/opfuse-out}; mkdir -p "$OUT"
+summary=()
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1)")")
+  return 0
+}
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'triton', triton.__version__)" >> "$OUT/gpus.txt" 2>&1
+step build 300 python3 -m opfuse.backend.extension --build
+case "$stage" in
+  single)
+    step kernels 400 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py "$@"
+    step fused_single 300 python3 -m pytest -x -q tests/gpu/test_fused_single_gpu.py "$@"
+    step grouped_tests 300 python3 -m pytest -x -q tests/gpu/test_grouped*.py "$@"
+    step grouped_bench 240 python3 bench/grouped.py
+    ;;
+  multi)
+    step residual_norm_dist 500 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step overlap_tests 400 python3 -m pytest -x -q tests/gpu/test_overlap*.py "$@"
+    step allreduce_bench 500 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
+    step overlap_bench 400 python3 bench/overlap.py --world 2 4
+    ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
+cat "$OUT/gpus.txt"
+for f in "$OUT"/*.log; do echo "=== tail $(basename "$f")"; grep -vE '^\s*$' "$f" | grep -E 'Error|error|FAIL|assert|Traceback|^\|' | head -40; done
+echo "=== summary"; printf '%s\n' "${summary[@]}"
