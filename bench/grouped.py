@@ -151,13 +151,15 @@ def report(res) -> None:
         print(f"  {label:34s} {us:9.1f} {flops / us / 1e6:8.1f} {gbs:>11s} {base / us:13.2f}x {dense / us:8.2f}x")
     if "train" in res:
         t = res["train"]
-        print(f"  fwd+bwd: ours ({t['impl']}) {t['ours']:.1f} us, torch._grouped_mm autograd {t['torch._grouped_mm']:.1f} us "
-              f"({t['torch._grouped_mm'] / t['ours']:.2f}x)")
+        theirs = t["torch._grouped_mm"]
+        print(f"  fwd+bwd: ours ({t['impl']}) {t['ours']:.1f} us, torch._grouped_mm autograd {theirs:.1f} us "
+              f"({theirs / t['ours']:.2f}x)")
 
 
 def summary(results) -> None:
     print("\nsummary (throughput ratios, same run; targets from shared/ANCHORS.md)")
-    print(f"  {'shape':8s} {'ours us':>9s} {'TFLOP/s':>8s} {'vs grouped_mm':>14s} {'target':>7s} {'vs dense':>9s} {'target':>7s}")
+    print(f"  {'shape':8s} {'ours us':>9s} {'TFLOP/s':>8s} {'vs grouped_mm':>14s} {'target':>7s} "
+          f"{'vs dense':>9s} {'target':>7s}")
     for res in results:
         rows = res["rows"]
         ours = next(us for label, us in rows.items() if label.startswith("ours"))

@@ -294,11 +294,13 @@ class GroupedLinear(BasicOp):
         """Copy this rank's part of the full ``weight [num_groups, out, in]`` (and ``bias [num_groups, out]``)."""
         want = (self.num_groups, self.out_features, self.in_features)
         if tuple(weight.shape) != want:
-            raise ValueError(f"GroupedLinear.load_unsharded: weight has shape {list(weight.shape)}, expected {list(want)}")
+            raise ValueError(f"GroupedLinear.load_unsharded: weight has shape {list(weight.shape)}, "
+                             f"expected {list(want)}")
         if bias is not None and self.bias is None:
             raise ValueError("GroupedLinear.load_unsharded: got a bias but the layer has bias=False")
         if bias is not None and tuple(bias.shape) != want[:2]:
-            raise ValueError(f"GroupedLinear.load_unsharded: bias has shape {list(bias.shape)}, expected {list(want[:2])}")
+            raise ValueError(f"GroupedLinear.load_unsharded: bias has shape {list(bias.shape)}, "
+                             f"expected {list(want[:2])}")
         experts = slice(self.first_group, self.first_group + self.local_num_groups)
         with torch.no_grad():
             local_w = weight[experts]

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from ...ops.base import dtype_name
 
-__all__ = ["GemmConfig", "gemm_config", "m_tile_bound", "wgrad_config", "grouped_mm", "grouped_wgrad", "check", "check_tma",
-           "forward", "backward", "forward_tma", "backward_tma", "triton_status"]
+__all__ = ["GemmConfig", "gemm_config", "m_tile_bound", "wgrad_config", "grouped_mm", "grouped_wgrad", "check",
+           "check_tma", "forward", "backward", "forward_tma", "backward_tma", "triton_status"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_GROUPS = 4095          # every program holds the G counts in registers (a GP-lane vector)
