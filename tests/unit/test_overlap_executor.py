@@ -214,11 +214,12 @@ def test_linear_reduce_scatter_forward_backward(fake_cuda, monkeypatch, world, b
     tokens = rows_per_rank * world
     xs = [_randn(tokens, k, seed=50 + r) for r in range(world)]
     ws = [_randn(n, k, seed=60 + r) for r in range(world)]
-    bias = _randn(n, seed=70)
+    biases = [_randn(n, seed=70 + r) for r in range(world)]  # per-rank biases need not agree
+    monkeypatch.setattr(impl, "_sum_over_ranks", lambda t, ctx: sum(biases))
     dys = [_randn(rows_per_rank, n, seed=80 + r) for r in range(world)]
 
     def fn(r, ctx):
-        y = impl.linear_reduce_scatter_forward(xs[r], ws[r], bias, bias_after=bias_after, group="g")
+        y = impl.linear_reduce_scatter_forward(xs[r], ws[r], biases[r], bias_after=bias_after, group="g")
         grads = impl.linear_reduce_scatter_backward(dys[r], xs[r], ws[r], bias_after=bias_after, group="g",
                                                     need_dx=True, need_dw=True, need_db=True)
         return y, grads
@@ -228,7 +229,7 @@ def test_linear_reduce_scatter_forward_backward(fake_cuda, monkeypatch, world, b
     dy_full = torch.cat(dys)
     for r in range(world):
         y, (dx, dw, db) = results[r]
-        ref = partial_sum[r * rows_per_rank:(r + 1) * rows_per_rank] + bias * (1 if bias_after else world)
+        ref = partial_sum[r * rows_per_rank:(r + 1) * rows_per_rank] + (biases[r] if bias_after else sum(biases))
         torch.testing.assert_close(y, ref)
         torch.testing.assert_close(dx, dy_full @ ws[r])
         torch.testing.assert_close(dw, dy_full.T @ xs[r])

@@ -58,7 +58,8 @@ def test_grid_subchunks_tile_the_chunk():
 
 def test_channel_map_is_disjoint_and_sized():
     channels = policy.channel_map(4, policy.Grid(8, 8, 2, 1), policy.Grid(8, 8, 1, 2))
-    used = [channels.barrier] + [channels.gather(j) for j in range(2)] + [channels.ring(i) for i in range(6)]
+    used = ([channels.barrier, channels.bias] + [channels.gather(j) for j in range(2)]
+            + [channels.ring(i) for i in range(6)])
     assert len(set(used)) == len(used) == channels.end - policy.CHANNEL_BASE
     assert min(used) == policy.CHANNEL_BASE
     assert policy.ChannelMap.available(2048, 8) == 64
@@ -78,7 +79,7 @@ def _ag_plans(world, grid, n, *, bias, fill_own=False):
             for r in range(world)]
 
 
-def _rs_plans(world, grid, *, bias, side_gather=None):
+def _rs_plans(world, grid, *, bias=None, side_gather=None):
     channels = policy.channel_map(world, side_gather, grid)
     return [P.matmul_reduce_scatter_plan(r, world, grid, channels, bias=bias, probe=True, side_gather=side_gather)
             for r in range(world)]
@@ -88,7 +89,7 @@ def _rs_plans(world, grid, *, bias, side_gather=None):
 def test_plans_validate(world):
     for plan in _ag_plans(world, policy.Grid(4, 6, 2, 1), 5, bias=True, fill_own=True):
         P.validate(plan)
-    for plan in _rs_plans(world, policy.Grid(4, 6, 1, 2), bias=True, side_gather=policy.Grid(4, 3)):
+    for plan in _rs_plans(world, policy.Grid(4, 6, 1, 2), bias="owner", side_gather=policy.Grid(4, 3)):
         P.validate(plan)
 
 
@@ -102,7 +103,7 @@ def test_signals_balance_per_call():
     """Every put has exactly one matching wait on the receiver in the same call, so calls can be
     replayed (CUDA graphs) with no host-side state."""
     world = 4
-    plans = _rs_plans(world, policy.Grid(4, 6, 2, 1), bias=False, side_gather=policy.Grid(4, 3))
+    plans = _rs_plans(world, policy.Grid(4, 6, 2, 1), bias="owner", side_gather=policy.Grid(4, 3))
     puts, waits = {}, {}
     for plan in plans:
         for ins in plan.instructions:
@@ -116,7 +117,7 @@ def test_signals_balance_per_call():
 
 def test_ring_pushes_only_to_left_neighbour_and_gather_to_all():
     world = 4
-    for plan in _rs_plans(world, policy.Grid(4, 6, 2, 1), bias=False):
+    for plan in _rs_plans(world, policy.Grid(4, 6, 2, 1)):
         peers = {ins.dst.owner for ins in plan.instructions if isinstance(ins, P.Copy) and ins.dst.owner != plan.rank}
         assert peers == {(plan.rank - 1) % world}
     for plan in _ag_plans(world, policy.Grid(4, 6), 5, bias=False):
@@ -126,8 +127,8 @@ def test_ring_pushes_only_to_left_neighbour_and_gather_to_all():
 
 def test_gemms_cover_every_output_element_once_per_rank():
     world, grid = 3, policy.Grid(4, 6, 1, 2)
-    for plan in _rs_plans(world, grid, bias=True):
-        bias_adds = sum(1 for i in plan.instructions if isinstance(i, P.Gemm) and i.mode == "bias")
+    for plan in _rs_plans(world, grid, bias="owner"):
+        bias_adds = sum(1 for i in plan.instructions if isinstance(i, P.Gemm) and i.bias is not None)
         assert bias_adds == grid.count  # one chain start per sub-chunk per rank = bias once per element
         own = [i for i in plan.instructions if isinstance(i, P.Gemm) and i.dst.buf == "out"]
         cover = torch.zeros(4, 6, dtype=torch.int64)
@@ -142,14 +143,14 @@ def test_gemms_cover_every_output_element_once_per_rank():
 def _run_ag(world, grid, k, n, *, bias, fill_own, calls, seed):
     gen = torch.Generator().manual_seed(1000 + seed)
     plans = [_ag_plans(world, grid, n, bias=bias, fill_own=fill_own) for _ in range(calls)]
-    buffers = [[{"a": _randn(grid.rows, k, gen=gen), "b": _randn(k, n, gen=gen), "bias": _randn(n, gen=gen),
+    buffers = [[{"a": _randn(grid.rows, k, gen=gen), "b": _randn(k, n, gen=gen), "biasin": _randn(1, n, gen=gen),
                  "out": _nan(world * grid.rows, n)} for _ in range(world)] for _ in range(calls)]
     regions = [{"gather": _nan(world * grid.rows, k)} for _ in range(world)]
     probes = simulate(plans, buffers, regions, seed=seed)
     for call in range(calls):
         full = torch.cat([buffers[call][p]["a"] for p in range(world)])
         for r in range(world):
-            ref = full @ buffers[call][r]["b"] + (buffers[call][r]["bias"] if bias else 0)
+            ref = full @ buffers[call][r]["b"] + (buffers[call][r]["biasin"][0] if bias else 0)
             torch.testing.assert_close(probes[(call, r, "out")], ref, rtol=1e-12, atol=1e-12)
             if fill_own:
                 torch.testing.assert_close(probes[(call, r, "gather")], full, rtol=0, atol=0)
@@ -159,11 +160,14 @@ def _run_rs(world, grid, k, *, bias, calls, seed, side_gather=None, xk=3):
     gen = torch.Generator().manual_seed(2000 + seed)
     n = grid.cols
     plans = [_rs_plans(world, grid, bias=bias, side_gather=side_gather) for _ in range(calls)]
-    shared_bias = [_randn(n, gen=gen) for _ in range(calls)]
-    buffers = [[{"a": _randn(world * grid.rows, k, gen=gen), "b": _randn(k, n, gen=gen), "bias": shared_bias[c],
+    # "local": every rank holds the same vector; "owner": each rank's own bias, added to its chunk.
+    shared_bias = [_randn(1, n, gen=gen) for _ in range(calls)]
+    buffers = [[{"a": _randn(world * grid.rows, k, gen=gen), "b": _randn(k, n, gen=gen),
+                 "biasin": shared_bias[c] if bias == "local" else _randn(1, n, gen=gen),
                  "out": _nan(grid.rows, n), "tmp": _nan(grid.count * grid.sub_rows, grid.sub_cols)}
                 for _ in range(world)] for c in range(calls)]
-    regions = [{"ring": _nan((world - 1) * grid.count * grid.sub_rows, grid.sub_cols)} for _ in range(world)]
+    regions = [{"ring": _nan((world - 1) * grid.count * grid.sub_rows, grid.sub_cols), "bias": _nan(1, n)}
+               for _ in range(world)]
     if side_gather is not None:
         for call in range(calls):
             for r in range(world):
@@ -175,8 +179,8 @@ def _run_rs(world, grid, k, *, bias, calls, seed, side_gather=None, xk=3):
     for call in range(calls):
         for r in range(world):
             ref = sum(buffers[call][p]["a"][r * rows:(r + 1) * rows] @ buffers[call][p]["b"] for p in range(world))
-            if bias:
-                ref = ref + shared_bias[call]
+            if bias is not None:
+                ref = ref + buffers[call][r]["biasin"][0]
             torch.testing.assert_close(probes[(call, r, "out")], ref, rtol=1e-12, atol=1e-12)
             if side_gather is not None:
                 full = torch.cat([buffers[call][p]["x"] for p in range(world)])
@@ -195,12 +199,13 @@ def test_all_gather_matmul_schedule(world, grid, bias, fill_own, seed):
 
 
 @pytest.mark.parametrize("world,grid,bias", [
-    (2, policy.Grid(4, 6, 2, 1), True),
-    (2, policy.Grid(4, 6), False),
-    (3, policy.Grid(4, 6, 1, 2), True),
-    (4, policy.Grid(4, 6, 2, 1), False),
-    (4, policy.Grid(2, 6, 1, 3), True),
-    (5, policy.Grid(2, 4, 1, 2), False),
+    (2, policy.Grid(4, 6, 2, 1), "owner"),
+    (2, policy.Grid(4, 6), None),
+    (3, policy.Grid(4, 6, 1, 2), "local"),
+    (4, policy.Grid(4, 6, 2, 1), None),
+    (4, policy.Grid(2, 6, 1, 3), "owner"),
+    (4, policy.Grid(2, 6, 1, 2), "local"),
+    (5, policy.Grid(2, 4, 1, 2), "owner"),
 ])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_matmul_reduce_scatter_schedule(world, grid, bias, seed):
@@ -210,7 +215,7 @@ def test_matmul_reduce_scatter_schedule(world, grid, bias, seed):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_column_backward_schedule_ring_with_side_gather(world, seed):
-    _run_rs(world, policy.Grid(4, 6, 2, 1), k=5, bias=False, calls=3, seed=seed,
+    _run_rs(world, policy.Grid(4, 6, 2, 1), k=5, bias=None, calls=3, seed=seed,
             side_gather=policy.Grid(4, 3, 2, 1))
 
 
@@ -230,7 +235,7 @@ def test_layers_sharing_regions_back_to_back(seed):
                 per_rank.append(P.all_gather_matmul_plan(r, world, ag_grid, n, channels, bias=False, probe=True))
                 bufs.append({"a": _randn(rows, k, gen=gen), "b": _randn(k, n, gen=gen), "out": _nan(world * rows, n)})
             else:
-                per_rank.append(P.matmul_reduce_scatter_plan(r, world, ring_grid, channels, bias=False, probe=True,
+                per_rank.append(P.matmul_reduce_scatter_plan(r, world, ring_grid, channels, probe=True,
                                                              side_gather=ag_grid))
                 bufs.append({"a": _randn(world * rows, n, gen=gen), "b": _randn(n, k, gen=gen),
                              "x": _randn(rows, k, gen=gen), "out": _nan(rows, k),
@@ -311,27 +316,39 @@ def _drop_own_ready(ins):
                     and isinstance(ins[k + 1], P.Gemm) and ins[k + 1].dst.buf == "out")]
 
 
-@pytest.mark.parametrize("mutation", [_drop_barrier, _drop_gemm_before_push, _drop_own_ready])
-def test_simulator_catches_broken_ring_schedules(mutation):
+def _drop_bias_wait(ins):
+    """The chain start reads the owner's bias slot without waiting for it."""
+    return [i for i in ins if not (isinstance(i, P.Wait) and i.channel == policy.CHANNEL_BASE + 1)]
+
+
+@pytest.mark.parametrize("mutation,bias", [(_drop_barrier, None), (_drop_gemm_before_push, None),
+                                           (_drop_own_ready, None), (_drop_bias_wait, "owner")])
+def test_simulator_catches_broken_ring_schedules(mutation, bias):
     """Each synchronisation step of the ring is necessary: removing it must make some random
-    interleaving of three calls fail (wrong output, race or deadlock)."""
+    interleaving of three calls fail (wrong output, race or deadlock). (With an owner bias, the
+    bias signals alone happen to order consecutive calls at world 3, so the barrier case runs
+    without bias.)"""
     world, grid = 3, policy.Grid(2, 4, 1, 2)
     failures = 0
     for seed in range(30):
-        plans_per_call = [_rs_plans(world, grid, bias=False) for _ in range(3)]
+        plans_per_call = [_rs_plans(world, grid, bias=bias) for _ in range(3)]
         for plans in plans_per_call:
             for plan in plans:
                 plan.instructions = mutation(plan.instructions)
         gen = torch.Generator().manual_seed(seed)
         buffers = [[{"a": _randn(world * grid.rows, 3, gen=gen), "b": _randn(3, grid.cols, gen=gen),
+                     "biasin": _randn(1, grid.cols, gen=gen),
                      "out": _nan(grid.rows, grid.cols), "tmp": _nan(grid.count * grid.sub_rows, grid.sub_cols)}
                     for _ in range(world)] for _ in range(3)]
-        regions = [{"ring": _nan((world - 1) * grid.count * grid.sub_rows, grid.sub_cols)} for _ in range(world)]
+        regions = [{"ring": _nan((world - 1) * grid.count * grid.sub_rows, grid.sub_cols),
+                    "bias": _nan(1, grid.cols)} for _ in range(world)]
         try:
             probes = simulate(plans_per_call, buffers, regions, seed=seed)
             for call, r in itertools.product(range(3), range(world)):
                 ref = sum(buffers[call][p]["a"][r * grid.rows:(r + 1) * grid.rows] @ buffers[call][p]["b"]
                           for p in range(world))
+                if bias is not None:
+                    ref = ref + buffers[call][r]["biasin"][0]
                 torch.testing.assert_close(probes[(call, r, "out")], ref)
         except (AssertionError, Race, Deadlock):
             failures += 1

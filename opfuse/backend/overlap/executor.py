@@ -10,8 +10,6 @@ synchronisation, nothing that cannot be captured in a CUDA graph. Imported lazil
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .plan import COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, View, Wait, WaitEvent
@@ -23,7 +21,7 @@ __all__ = ["BoundPlan", "side_streams", "SIGNAL_TIMEOUT_MS"]
 #: naming the ranks and channel instead of hanging.
 SIGNAL_TIMEOUT_MS = 0
 
-_REGIONS = ("gather", "ring")
+_REGIONS = ("gather", "ring", "bias")
 _SIDE: dict[int, tuple] = {}
 
 _GEMM, _COPY, _PUT, _WAIT, _BARRIER, _RECORD, _WAIT_EVENT = range(7)
@@ -96,7 +94,8 @@ class BoundPlan:
     def _compile(self, ins):
         stream = (COMPUTE, COMM, COMM2).index(ins.stream)
         if isinstance(ins, Gemm):
-            return (_GEMM, stream, self._view(ins.dst), self._view(ins.a), ins.b_col0, ins.b_cols, ins.mode)
+            bias = None if ins.bias is None else self._view(ins.bias)
+            return (_GEMM, stream, self._view(ins.dst), self._view(ins.a), ins.b_col0, ins.b_cols, ins.mode, bias)
         if isinstance(ins, Copy):
             return (_COPY, stream, self._view(ins.dst), self._view(ins.src))
         if isinstance(ins, Put):
@@ -111,9 +110,9 @@ class BoundPlan:
             return (_WAIT_EVENT, stream, self.events[ins.event])
         raise TypeError(f"overlap: unknown instruction {ins!r}")
 
-    def run(self, buffers: dict, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+    def run(self, buffers: dict, b: torch.Tensor) -> None:
         """Issue the plan. ``buffers``: the per-call 2-D tensors (``a``, ``out``, ``tmp``,
-        ``x``) by name; ``b`` is ``[K, N]`` (any strides cuBLAS takes); ``bias`` is ``[N]``.
+        ``x``, ``biasin`` as ``[1, N]``) by name; ``b`` is ``[K, N]`` (any strides cuBLAS takes).
         Returns when everything is enqueued; the caller's stream is ordered after all of it."""
         compute = torch.cuda.current_stream()
         comm, comm2 = side_streams(compute.device)
@@ -140,7 +139,7 @@ class BoundPlan:
                     torch.cuda.set_stream(streams[stream])
                     current = stream
                 if kind == _GEMM:
-                    _, _, dst, a, col0, cols, mode = op
+                    _, _, dst, a, col0, cols, mode, bias = op
                     key = (col0, cols)
                     bc = b_cols.get(key)
                     if bc is None:
@@ -149,8 +148,9 @@ class BoundPlan:
                     dst, a = resolve(dst), resolve(a)
                     if mode == "acc":
                         dst.addmm_(a, bc)
-                    elif mode == "bias":
-                        torch.addmm(bias if cols == bias.shape[0] else bias[col0:col0 + cols], a, bc, out=dst)
+                    elif bias is not None:
+                        # 1-D bias + beta 1: torch takes the cuBLASLt bias epilogue (no extra kernel).
+                        torch.addmm(resolve(bias)[0, col0:col0 + cols], a, bc, out=dst)
                     else:
                         torch.mm(a, bc, out=dst)
                 elif kind == _COPY:

@@ -16,8 +16,10 @@ LinearReduceScatter bwd    gather-push of dy + dgrad GEMM per arriving shard, ga
 
 Precision: GEMMs accumulate in fp32 (cuBLAS); a ring hop adds the incoming bf16/fp16 partial in
 the fp32 epilogue and rounds once, so a reduced element is rounded ``world - 1`` times, as in
-NCCL's ring (the reference). ``bias_after=False`` adds ``world * bias`` once at the chain start
-instead of ``bias`` on every rank (exact for power-of-two worlds).
+NCCL's ring (the reference). A bias is added once, at each chain's first GEMM (cuBLASLt bias
+epilogue); for ``bias_after=False`` (every rank adds its own bias before the sum) that bias is
+the sum of the ranks' bias vectors, all-reduced first ([N] elements: one small NCCL call, the only
+exposed communication of that variant; the ranks' biases need not be equal).
 """
 
 from __future__ import annotations
@@ -76,11 +78,9 @@ def _pool_reason(spec, needs: list, channels: list) -> Optional[str]:
                     f"{spec.world_size} (lower OPFUSE_OVERLAP_CHUNKS)")
     itemsize = torch.empty((), dtype=spec.x.dtype).element_size()
     for kind, rows, cols in needs:
-        reserve = resources.gather_region if kind == "gather" else resources.ring_region
-        if reserve(ctx.pool, spec.world_size, rows, cols, itemsize) is None:
-            size = (policy.gather_region_bytes if kind == "gather" else policy.ring_region_bytes)(
-                spec.world_size, rows, cols, itemsize)
-            return (f"symmetric pool has no room for a {kind} region of {size >> 20} MiB "
+        if resources.RESERVE[kind](ctx.pool, spec.world_size, rows, cols, itemsize) is None:
+            size = resources.BYTES[kind](spec.world_size, rows, cols, itemsize)
+            return (f"symmetric pool has no room for a {kind} region of {size / 2**20:.1f} MiB "
                     f"(raise OPFUSE_SYMM_POOL_MAX_MB)")
     return None
 
@@ -117,6 +117,8 @@ def check_linear_reduce_scatter(spec) -> Optional[str]:
     rows, n = x.tokens // world, w.shape[0]
     setting = resources.chunk_setting()
     needs = [("ring", rows, n)]
+    if spec.inputs.get("bias") is not None and spec.attrs.get("bias_after", True):
+        needs.append(("bias", 1, n))
     channels = [policy.channel_map(world, None, policy.ring_grid(rows, n, setting))]
     if spec.requires_grad:
         needs.append(("gather", rows, n))
@@ -164,8 +166,9 @@ def _gather_plan(ctx, rows: int, k: int, n: int, dtype, *, bias: bool, fill_own:
                   {"gather": region}, dtype, {"gather": k})
 
 
-def _ring_plan(ctx, rows: int, n: int, dtype, *, bias: bool, side_k: Optional[int] = None):
-    """Ring over chunks of ``rows x n``; ``side_k``: also re-gather a ``[rows, side_k]`` shard."""
+def _ring_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Optional[int] = None):
+    """Ring over chunks of ``rows x n`` (``bias``: a :data:`~.plan.BIAS_MODES` value);
+    ``side_k``: also re-gather a ``[rows, side_k]`` shard."""
     setting = resources.chunk_setting()
     key = ("ring", rows, n, dtype, bias, side_k, setting)
     if key in ctx.plans:
@@ -176,6 +179,9 @@ def _ring_plan(ctx, rows: int, n: int, dtype, *, bias: bool, side_k: Optional[in
     itemsize = _itemsize(dtype)
     regions = {"ring": resources.ring_region(ctx.pool, ctx.world, rows, n, itemsize)}
     cols = {"ring": grid.sub_cols}
+    if bias == "owner":
+        regions["bias"] = resources.bias_region(ctx.pool, ctx.world, 1, n, itemsize)
+        cols["bias"] = n
     if side is not None:
         regions["gather"] = resources.gather_region(ctx.pool, ctx.world, rows, side_k, itemsize)
         cols["gather"] = side_k
@@ -196,6 +202,13 @@ def _context(group: str, t: Tensor):
 def _ring_tmp(bound, like: Tensor) -> Tensor:
     rows, cols = bound.plan.shapes["tmp"]
     return like.new_empty((rows, cols))
+
+
+def _sum_over_ranks(t: Tensor, ctx) -> Tensor:
+    """``sum_r t_r`` on every rank (a bias vector: small, so one NCCL all-reduce)."""
+    from ...ops.collectives import raw_all_reduce
+
+    return raw_all_reduce(t, ctx.group)
 
 
 def _sum_rows(t: Tensor) -> Tensor:
@@ -221,7 +234,10 @@ def all_gather_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         return ag_linear_reference(x, weight, bias, group=group)
     x2 = x2.contiguous()
     out = x.new_empty((ctx.world * x2.shape[0], n))
-    bound.run({"a": x2, "out": out}, weight.t(), bias)
+    buffers = {"a": x2, "out": out}
+    if bias is not None:
+        buffers["biasin"] = bias.reshape(1, n)
+    bound.run(buffers, weight.t())
     return out.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:-1]) + (n,))
 
 
@@ -236,7 +252,7 @@ def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, *, group: 
     bound = None
     if ctx and (need_dx or need_dw):
         if need_dx:
-            bound = _ring_plan(ctx, rows, k, dy.dtype, bias=False, side_k=k if need_dw else None)
+            bound = _ring_plan(ctx, rows, k, dy.dtype, bias=None, side_k=k if need_dw else None)
         else:
             bound = _gather_plan(ctx, rows, k, 0, dy.dtype, bias=False, fill_own=True, gemm=False)
     if ctx is None or ((need_dx or need_dw) and not bound):
@@ -248,10 +264,10 @@ def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, *, group: 
     dx = dw = db = _empty(dy)
     if need_dx:
         dx2 = dy.new_empty((rows, k))
-        bound.run({"a": dy2, "out": dx2, "tmp": _ring_tmp(bound, dy), "x": x2}, weight, None)
+        bound.run({"a": dy2, "out": dx2, "tmp": _ring_tmp(bound, dy), "x": x2}, weight)
         dx = dx2.view(x.shape)
     elif need_dw:
-        bound.run({"a": x2}, weight, None)
+        bound.run({"a": x2}, weight)
     if need_dw:
         # The gathered x stays valid until this rank's next overlap call (peers write the region
         # only after that call's barrier), and this GEMM is ordered before it on this stream.
@@ -266,23 +282,28 @@ def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, *, group: 
 
 def linear_reduce_scatter_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], *, bias_after: bool,
                                   group: str) -> Tensor:
-    """``reduce_scatter_tokens(x @ weight.T) + bias`` (bias once; ``bias_after=False``: the sum
-    of every rank's ``+ bias``) as a ring of GEMMs accumulating in their epilogues."""
+    """``reduce_scatter_tokens(x @ weight.T) + bias`` (``bias_after=False``: the sum of every
+    rank's ``x_r @ weight_r.T + bias_r``) as a ring of GEMMs accumulating in their epilogues."""
     ctx = _context(group, x)
     kl, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, kl)
+    mode = None if bias is None else ("owner" if bias_after else "local")
     bound = None
     if ctx and x.shape[0] % ctx.world == 0:
-        bound = _ring_plan(ctx, x2.shape[0] // ctx.world, n, x.dtype, bias=bias is not None)
+        bound = _ring_plan(ctx, x2.shape[0] // ctx.world, n, x.dtype, bias=mode)
     if not bound:
         from ..fused.linear_comm import linear_rs_reference
 
         return linear_rs_reference(x, weight, bias, bias_after=bias_after, group=group)
     x2 = x2.contiguous()
     rows = x2.shape[0] // ctx.world
-    effective = None if bias is None else (bias if bias_after else bias * ctx.world)
     out = x.new_empty((rows, n))
-    bound.run({"a": x2, "out": out, "tmp": _ring_tmp(bound, x)}, weight.t(), effective)
+    buffers = {"a": x2, "out": out, "tmp": _ring_tmp(bound, x)}
+    if mode == "owner":
+        buffers["biasin"] = bias.reshape(1, n)
+    elif mode == "local":
+        buffers["biasin"] = _sum_over_ranks(bias, ctx).reshape(1, n)
+    bound.run(buffers, weight.t())
     return out.view((x.shape[0] // ctx.world,) + tuple(x.shape[1:-1]) + (n,))
 
 
@@ -312,7 +333,7 @@ def linear_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, *, bia
         buffers["out"] = dx2
         dx = dx2.view(x.shape)
     if bound:
-        bound.run(buffers, weight, None)
+        bound.run(buffers, weight)
     if need_dw:
         dw = bound.local("gather").t().mm(x2)
     if need_db:

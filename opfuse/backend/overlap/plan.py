@@ -15,10 +15,12 @@ Buffers are 2-D and named; a :class:`View` names a rectangle of one rank's buffe
 ``a``       the GEMM's left operand on this rank (a token shard, or all tokens)
 ``out``     the GEMM result
 ``tmp``     local staging of the ring's first hop (``[count * sub_rows, sub_cols]``)
+``biasin``  this rank's bias vector as ``[1, N]``
 ``gather``  symmetric region: ``[world * rows, cols]``, every rank's shard in rank order
 ``ring``    symmetric region: receive slots of the ring, ``[(world - 1) * count * sub_rows, sub_cols]``
+``bias``    symmetric region: ``[1, N]``, this rank's bias for the peer that starts its chain
 
-and ``b`` (the right operand, ``[K, N]``) / ``bias`` are addressed by column range only.
+and ``b`` (the right operand, ``[K, N]``) is addressed by column range only.
 
 Synchronisation (see the builders for the exact order):
 
@@ -63,8 +65,9 @@ class View:
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """``dst = a @ b[:, cols]`` (``mode="set"``), ``+ bias[cols]`` (``"bias"``), or
-    ``dst += a @ b[:, cols]`` (``"acc"``, the cuBLAS epilogue with beta = 1)."""
+    """``dst = a @ b[:, cols] (+ bias[0, cols])`` (``mode="set"``; the bias goes through the
+    cuBLASLt epilogue) or ``dst += a @ b[:, cols]`` (``"acc"``: the epilogue with beta = 1; no
+    bias). ``bias`` is a ``[1, N]`` view (local, or a peer's symmetric slot)."""
 
     stream: str
     dst: View
@@ -72,6 +75,11 @@ class Gemm:
     b_col0: int
     b_cols: int
     mode: str = "set"
+    bias: Optional[View] = None
+
+    def __post_init__(self):
+        if self.mode not in ("set", "acc") or (self.mode == "acc" and self.bias is not None):
+            raise ValueError(f"Gemm: mode {self.mode!r} with bias={self.bias}; accepted: 'set' (+ bias), 'acc'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,13 +214,16 @@ def all_gather_matmul_plan(rank: int, world: int, grid: Grid, n: int, channels: 
     """
     bld = _Builder(rank, world)
     rows = grid.rows
-    mode = "bias" if bias else "set"
+    bias_view = View("biasin", rank, 0, 1) if bias else None
     bld.fork(COMM, channels.barrier)
-    _emit_gather_pushes(bld, COMM, grid, channels, fill_own)
+    # Issue order: the local GEMM before the pushes, so the compute stream never idles while the
+    # host enqueues copies (GPU order between the streams is set by events/signals, not by this).
     if gemm:
         for j in range(grid.count):
             r0, nr, _, _ = grid.sub(j)
-            bld.emit(Gemm(COMPUTE, View("out", rank, rank * rows + r0, nr), View("a", rank, r0, nr), 0, n, mode))
+            bld.emit(Gemm(COMPUTE, View("out", rank, rank * rows + r0, nr), View("a", rank, r0, nr), 0, n,
+                          bias=bias_view))
+    _emit_gather_pushes(bld, COMM, grid, channels, fill_own)
     for i in range(1, world):
         src = (rank + i) % world
         for j in range(grid.count):
@@ -220,7 +231,7 @@ def all_gather_matmul_plan(rank: int, world: int, grid: Grid, n: int, channels: 
             bld.emit(Wait(COMPUTE, src, channels.gather(j)))
             if gemm:
                 bld.emit(Gemm(COMPUTE, View("out", rank, src * rows + r0, nr),
-                              View("gather", rank, src * rows + r0, nr), 0, n, mode))
+                              View("gather", rank, src * rows + r0, nr), 0, n, bias=bias_view))
     bld.join([COMM])
     if probe:
         if gemm:
@@ -230,6 +241,8 @@ def all_gather_matmul_plan(rank: int, world: int, grid: Grid, n: int, channels: 
     shapes = {"a": (rows, None), "gather": (world * rows, None)}
     if gemm:
         shapes["out"] = (world * rows, n)
+    if bias:
+        shapes["biasin"] = (1, n)
     return Plan(rank, world, bld.out, shapes, bld.events, channels)
 
 
@@ -240,14 +253,18 @@ def gather_only_plan(rank: int, world: int, grid: Grid, channels: ChannelMap, *,
                                   probe=probe)
 
 
+BIAS_MODES = (None, "local", "owner")
+
+
 def _ring_slot(grid: Grid, step: int, j: int) -> int:
     """Receive slot of ring step ``step`` (>= 1), sub-chunk ``j``: one slot per (step, sub-chunk),
     so a slot is written once per call."""
     return ((step - 1) * grid.count + j) * grid.sub_rows
 
 
-def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: ChannelMap, *, bias: bool,
-                               probe: bool = False, side_gather: Optional[Grid] = None) -> Plan:
+def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: ChannelMap, *,
+                               bias: Optional[str] = None, probe: bool = False,
+                               side_gather: Optional[Grid] = None) -> Plan:
     """``out = reduce_scatter(a @ b) (+ bias once)``: ``a`` is ``[world * rows, K]``, ``out`` is
     this rank's ``[rows, n]`` block of the sum (``grid`` = rows x n of one chunk).
 
@@ -259,15 +276,34 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
     onto it. Items run step-major, so with >= 2 sub-chunks a hop has one sub-GEMM of time to
     land before the next rank needs it.
 
+    ``bias``: added once per output element, by the GEMM that starts each chain (step 0, the
+    only one without an epilogue input). ``"local"``: this rank's ``biasin`` (every rank holds the
+    same vector, e.g. the sum of all ranks' biases); ``"owner"``: the chunk owner's bias (a
+    row-parallel bias added after the reduction, which need not be equal across ranks): each rank
+    copies ``biasin`` into its ``bias`` slot at call start and signals rank r-1, whose step-0 GEMMs
+    (chunk r) read it from peer memory. No barrier is needed for that slot: rank r's previous
+    call ended after its own chunk, which needed r-1's step-0 GEMMs of that call.
+
     ``side_gather``: also gather ``a``-independent shard ``x`` (the caller binds it as buffer
     ``x``) into ``gather`` on stream comm2 (the column-parallel backward re-gathers its input for
     the weight gradient while the data-gradient ring runs); the compute stream waits for it at the
     end.
     """
+    if bias not in BIAS_MODES:
+        raise ValueError(f"matmul_reduce_scatter_plan: bias={bias!r}; accepted: {BIAS_MODES}")
     bld = _Builder(rank, world)
     rows, n, count = grid.rows, grid.cols, grid.count
     left, right = (rank - 1) % world, (rank + 1) % world
-    bld.fork(COMM, channels.barrier)
+    bias_view = None
+    if bias == "owner":
+        bld.fork(COMM, None)
+        bld.emit(Copy(COMM, View("bias", rank, 0, 1), View("biasin", rank, 0, 1)),
+                 Put(COMM, left, channels.bias),
+                 Barrier(COMM, channels.barrier))
+        bias_view = View("bias", right, 0, 1)
+    else:
+        bld.fork(COMM, channels.barrier)
+        bias_view = View("biasin", rank, 0, 1) if bias == "local" else None
     if side_gather is not None:
         # The barrier (on comm) already proved every peer's previous call finished; comm2 only
         # needs to start after it.
@@ -297,7 +333,9 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
                 continue
             if step == 0:
                 dst = View("tmp", rank, j * grid.sub_rows, nr)
-                bld.emit(Gemm(COMPUTE, dst, a_view, c0, nc, "bias" if bias else "set"))
+                if j == 0 and bias == "owner":
+                    bld.emit(Wait(COMPUTE, right, channels.bias))
+                bld.emit(Gemm(COMPUTE, dst, a_view, c0, nc, "set", bias_view))
             else:
                 dst = View("ring", rank, _ring_slot(grid, step, j), nr)
                 bld.emit(Wait(COMPUTE, right, channels.ring(item - count)),
@@ -325,6 +363,10 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
             bld.emit(Probe(COMPUTE, View("gather", rank, 0, world * side_gather.rows), "gather"))
     shapes = {"a": (world * rows, None), "out": (rows, n), "tmp": (count * grid.sub_rows, grid.sub_cols),
               "ring": ((world - 1) * count * grid.sub_rows, grid.sub_cols)}
+    if bias is not None:
+        shapes["biasin"] = (1, n)
+    if bias == "owner":
+        shapes["bias"] = (1, n)
     if side_gather is not None:
         shapes["x"] = (side_gather.rows, None)
         shapes["gather"] = (world * side_gather.rows, None)

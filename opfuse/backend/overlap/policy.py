@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Grid", "ChannelMap", "channel_map", "ring_grid", "gather_grid", "gather_region_bytes", "ring_region_bytes",
-           "CHANNEL_BASE", "MIN_ROWS_PER_ROW_SPLIT"]
+__all__ = ["Grid", "ChannelMap", "channel_map", "ring_grid", "gather_grid", "gather_region_bytes",
+           "ring_region_bytes", "bias_region_bytes", "CHANNEL_BASE", "MIN_ROWS_PER_ROW_SPLIT"]
 
 #: Signal-pad channels below this are left to other users of the pool's handles (the lead's
 #: kernels, torch); the overlap pipelines use ``CHANNEL_BASE`` and up.
@@ -120,20 +120,25 @@ class ChannelMap:
     def barrier(self) -> int:
         return self.base
 
+    @property
+    def bias(self) -> int:
+        """The owner's bias vector has landed in its symmetric slot (ring chain starts read it)."""
+        return self.base + 1
+
     def gather(self, j: int) -> int:
         if not 0 <= j < self.gather_parts:
             raise IndexError(j)
-        return self.base + 1 + j
+        return self.base + 2 + j
 
     def ring(self, item: int) -> int:
         if not 0 <= item < self.ring_items:
             raise IndexError(item)
-        return self.base + 1 + self.gather_parts + item
+        return self.base + 2 + self.gather_parts + item
 
     @property
     def end(self) -> int:
         """One past the last channel used."""
-        return self.base + 1 + self.gather_parts + self.ring_items
+        return self.base + 2 + self.gather_parts + self.ring_items
 
     @staticmethod
     def available(signal_pad_bytes: int, world: int) -> int:
@@ -149,6 +154,11 @@ def channel_map(world: int, gather: Grid | None, ring: Grid | None) -> ChannelMa
 def gather_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:
     """The gathered operand ``[world * rows, cols]`` (every rank's shard, rank order)."""
     return world * rows * cols * itemsize
+
+
+def bias_region_bytes(cols: int, itemsize: int) -> int:
+    """One bias vector per rank (read by the peer that starts the ring chain of this rank's chunk)."""
+    return cols * itemsize
 
 
 def ring_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:

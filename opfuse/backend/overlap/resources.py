@@ -21,7 +21,7 @@ from ...config import config
 from ...ops import group as groups
 from . import policy
 
-__all__ = ["Context", "context", "gather_region", "ring_region", "signal_pad_bytes", "is_capturing"]
+__all__ = ["Context", "context", "gather_region", "ring_region", "bias_region", "signal_pad_bytes", "is_capturing"]
 
 _CONTEXTS: dict[tuple[str, int], "Context"] = {}
 
@@ -75,6 +75,16 @@ def gather_region(pool, world: int, rows: int, cols: int, itemsize: int):
 def ring_region(pool, world: int, rows: int, cols: int, itemsize: int):
     return pool.reserve(f"overlap/ring/{rows}x{cols}/{itemsize}B",
                         policy.ring_region_bytes(world, rows, cols, itemsize))
+
+
+def bias_region(pool, world: int, rows: int, cols: int, itemsize: int):
+    """``rows`` is always 1 (one bias vector per rank); the signature matches the other kinds."""
+    return pool.reserve(f"overlap/bias/{cols}/{itemsize}B", policy.bias_region_bytes(cols, itemsize))
+
+
+RESERVE = {"gather": gather_region, "ring": ring_region, "bias": bias_region}
+BYTES = {"gather": policy.gather_region_bytes, "ring": policy.ring_region_bytes,
+         "bias": lambda world, rows, cols, itemsize: policy.bias_region_bytes(cols, itemsize)}
 
 
 def chunk_setting() -> int:

@@ -27,7 +27,7 @@ from .plan import (COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, 
 
 __all__ = ["Deadlock", "Race", "simulate"]
 
-REGIONS = ("gather", "ring")
+REGIONS = ("gather", "ring", "bias")
 
 
 class Deadlock(RuntimeError):
@@ -57,7 +57,7 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
     """Run ``plans[call][rank]`` for all calls in order on every rank.
 
     ``buffers[call][rank]``: name -> float64 tensor (``a``, ``out``, ``tmp``, ``x``, ``b``,
-    ``bias``); ``regions[rank]``: name -> tensor (persistent). Returns ``{(call, rank, probe name):
+    ``biasin``); ``regions[rank]``: name -> tensor (persistent). Returns ``{(call, rank, probe name):
     snapshot}``.
     """
     world = len(regions)
@@ -81,8 +81,8 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
             return [tensor(call, rank, ins.src)]
         bufs = buffers[call][rank]
         srcs = [tensor(call, rank, ins.a), bufs["b"][:, ins.b_col0:ins.b_col0 + ins.b_cols]]
-        if ins.mode == "bias":
-            srcs.append(bufs["bias"][ins.b_col0:ins.b_col0 + ins.b_cols])
+        if ins.bias is not None:
+            srcs.append(tensor(call, rank, ins.bias)[0, ins.b_col0:ins.b_col0 + ins.b_cols])
         return srcs
 
     def start(call, rank, ins):
@@ -106,9 +106,9 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
             dst.copy_(srcs[0])
             return
         product = srcs[0] @ srcs[1]
-        if ins.mode == "bias":
+        if ins.bias is not None:
             product = product + srcs[2]
-        elif ins.mode == "acc":
+        if ins.mode == "acc":
             product = product + old
         dst.copy_(product)
 
