@@ -7,7 +7,7 @@ from .activation import GELU, SwiGLU
 from .base import BasicOp, OpInputError, TensorMeta
 from .collectives import AllGather, AllReduce, GradAllReduce, ReduceScatter, SplitFeatures
 from .extra import AddExtraInput, Identity, MakeExtraOutput
-from .grouped import GroupedLinear
+from .grouped import BasicGroupedLinear, GroupedLinear
 from .linear import BasicLinear, Bias, Linear
 from .norm import LayerNorm, RMSNorm
 from .sequential import Sequential
@@ -17,6 +17,7 @@ __all__ = [
     "AddExtraInput",
     "AllGather",
     "AllReduce",
+    "BasicGroupedLinear",
     "BasicLinear",
     "BasicOp",
     "Bias",
