@@ -215,7 +215,7 @@ def spec(dtype=torch.bfloat16, device="cuda", k=64, n=64, groups=8, bias=False):
 
 def test_dispatch_table_order_and_cpu_choice():
     names = [impl.name for impl in implementations()]
-    assert names == ["triton_tma", "torch_grouped_mm", "triton", "reference"]
+    assert names == ["triton", "triton_tma", "torch_grouped_mm", "reference"]
     assert [impl.name for impl in dispatch.implementations("grouped_linear")] == names
     choice = dispatch.choose(spec(torch.float32, "cpu"))
     assert choice.name == "reference"

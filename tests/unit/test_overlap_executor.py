@@ -275,3 +275,46 @@ def test_missing_region_falls_back_to_reference(fake_cuda, monkeypatch):
 
     _run_ranks(2, wrap(fn), capacity=16)
     assert called == ["g", "g"]
+
+
+@pytest.mark.parametrize("chunks", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_through_the_executor(fake_cuda, monkeypatch, chunks, world):
+    """OPFUSE_OVERLAP_CHUNKS picks the schedules: 1 = direct reduce-scatter, 2/3 = ring with column
+    (or row) sub-chunks, several sub-chunks per gathered shard; forward and backward of both ops."""
+    from opfuse import config
+
+    monkeypatch.setattr(config, "overlap_chunks", chunks)
+    tokens, k, n = 6, 6, 12
+    wrap = _with_ctx(monkeypatch)
+    xs = [_randn(tokens, k, seed=100 + r) for r in range(world)]
+    ws = [_randn(n, k, seed=110 + r) for r in range(world)]
+    bs = [_randn(n, seed=120 + r) for r in range(world)]
+    dys = [_randn(tokens * world, n, seed=130 + r) for r in range(world)]
+    xr = [_randn(tokens * world, n, seed=140 + r) for r in range(world)]
+    wr = [_randn(k, n, seed=150 + r) for r in range(world)]
+    dyr = [_randn(tokens, k, seed=160 + r) for r in range(world)]
+
+    def fn(r, ctx):
+        y = impl.all_gather_linear_forward(xs[r], ws[r], bs[r], group="g")
+        g = impl.all_gather_linear_backward(dys[r], xs[r], ws[r], group="g", need_dx=True, need_dw=True, need_db=True)
+        z = impl.linear_reduce_scatter_forward(xr[r], wr[r], bs[r][:k], bias_after=True, group="g")
+        h = impl.linear_reduce_scatter_backward(dyr[r], xr[r], wr[r], bias_after=True, group="g", need_dx=True,
+                                                need_dw=True, need_db=True)
+        return y, g, z, h
+
+    results, signals = _run_ranks(world, wrap(fn))
+    full_x, full_dyr = torch.cat(xs), torch.cat(dyr)
+    dx_full = sum(dys[p] @ ws[p] for p in range(world))
+    z_full = sum(xr[p] @ wr[p].T for p in range(world))
+    for r in range(world):
+        y, (dx, dw, db), z, (hdx, hdw, hdb) = results[r]
+        torch.testing.assert_close(y, full_x @ ws[r].T + bs[r])
+        torch.testing.assert_close(dx, dx_full[r * tokens:(r + 1) * tokens])
+        torch.testing.assert_close(dw, dys[r].T @ full_x)
+        torch.testing.assert_close(db, dys[r].sum(0))
+        torch.testing.assert_close(z, z_full[r * tokens:(r + 1) * tokens] + bs[r][:k])
+        torch.testing.assert_close(hdx, full_dyr @ wr[r])
+        torch.testing.assert_close(hdw, full_dyr.T @ xr[r])
+        torch.testing.assert_close(hdb, dyr[r].sum(0))
+    assert signals.counts["put"] == signals.counts["wait"]

@@ -379,3 +379,70 @@ def test_simulator_catches_broken_gather_schedules(mutation):
         except (AssertionError, Race, Deadlock):
             failures += 1
     assert failures > 0
+
+
+# Direct reduce-scatter (small chunks) ------------------------------------------------------------
+
+
+def test_rs_algorithm_choice():
+    assert policy.rs_algorithm(2048, 8192) == ("ring", policy.Grid(2048, 8192, 2, 1))
+    assert policy.rs_algorithm(1024, 8192) == ("ring", policy.Grid(1024, 8192, 2, 1))
+    assert policy.rs_algorithm(512, 8192)[0] == "direct"
+    assert policy.rs_algorithm(4096, 8192, setting=1)[0] == "direct"
+    assert policy.rs_algorithm(512, 8192, setting=2) == ("ring", policy.Grid(512, 8192, 1, 2))
+    assert policy.rs_algorithm(7, 5, setting=2)[0] == "direct"  # nothing divides: never a slack-less ring
+
+
+def _direct_plans(world, rows, n, *, bias=False, side_gather=None):
+    channels = policy.channel_map(world, side_gather, None, direct=True)
+    return [P.matmul_reduce_scatter_direct_plan(r, world, rows, n, channels, bias=bias, probe=True,
+                                                side_gather=side_gather) for r in range(world)]
+
+
+@pytest.mark.parametrize("world,rows,bias,side", [(2, 3, True, None), (3, 2, False, policy.Grid(2, 4)),
+                                                  (4, 2, True, policy.Grid(2, 4, 2, 1)), (5, 1, False, None)])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_direct_reduce_scatter_schedule(world, rows, bias, side, seed):
+    gen = torch.Generator().manual_seed(4000 + seed)
+    n, k, calls = 6, 5, 3
+    plans = [_direct_plans(world, rows, n, bias=bias, side_gather=side) for _ in range(calls)]
+    for plan in plans[0]:
+        P.validate(plan)
+    buffers = [[{"a": _randn(world * rows, k, gen=gen), "b": _randn(k, n, gen=gen), "biasin": _randn(1, n, gen=gen),
+                 "out": _nan(rows, n), "tmp": _nan((world - 1) * rows, n),
+                 **({"x": _randn(side.rows, 3, gen=gen)} if side else {})} for _ in range(world)] for _ in range(calls)]
+    regions = [{"direct": _nan(world * rows, n), **({"gather": _nan(world * side.rows, 3)} if side else {})}
+               for _ in range(world)]
+    probes = simulate(plans, buffers, regions, seed=seed)
+    for call in range(calls):
+        b = buffers[call]
+        for r in range(world):
+            ref = sum(b[p]["a"][r * rows:(r + 1) * rows] @ b[p]["b"] for p in range(world))
+            if bias:
+                ref = ref + b[r]["biasin"][0]
+            torch.testing.assert_close(probes[(call, r, "out")], ref, rtol=1e-12, atol=1e-12)
+            if side:
+                torch.testing.assert_close(probes[(call, r, "gather")], torch.cat([b[p]["x"] for p in range(world)]))
+
+
+@pytest.mark.parametrize("mutation", [_drop_barrier, _drop_gemm_before_push])
+def test_simulator_catches_broken_direct_schedules(mutation):
+    world, rows, n = 3, 2, 4
+    failures = 0
+    for seed in range(30):
+        plans_per_call = [_direct_plans(world, rows, n) for _ in range(3)]
+        for plans in plans_per_call:
+            for plan in plans:
+                plan.instructions = mutation(plan.instructions)
+        gen = torch.Generator().manual_seed(seed)
+        buffers = [[{"a": _randn(world * rows, 3, gen=gen), "b": _randn(3, n, gen=gen), "out": _nan(rows, n),
+                     "tmp": _nan((world - 1) * rows, n)} for _ in range(world)] for _ in range(3)]
+        regions = [{"direct": _nan(world * rows, n)} for _ in range(world)]
+        try:
+            probes = simulate(plans_per_call, buffers, regions, seed=seed)
+            for call, r in itertools.product(range(3), range(world)):
+                ref = sum(buffers[call][p]["a"][r * rows:(r + 1) * rows] @ buffers[call][p]["b"] for p in range(world))
+                torch.testing.assert_close(probes[(call, r, "out")], ref)
+        except (AssertionError, Race, Deadlock):
+            failures += 1
+    assert failures > 0

@@ -32,13 +32,15 @@ def implementations() -> list[Implementation]:
     # Plain-Python modules: triton itself is imported only when a GPU entry runs.
     from . import reference, torch_mm, triton_impl
 
+    # Order measured on H100 (bench/grouped.py, docs/PERF_NOTES.md): the pointer-load Triton kernel
+    # beat the TMA variant and torch._grouped_mm on both the large and the decode shape.
     return [
+        Implementation("triton", triton_impl.check, triton_impl.forward, triton_impl.backward,
+                       "Triton grouped GEMM, pointer loads (any size), device group sizes"),
         Implementation("triton_tma", triton_impl.check_tma, triton_impl.forward_tma, triton_impl.backward_tma,
                        "Triton grouped GEMM, TMA loads, device group sizes, fused bias, zeroed tail"),
         Implementation("torch_grouped_mm", torch_mm.check, torch_mm.forward, torch_mm.backward,
                        "torch._grouped_mm (CUTLASS) with device offsets, tail and empty groups zeroed"),
-        Implementation("triton", triton_impl.check, triton_impl.forward, triton_impl.backward,
-                       "Triton grouped GEMM, pointer loads (any size), device group sizes"),
         Implementation("reference", _always, reference.reference_forward, reference.reference_backward,
                        "loop of matmuls over host group sizes (syncs on a GPU)"),
     ]

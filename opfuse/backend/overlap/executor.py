@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, View, Wait, WaitEvent
+from .plan import COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, Sum, View, Wait, WaitEvent
 
 __all__ = ["BoundPlan", "side_streams", "SIGNAL_TIMEOUT_MS"]
 
@@ -21,10 +21,10 @@ __all__ = ["BoundPlan", "side_streams", "SIGNAL_TIMEOUT_MS"]
 #: naming the ranks and channel instead of hanging.
 SIGNAL_TIMEOUT_MS = 0
 
-_REGIONS = ("gather", "ring", "bias")
+_REGIONS = ("gather", "ring", "bias", "direct")
 _SIDE: dict[int, tuple] = {}
 
-_GEMM, _COPY, _PUT, _WAIT, _BARRIER, _RECORD, _WAIT_EVENT = range(7)
+_GEMM, _COPY, _PUT, _WAIT, _BARRIER, _RECORD, _WAIT_EVENT, _SUM = range(8)
 
 
 def side_streams(device: torch.device) -> tuple:
@@ -73,7 +73,7 @@ class BoundPlan:
                 self.views[(name, peer)] = region.peer_tensor(peer, dtype, shape)
         # Signals of one plan go through one handle (any handle works for flags; sender and
         # receiver only have to agree, and every rank binds the same regions in the same order).
-        first = regions.get("ring") or regions.get("gather")
+        first = regions.get("ring") or regions.get("direct") or regions.get("gather")
         self.handle = first.handle
         self.events = [torch.cuda.Event() for _ in range(plan.events)]
         self.code = [self._compile(ins) for ins in plan.instructions if not isinstance(ins, Probe)]
@@ -98,6 +98,8 @@ class BoundPlan:
             return (_GEMM, stream, self._view(ins.dst), self._view(ins.a), ins.b_col0, ins.b_cols, ins.mode, bias)
         if isinstance(ins, Copy):
             return (_COPY, stream, self._view(ins.dst), self._view(ins.src))
+        if isinstance(ins, Sum):
+            return (_SUM, stream, self._view(ins.dst), self._view(ins.src), ins.parts)
         if isinstance(ins, Put):
             return (_PUT, stream, ins.peer, ins.channel)
         if isinstance(ins, Wait):
@@ -155,6 +157,10 @@ class BoundPlan:
                         torch.mm(a, bc, out=dst)
                 elif kind == _COPY:
                     resolve(op[2]).copy_(resolve(op[3]))
+                elif kind == _SUM:
+                    dst = resolve(op[2])
+                    # One reduction kernel over the stacked partials (fp32 accumulation).
+                    torch.sum(resolve(op[3]).view(op[4], dst.shape[0], dst.shape[1]), 0, out=dst)
                 elif kind == _PUT:
                     handle.put_signal(op[2], op[3], timeout)
                 elif kind == _WAIT:

@@ -6,20 +6,25 @@ forward, backward and capability checks, with the signatures fixed by
 op / direction             pipeline
 =========================  ======================================================================
 AllGatherLinear fwd        gather-push + GEMM per arriving shard (own shard first)
-AllGatherLinear bwd        dgrad ring (dy @ W, reduce-scattered in GEMM epilogues) while comm2
+AllGatherLinear bwd        dgrad reduce-scatter (ring or direct, below) of dy @ W while comm2
                            re-gathers x; then one wgrad GEMM on the gathered x; db = sum(dy)
-LinearReduceScatter fwd    ring: GEMM per (chunk, sub-chunk), partial sums accumulated by the
-                           next rank's GEMM epilogue; bias added once at each chain's start
+LinearReduceScatter fwd    large chunks: ring, GEMM per (chunk, sub-chunk), partial sums
+                           accumulated by the next rank's GEMM epilogue; small chunks: direct,
+                           whole-chunk partials pushed to their owner and summed once
 LinearReduceScatter bwd    gather-push of dy + dgrad GEMM per arriving shard, gathered dy kept
                            in the region for one wgrad GEMM; db = sum(dy or gathered dy)
 =========================  ======================================================================
 
-Precision: GEMMs accumulate in fp32 (cuBLAS); a ring hop adds the incoming bf16/fp16 partial in
+Precision: GEMMs accumulate in fp32 (cuBLAS). A ring hop adds the incoming bf16/fp16 partial in
 the fp32 epilogue and rounds once, so a reduced element is rounded ``world - 1`` times, as in
-NCCL's ring (the reference). A bias is added once, at each chain's first GEMM (cuBLASLt bias
-epilogue); for ``bias_after=False`` (every rank adds its own bias before the sum) that bias is
-the sum of the ranks' bias vectors, all-reduced first ([N] elements: one small NCCL call, the only
-exposed communication of that variant; the ranks' biases need not be equal).
+NCCL's ring (the reference); the direct schedule sums the ``world`` rounded partials in fp32 and
+rounds once.
+
+A bias is added once per output element, in the cuBLASLt epilogue of a chain's first GEMM (ring:
+the chunk owner's bias, read from its symmetric slot) or of the owner's own GEMM (direct). For
+``bias_after=False`` (every rank adds its own bias before the sum) that bias is the sum of the
+ranks' bias vectors, all-reduced first ([N] elements: one small NCCL call, the only exposed
+communication of that variant). The ranks' biases need not be equal in either placement.
 """
 
 from __future__ import annotations
@@ -97,8 +102,8 @@ def check_all_gather_linear(spec) -> Optional[str]:
     gather = policy.gather_grid(rows, k, setting)
     needs, channels = [("gather", rows, k)], [policy.channel_map(world, gather, None)]
     if spec.requires_grad:
-        needs.append(("ring", rows, k))
-        channels.append(policy.channel_map(world, gather, policy.ring_grid(rows, k, setting)))
+        needs += _rs_regions(world, rows, k, None, setting)
+        channels.append(_rs_channels(world, rows, k, setting, gather))
     return _pool_reason(spec, needs, channels)
 
 
@@ -116,10 +121,9 @@ def check_linear_reduce_scatter(spec) -> Optional[str]:
         return reason
     rows, n = x.tokens // world, w.shape[0]
     setting = resources.chunk_setting()
-    needs = [("ring", rows, n)]
-    if spec.inputs.get("bias") is not None and spec.attrs.get("bias_after", True):
-        needs.append(("bias", 1, n))
-    channels = [policy.channel_map(world, None, policy.ring_grid(rows, n, setting))]
+    bias = None if spec.inputs.get("bias") is None else ("owner" if spec.attrs.get("bias_after", True) else "local")
+    needs = _rs_regions(world, rows, n, bias, setting)
+    channels = [_rs_channels(world, rows, n, setting)]
     if spec.requires_grad:
         needs.append(("gather", rows, n))
         channels.append(policy.channel_map(world, policy.gather_grid(rows, n, setting), None))
@@ -166,28 +170,46 @@ def _gather_plan(ctx, rows: int, k: int, n: int, dtype, *, bias: bool, fill_own:
                   {"gather": region}, dtype, {"gather": k})
 
 
-def _ring_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Optional[int] = None):
-    """Ring over chunks of ``rows x n`` (``bias``: a :data:`~.plan.BIAS_MODES` value);
-    ``side_k``: also re-gather a ``[rows, side_k]`` shard."""
+def _rs_regions(world: int, rows: int, n: int, bias: Optional[str], setting: int) -> list:
+    """``(kind, rows, cols)`` of the regions a reduce-scatter of ``rows x n`` chunks needs."""
+    algorithm, _ = policy.rs_algorithm(rows, n, setting)
+    if algorithm == "direct":
+        return [("direct", rows, n)]
+    return [("ring", rows, n)] + ([("bias", 1, n)] if bias == "owner" else [])
+
+
+def _rs_channels(world: int, rows: int, n: int, setting: int, side: Optional[policy.Grid] = None):
+    algorithm, grid = policy.rs_algorithm(rows, n, setting)
+    return policy.channel_map(world, side, grid, direct=algorithm == "direct")
+
+
+def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Optional[int] = None):
+    """Reduce-scatter of ``rows x n`` chunks, ring or direct (:func:`.policy.rs_algorithm`);
+    ``bias``: a :data:`~.plan.BIAS_MODES` value; ``side_k``: also re-gather a ``[rows, side_k]``
+    shard."""
     setting = resources.chunk_setting()
-    key = ("ring", rows, n, dtype, bias, side_k, setting)
+    key = ("rs", rows, n, dtype, bias, side_k, setting)
     if key in ctx.plans:
         return ctx.plans[key]
-    grid = policy.ring_grid(rows, n, setting)
+    algorithm, grid = policy.rs_algorithm(rows, n, setting)
     side = policy.gather_grid(rows, side_k, setting) if side_k is not None else None
-    channels = policy.channel_map(ctx.world, side, grid)
+    channels = policy.channel_map(ctx.world, side, grid, direct=algorithm == "direct")
     itemsize = _itemsize(dtype)
-    regions = {"ring": resources.ring_region(ctx.pool, ctx.world, rows, n, itemsize)}
-    cols = {"ring": grid.sub_cols}
-    if bias == "owner":
-        regions["bias"] = resources.bias_region(ctx.pool, ctx.world, 1, n, itemsize)
-        cols["bias"] = n
+    regions, cols = {}, {}
+    for kind, r, c in _rs_regions(ctx.world, rows, n, bias, setting):
+        regions[kind] = resources.RESERVE[kind](ctx.pool, ctx.world, r, c, itemsize)
+        cols[kind] = grid.sub_cols if kind == "ring" else c
     if side is not None:
         regions["gather"] = resources.gather_region(ctx.pool, ctx.world, rows, side_k, itemsize)
         cols["gather"] = side_k
-    return _bound(ctx, key, lambda: plans.matmul_reduce_scatter_plan(ctx.rank, ctx.world, grid, channels, bias=bias,
-                                                                      side_gather=side),
-                  regions, dtype, cols)
+    if algorithm == "direct":
+        def build():
+            return plans.matmul_reduce_scatter_direct_plan(ctx.rank, ctx.world, rows, n, channels,
+                                                            bias=bias is not None, side_gather=side)
+    else:
+        def build():
+            return plans.matmul_reduce_scatter_plan(ctx.rank, ctx.world, grid, channels, bias=bias, side_gather=side)
+    return _bound(ctx, key, build, regions, dtype, cols)
 
 
 def _context(group: str, t: Tensor):
@@ -252,7 +274,7 @@ def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, *, group: 
     bound = None
     if ctx and (need_dx or need_dw):
         if need_dx:
-            bound = _ring_plan(ctx, rows, k, dy.dtype, bias=None, side_k=k if need_dw else None)
+            bound = _rs_plan(ctx, rows, k, dy.dtype, bias=None, side_k=k if need_dw else None)
         else:
             bound = _gather_plan(ctx, rows, k, 0, dy.dtype, bias=False, fill_own=True, gemm=False)
     if ctx is None or ((need_dx or need_dw) and not bound):
@@ -290,7 +312,7 @@ def linear_reduce_scatter_forward(x: Tensor, weight: Tensor, bias: Optional[Tens
     mode = None if bias is None else ("owner" if bias_after else "local")
     bound = None
     if ctx and x.shape[0] % ctx.world == 0:
-        bound = _ring_plan(ctx, x2.shape[0] // ctx.world, n, x.dtype, bias=mode)
+        bound = _rs_plan(ctx, x2.shape[0] // ctx.world, n, x.dtype, bias=mode)
     if not bound:
         from ..fused.linear_comm import linear_rs_reference
 

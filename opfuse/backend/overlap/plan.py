@@ -19,6 +19,7 @@ Buffers are 2-D and named; a :class:`View` names a rectangle of one rank's buffe
 ``gather``  symmetric region: ``[world * rows, cols]``, every rank's shard in rank order
 ``ring``    symmetric region: receive slots of the ring, ``[(world - 1) * count * sub_rows, sub_cols]``
 ``bias``    symmetric region: ``[1, N]``, this rank's bias for the peer that starts its chain
+``direct``  symmetric region: ``[world * rows, N]``, every rank's partial sum of this rank's chunk
 
 and ``b`` (the right operand, ``[K, N]``) is addressed by column range only.
 
@@ -42,8 +43,9 @@ from typing import Iterable, Optional
 
 from .policy import ChannelMap, Grid
 
-__all__ = ["View", "Gemm", "Copy", "Put", "Wait", "Barrier", "Record", "WaitEvent", "Probe", "Plan",
-           "all_gather_matmul_plan", "matmul_reduce_scatter_plan", "gather_only_plan", "validate"]
+__all__ = ["View", "Gemm", "Copy", "Sum", "Put", "Wait", "Barrier", "Record", "WaitEvent", "Probe", "Plan",
+           "all_gather_matmul_plan", "matmul_reduce_scatter_plan", "matmul_reduce_scatter_direct_plan",
+           "gather_only_plan", "validate"]
 
 COMPUTE, COMM, COMM2 = "compute", "comm", "comm2"
 STREAMS = (COMPUTE, COMM, COMM2)
@@ -89,6 +91,17 @@ class Copy:
     stream: str
     dst: View
     src: View
+
+
+@dataclasses.dataclass(frozen=True)
+class Sum:
+    """``dst = sum_p src[p]`` where ``src`` is ``parts`` row blocks of ``dst``'s shape stacked
+    (one reduction kernel, fp32 accumulation, one rounding)."""
+
+    stream: str
+    dst: View
+    src: View
+    parts: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +152,7 @@ class Probe:
     name: str
 
 
-Instruction = Gemm | Copy | Put | Wait | Barrier | Record | WaitEvent | Probe
+Instruction = Gemm | Copy | Sum | Put | Wait | Barrier | Record | WaitEvent | Probe
 
 
 @dataclasses.dataclass
@@ -256,6 +269,26 @@ def gather_only_plan(rank: int, world: int, grid: Grid, channels: ChannelMap, *,
 BIAS_MODES = (None, "local", "owner")
 
 
+def _emit_side_gather(bld: _Builder, grid: Grid, channels: ChannelMap):
+    """Gather buffer ``x`` into ``gather`` on comm2 (own block included). The barrier on comm
+    already proved every peer's previous call finished; comm2 only starts after it."""
+    rank, world = bld.rank, bld.world
+    ev = bld.event()
+    bld.emit(Record(COMM, ev), WaitEvent(COMM2, ev))
+    for i in range(1, world):
+        dst = (rank - i) % world
+        for j in range(grid.count):
+            bld.emit(Copy(COMM2, _sub_view("gather", dst, rank * grid.rows, grid, j), _sub_view("x", rank, 0, grid, j)),
+                     Put(COMM2, dst, channels.gather(j)))
+    bld.emit(Copy(COMM2, View("gather", rank, rank * grid.rows, grid.rows), View("x", rank, 0, grid.rows)))
+
+
+def _emit_side_gather_waits(bld: _Builder, grid: Grid, channels: ChannelMap):
+    for i in range(1, bld.world):
+        for j in range(grid.count):
+            bld.emit(Wait(COMPUTE, (bld.rank + i) % bld.world, channels.gather(j)))
+
+
 def _ring_slot(grid: Grid, step: int, j: int) -> int:
     """Receive slot of ring step ``step`` (>= 1), sub-chunk ``j``: one slot per (step, sub-chunk),
     so a slot is written once per call."""
@@ -305,18 +338,7 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
         bld.fork(COMM, channels.barrier)
         bias_view = View("biasin", rank, 0, 1) if bias == "local" else None
     if side_gather is not None:
-        # The barrier (on comm) already proved every peer's previous call finished; comm2 only
-        # needs to start after it.
-        ev = bld.event()
-        bld.emit(Record(COMM, ev), WaitEvent(COMM2, ev))
-        for i in range(1, world):
-            dst = (rank - i) % world
-            for j in range(side_gather.count):
-                bld.emit(Copy(COMM2, _sub_view("gather", dst, rank * side_gather.rows, side_gather, j),
-                              _sub_view("x", rank, 0, side_gather, j)),
-                         Put(COMM2, dst, channels.gather(j)))
-        bld.emit(Copy(COMM2, View("gather", rank, rank * side_gather.rows, side_gather.rows),
-                      View("x", rank, 0, side_gather.rows)))
+        _emit_side_gather(bld, side_gather, channels)
     own_ready = {}
     for step in range(world):
         chunk = (rank + step + 1) % world
@@ -353,9 +375,7 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
                          Record(COMM, ready))
                 own_ready[j] = ready
     if side_gather is not None:
-        for i in range(1, world):
-            for j in range(side_gather.count):
-                bld.emit(Wait(COMPUTE, (rank + i) % world, channels.gather(j)))
+        _emit_side_gather_waits(bld, side_gather, channels)
     bld.join([COMM] + ([COMM2] if side_gather is not None else []))
     if probe:
         bld.emit(Probe(COMPUTE, View("out", rank, 0, rows), "out"))
@@ -367,6 +387,54 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
         shapes["biasin"] = (1, n)
     if bias == "owner":
         shapes["bias"] = (1, n)
+    if side_gather is not None:
+        shapes["x"] = (side_gather.rows, None)
+        shapes["gather"] = (world * side_gather.rows, None)
+    return Plan(rank, world, bld.out, shapes, bld.events, channels)
+
+
+def matmul_reduce_scatter_direct_plan(rank: int, world: int, rows: int, n: int, channels: ChannelMap, *,
+                                      bias: bool = False, probe: bool = False,
+                                      side_gather: Optional[Grid] = None) -> Plan:
+    """``out = reduce_scatter(a @ b) (+ bias)`` for small chunks: every rank GEMMs each peer's
+    chunk whole (chunk ``r + 1`` first) into ``tmp`` and the comm stream pushes it into the
+    owner's ``direct`` region at row block ``rank``; the own chunk is GEMM'd last into this rank's
+    own block (with ``biasin``, this rank's own bias); then one reduction sums the ``world``
+    blocks into ``out``.
+
+    Exposed: that reduction (``(world + 1) * rows * n`` elements of traffic). The last partial
+    for this rank is pushed while its sender GEMMs its own chunk, so it lands before the own
+    GEMM ends. Chosen when the ring's sub-chunks would be too small to keep the GEMMs efficient
+    (see :func:`.policy.rs_algorithm`). ``side_gather`` as in :func:`matmul_reduce_scatter_plan`.
+    """
+    bld = _Builder(rank, world)
+    bld.fork(COMM, channels.barrier)
+    if side_gather is not None:
+        _emit_side_gather(bld, side_gather, channels)
+    for i in range(world - 1):
+        chunk = (rank + i + 1) % world
+        dst = View("tmp", rank, i * rows, rows)
+        done = bld.event()
+        bld.emit(Gemm(COMPUTE, dst, View("a", rank, chunk * rows, rows), 0, n),
+                 Record(COMPUTE, done), WaitEvent(COMM, done),
+                 Copy(COMM, View("direct", chunk, rank * rows, rows), dst),
+                 Put(COMM, chunk, channels.ring(0)))
+    bld.emit(Gemm(COMPUTE, View("direct", rank, rank * rows, rows), View("a", rank, rank * rows, rows), 0, n,
+                  bias=View("biasin", rank, 0, 1) if bias else None))
+    for i in range(1, world):
+        bld.emit(Wait(COMPUTE, (rank - i) % world, channels.ring(0)))
+    bld.emit(Sum(COMPUTE, View("out", rank, 0, rows), View("direct", rank, 0, world * rows), world))
+    if side_gather is not None:
+        _emit_side_gather_waits(bld, side_gather, channels)
+    bld.join([COMM] + ([COMM2] if side_gather is not None else []))
+    if probe:
+        bld.emit(Probe(COMPUTE, View("out", rank, 0, rows), "out"))
+        if side_gather is not None:
+            bld.emit(Probe(COMPUTE, View("gather", rank, 0, world * side_gather.rows), "gather"))
+    shapes = {"a": (world * rows, None), "out": (rows, n), "tmp": ((world - 1) * rows, n),
+              "direct": (world * rows, n)}
+    if bias:
+        shapes["biasin"] = (1, n)
     if side_gather is not None:
         shapes["x"] = (side_gather.rows, None)
         shapes["gather"] = (world * side_gather.rows, None)

@@ -7,21 +7,27 @@ Why these choices (numbers for bf16 on H100/H200, see docs/PERF_NOTES.overlap.md
 
 * All-gather + GEMM needs no sub-chunks: the GEMM of the local shard runs first, so the first
   peer shard has a whole chunk-GEMM of time to arrive, and every later shard more.
-* GEMM + reduce-scatter runs a ring whose partial sums are accumulated by the next rank's GEMM
-  epilogue (``beta = 1``). A ring step depends on the previous step of the next rank, so with one
-  GEMM per chunk every hop's transfer would be exposed. Two sub-chunks per chunk give every hop
-  one sub-GEMM of slack. Rows are split when each half keeps >= 512 rows (the GEMM stays
-  compute-bound); otherwise columns are split, which keeps the weight traffic per FLOP of the
-  whole chunk (splitting 512 rows into 2 x 256 would re-read the weight twice as often and put
-  the GEMM near the memory roofline).
+* GEMM + reduce-scatter has two schedules (:func:`rs_algorithm`):
+
+  - ``ring``: partial sums travel rank to rank and are accumulated by the next rank's GEMM
+    epilogue (``beta = 1``): no extra memory pass, nothing exposed but the first GEMM's start.
+    A ring step depends on the previous step of the next rank, so with one GEMM per chunk every
+    hop's transfer would be exposed; two sub-chunks per chunk give every hop one sub-GEMM of
+    slack. Used when a chunk has >= 1024 rows, split into two row halves of >= 512 rows (the
+    sub-GEMMs stay compute-bound and fill the GPU).
+  - ``direct``: each rank GEMMs every peer's chunk whole and pushes it to the owner, which sums
+    the ``world`` partials in one reduction after its own GEMM. Exposes that reduction
+    (``(world + 1) * rows * N`` elements of traffic, ~13 us at 512 x 8192 x 4 ranks on H200),
+    but keeps whole-chunk GEMMs: for small chunks the ring's half-chunks (e.g. 512 x 4096)
+    would fill only about half a wave of 128 x 256 tiles on 132 SMs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Grid", "ChannelMap", "channel_map", "ring_grid", "gather_grid", "gather_region_bytes",
-           "ring_region_bytes", "bias_region_bytes", "CHANNEL_BASE", "MIN_ROWS_PER_ROW_SPLIT"]
+__all__ = ["Grid", "ChannelMap", "channel_map", "ring_grid", "gather_grid", "rs_algorithm", "gather_region_bytes",
+           "ring_region_bytes", "bias_region_bytes", "direct_region_bytes", "CHANNEL_BASE", "MIN_ROWS_PER_ROW_SPLIT"]
 
 #: Signal-pad channels below this are left to other users of the pool's handles (the lead's
 #: kernels, torch); the overlap pipelines use ``CHANNEL_BASE`` and up.
@@ -96,6 +102,22 @@ def ring_grid(rows: int, cols: int, setting: int = 0) -> Grid:
     return Grid(rows, cols)
 
 
+def rs_algorithm(rows: int, cols: int, setting: int = 0) -> tuple[str, Grid]:
+    """The reduce-scatter schedule for chunks of ``rows x cols``: ``("ring", grid)`` or
+    ``("direct", unsplit grid)``. ``setting`` (``config.overlap_chunks``): 0 = auto (ring with
+    two row halves when each keeps >= :data:`MIN_ROWS_PER_ROW_SPLIT` rows, else direct), 1 =
+    direct, ``n >= 2`` = ring with ``n`` sub-chunks (:func:`ring_grid`; direct if ``n`` divides
+    neither dimension)."""
+    if setting == 0:
+        if rows % 2 == 0 and rows // 2 >= MIN_ROWS_PER_ROW_SPLIT:
+            return "ring", Grid(rows, cols, 2, 1)
+        return "direct", Grid(rows, cols)
+    if setting == 1:
+        return "direct", Grid(rows, cols)
+    grid = ring_grid(rows, cols, setting)
+    return ("ring", grid) if grid.count > 1 else ("direct", Grid(rows, cols))
+
+
 def gather_grid(rows: int, cols: int, setting: int = 0) -> Grid:
     """Sub-chunk grid of one all-gather shard: auto = 1 (the local GEMM hides the first
     transfer); ``setting = n`` splits the rows into the largest count <= n that divides them."""
@@ -147,8 +169,11 @@ class ChannelMap:
         return signal_pad_bytes // 4 // world
 
 
-def channel_map(world: int, gather: Grid | None, ring: Grid | None) -> ChannelMap:
-    return ChannelMap(world, gather.count if gather else 1, (world - 1) * ring.count if ring else 0)
+def channel_map(world: int, gather: Grid | None, ring: Grid | None, *, direct: bool = False) -> ChannelMap:
+    """Channels of a call that gathers with ``gather`` and/or reduce-scatters with a ring of
+    ``ring`` sub-chunks, or directly (``direct``: one signal per sender)."""
+    ring_items = 1 if direct else ((world - 1) * ring.count if ring else 0)
+    return ChannelMap(world, gather.count if gather else 1, ring_items)
 
 
 def gather_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:
@@ -159,6 +184,11 @@ def gather_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:
 def bias_region_bytes(cols: int, itemsize: int) -> int:
     """One bias vector per rank (read by the peer that starts the ring chain of this rank's chunk)."""
     return cols * itemsize
+
+
+def direct_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:
+    """Every rank's partial sum of this rank's chunk: ``[world * rows, cols]``."""
+    return world * rows * cols * itemsize
 
 
 def ring_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:

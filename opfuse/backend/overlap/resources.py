@@ -21,7 +21,8 @@ from ...config import config
 from ...ops import group as groups
 from . import policy
 
-__all__ = ["Context", "context", "gather_region", "ring_region", "bias_region", "signal_pad_bytes", "is_capturing"]
+__all__ = ["Context", "context", "gather_region", "ring_region", "bias_region", "direct_region", "signal_pad_bytes",
+           "is_capturing"]
 
 _CONTEXTS: dict[tuple[str, int], "Context"] = {}
 
@@ -82,8 +83,14 @@ def bias_region(pool, world: int, rows: int, cols: int, itemsize: int):
     return pool.reserve(f"overlap/bias/{cols}/{itemsize}B", policy.bias_region_bytes(cols, itemsize))
 
 
-RESERVE = {"gather": gather_region, "ring": ring_region, "bias": bias_region}
+def direct_region(pool, world: int, rows: int, cols: int, itemsize: int):
+    return pool.reserve(f"overlap/direct/{rows}x{cols}/{itemsize}B",
+                        policy.direct_region_bytes(world, rows, cols, itemsize))
+
+
+RESERVE = {"gather": gather_region, "ring": ring_region, "bias": bias_region, "direct": direct_region}
 BYTES = {"gather": policy.gather_region_bytes, "ring": policy.ring_region_bytes,
+         "direct": policy.direct_region_bytes,
          "bias": lambda world, rows, cols, itemsize: policy.bias_region_bytes(cols, itemsize)}
 
 

@@ -22,12 +22,12 @@ from typing import Optional
 
 import torch
 
-from .plan import (COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, View, Wait,
+from .plan import (COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, Sum, View, Wait,
                    WaitEvent)
 
 __all__ = ["Deadlock", "Race", "simulate"]
 
-REGIONS = ("gather", "ring", "bias")
+REGIONS = ("gather", "ring", "bias", "direct")
 
 
 class Deadlock(RuntimeError):
@@ -77,7 +77,7 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
         return _rect(buffers[call][rank][view.buf], view)
 
     def sources(call, rank, ins):
-        if isinstance(ins, Copy):
+        if isinstance(ins, (Copy, Sum)):
             return [tensor(call, rank, ins.src)]
         bufs = buffers[call][rank]
         srcs = [tensor(call, rank, ins.a), bufs["b"][:, ins.b_col0:ins.b_col0 + ins.b_cols]]
@@ -100,6 +100,9 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
             if not torch.equal(before.nan_to_num(7.25), now.nan_to_num(7.25)):
                 raise Race(f"rank {rank} call {call}: a source of {ins} changed while it was read")
         dst = tensor(call, rank, ins.dst)
+        if isinstance(ins, Sum):
+            dst.copy_(srcs[0].reshape(ins.parts, *dst.shape).sum(0))
+            return
         if isinstance(ins, Copy):
             if tuple(srcs[0].shape) != tuple(dst.shape):
                 raise AssertionError(f"copy shape mismatch in {ins}: {tuple(srcs[0].shape)} -> {tuple(dst.shape)}")
@@ -142,7 +145,7 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
             me.queues[stream].pop(0)
             return True
         call, ins = me.queues[stream][0]
-        if isinstance(ins, (Gemm, Copy)):
+        if isinstance(ins, (Gemm, Copy, Sum)):
             me.pending[stream] = start(call, rank, ins)
             return True
         if isinstance(ins, Put):
