@@ -119,7 +119,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: None)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(executor, "side_streams", lambda device: (stream, stream))
+    monkeypatch.setattr(executor, "side_streams", lambda device: (stream, stream, stream))
     monkeypatch.setattr(resources, "signal_pad_bytes", lambda: 2048)
 
 

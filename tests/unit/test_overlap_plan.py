@@ -73,16 +73,16 @@ def test_region_bytes():
 # Plans ------------------------------------------------------------------------------------------
 
 
-def _ag_plans(world, grid, n, *, bias, fill_own=False):
+def _ag_plans(world, grid, n, *, bias, fill_own=False, alternate=True):
     channels = policy.channel_map(world, grid, None)
-    return [P.all_gather_matmul_plan(r, world, grid, n, channels, bias=bias, fill_own=fill_own, probe=True)
-            for r in range(world)]
+    return [P.all_gather_matmul_plan(r, world, grid, n, channels, bias=bias, fill_own=fill_own, probe=True,
+                                     alternate=alternate) for r in range(world)]
 
 
-def _rs_plans(world, grid, *, bias=None, side_gather=None):
+def _rs_plans(world, grid, *, bias=None, side_gather=None, alternate=True):
     channels = policy.channel_map(world, side_gather, grid)
-    return [P.matmul_reduce_scatter_plan(r, world, grid, channels, bias=bias, probe=True, side_gather=side_gather)
-            for r in range(world)]
+    return [P.matmul_reduce_scatter_plan(r, world, grid, channels, bias=bias, probe=True, side_gather=side_gather,
+                                         alternate=alternate) for r in range(world)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
@@ -140,9 +140,9 @@ def test_gemms_cover_every_output_element_once_per_rank():
 # Simulation ------------------------------------------------------------------------------------
 
 
-def _run_ag(world, grid, k, n, *, bias, fill_own, calls, seed):
+def _run_ag(world, grid, k, n, *, bias, fill_own, calls, seed, alternate=True):
     gen = torch.Generator().manual_seed(1000 + seed)
-    plans = [_ag_plans(world, grid, n, bias=bias, fill_own=fill_own) for _ in range(calls)]
+    plans = [_ag_plans(world, grid, n, bias=bias, fill_own=fill_own, alternate=alternate) for _ in range(calls)]
     buffers = [[{"a": _randn(grid.rows, k, gen=gen), "b": _randn(k, n, gen=gen), "biasin": _randn(1, n, gen=gen),
                  "out": _nan(world * grid.rows, n)} for _ in range(world)] for _ in range(calls)]
     regions = [{"gather": _nan(world * grid.rows, k)} for _ in range(world)]
@@ -156,10 +156,10 @@ def _run_ag(world, grid, k, n, *, bias, fill_own, calls, seed):
                 torch.testing.assert_close(probes[(call, r, "gather")], full, rtol=0, atol=0)
 
 
-def _run_rs(world, grid, k, *, bias, calls, seed, side_gather=None, xk=3):
+def _run_rs(world, grid, k, *, bias, calls, seed, side_gather=None, xk=3, alternate=True):
     gen = torch.Generator().manual_seed(2000 + seed)
     n = grid.cols
-    plans = [_rs_plans(world, grid, bias=bias, side_gather=side_gather) for _ in range(calls)]
+    plans = [_rs_plans(world, grid, bias=bias, side_gather=side_gather, alternate=alternate) for _ in range(calls)]
     # "local": every rank holds the same vector; "owner": each rank's own bias, added to its chunk.
     shared_bias = [_randn(1, n, gen=gen) for _ in range(calls)]
     buffers = [[{"a": _randn(world * grid.rows, k, gen=gen), "b": _randn(k, n, gen=gen),
@@ -194,8 +194,9 @@ def _run_rs(world, grid, k, *, bias, calls, seed, side_gather=None, xk=3):
     (4, policy.Grid(4, 4, 4, 1), False, False),
 ])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_all_gather_matmul_schedule(world, grid, bias, fill_own, seed):
-    _run_ag(world, grid, k=grid.cols, n=5, bias=bias, fill_own=fill_own, calls=3, seed=seed)
+@pytest.mark.parametrize("alternate", [False, True])
+def test_all_gather_matmul_schedule(world, grid, bias, fill_own, seed, alternate):
+    _run_ag(world, grid, k=grid.cols, n=5, bias=bias, fill_own=fill_own, calls=3, seed=seed, alternate=alternate)
 
 
 @pytest.mark.parametrize("world,grid,bias", [
@@ -208,8 +209,9 @@ def test_all_gather_matmul_schedule(world, grid, bias, fill_own, seed):
     (5, policy.Grid(2, 4, 1, 2), "owner"),
 ])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_matmul_reduce_scatter_schedule(world, grid, bias, seed):
-    _run_rs(world, grid, k=5, bias=bias, calls=3, seed=seed)
+@pytest.mark.parametrize("alternate", [False, True])
+def test_matmul_reduce_scatter_schedule(world, grid, bias, seed, alternate):
+    _run_rs(world, grid, k=5, bias=bias, calls=3, seed=seed, alternate=alternate)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -393,19 +395,20 @@ def test_rs_algorithm_choice():
     assert policy.rs_algorithm(7, 5, setting=2)[0] == "direct"  # nothing divides: never a slack-less ring
 
 
-def _direct_plans(world, rows, n, *, bias=False, side_gather=None):
+def _direct_plans(world, rows, n, *, bias=False, side_gather=None, alternate=True):
     channels = policy.channel_map(world, side_gather, None, direct=True)
     return [P.matmul_reduce_scatter_direct_plan(r, world, rows, n, channels, bias=bias, probe=True,
-                                                side_gather=side_gather) for r in range(world)]
+                                                side_gather=side_gather, alternate=alternate) for r in range(world)]
 
 
 @pytest.mark.parametrize("world,rows,bias,side", [(2, 3, True, None), (3, 2, False, policy.Grid(2, 4)),
                                                   (4, 2, True, policy.Grid(2, 4, 2, 1)), (5, 1, False, None)])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_direct_reduce_scatter_schedule(world, rows, bias, side, seed):
+@pytest.mark.parametrize("alternate", [False, True])
+def test_direct_reduce_scatter_schedule(world, rows, bias, side, seed, alternate):
     gen = torch.Generator().manual_seed(4000 + seed)
     n, k, calls = 6, 5, 3
-    plans = [_direct_plans(world, rows, n, bias=bias, side_gather=side) for _ in range(calls)]
+    plans = [_direct_plans(world, rows, n, bias=bias, side_gather=side, alternate=alternate) for _ in range(calls)]
     for plan in plans[0]:
         P.validate(plan)
     buffers = [[{"a": _randn(world * rows, k, gen=gen), "b": _randn(k, n, gen=gen), "biasin": _randn(1, n, gen=gen),

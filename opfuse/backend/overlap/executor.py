@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, Sum, View, Wait, WaitEvent
+from .plan import AUX, COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, Sum, View, Wait, WaitEvent
 
 __all__ = ["BoundPlan", "side_streams", "SIGNAL_TIMEOUT_MS"]
 
@@ -28,13 +28,14 @@ _GEMM, _COPY, _PUT, _WAIT, _BARRIER, _RECORD, _WAIT_EVENT, _SUM = range(8)
 
 
 def side_streams(device: torch.device) -> tuple:
-    """The two high-priority side streams of ``device`` (created once per process)."""
+    """``(comm, comm2, aux)`` of ``device``, created once per process: two high-priority streams
+    for copies and signals (the signal kernels are tiny and must not queue behind GEMM blocks;
+    torch maps any negative priority to the highest the device offers) and a normal-priority
+    second GEMM stream."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SIDE:
-        # High priority: the signal kernels are tiny and must not queue behind GEMM blocks.
-        # torch maps any negative priority to the highest one the device offers.
         with torch.cuda.device(index):
-            _SIDE[index] = (torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1))
+            _SIDE[index] = (torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1), torch.cuda.Stream())
     return _SIDE[index]
 
 
@@ -92,7 +93,7 @@ class BoundPlan:
         return (view.buf, view.row0, view.rows, view.col0, view.cols)
 
     def _compile(self, ins):
-        stream = (COMPUTE, COMM, COMM2).index(ins.stream)
+        stream = (COMPUTE, COMM, COMM2, AUX).index(ins.stream)
         if isinstance(ins, Gemm):
             bias = None if ins.bias is None else self._view(ins.bias)
             return (_GEMM, stream, self._view(ins.dst), self._view(ins.a), ins.b_col0, ins.b_cols, ins.mode, bias)
@@ -117,8 +118,8 @@ class BoundPlan:
         ``x``, ``biasin`` as ``[1, N]``) by name; ``b`` is ``[K, N]`` (any strides cuBLAS takes).
         Returns when everything is enqueued; the caller's stream is ordered after all of it."""
         compute = torch.cuda.current_stream()
-        comm, comm2 = side_streams(compute.device)
-        streams = (compute, comm, comm2)
+        comm, comm2, aux = side_streams(compute.device)
+        streams = (compute, comm, comm2, aux)
         handle, timeout = self.handle, SIGNAL_TIMEOUT_MS
         current = 0
         b_cols: dict[tuple[int, int], torch.Tensor] = {}

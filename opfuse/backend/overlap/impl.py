@@ -159,14 +159,15 @@ def _itemsize(dtype) -> int:
 
 def _gather_plan(ctx, rows: int, k: int, n: int, dtype, *, bias: bool, fill_own: bool, gemm: bool):
     setting = resources.chunk_setting()
-    key = ("gather", rows, k, n, dtype, bias, fill_own, gemm, setting)
+    alternate = policy.ALTERNATE_GEMM_STREAMS
+    key = ("gather", rows, k, n, dtype, bias, fill_own, gemm, setting, alternate)
     if key in ctx.plans:
         return ctx.plans[key]
     grid = policy.gather_grid(rows, k, setting)
     channels = policy.channel_map(ctx.world, grid, None)
     region = resources.gather_region(ctx.pool, ctx.world, rows, k, _itemsize(dtype))
     return _bound(ctx, key, lambda: plans.all_gather_matmul_plan(ctx.rank, ctx.world, grid, n, channels, bias=bias,
-                                                                  fill_own=fill_own, gemm=gemm),
+                                                                  fill_own=fill_own, gemm=gemm, alternate=alternate),
                   {"gather": region}, dtype, {"gather": k})
 
 
@@ -188,7 +189,8 @@ def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Opti
     ``bias``: a :data:`~.plan.BIAS_MODES` value; ``side_k``: also re-gather a ``[rows, side_k]``
     shard."""
     setting = resources.chunk_setting()
-    key = ("rs", rows, n, dtype, bias, side_k, setting)
+    alternate = policy.ALTERNATE_GEMM_STREAMS
+    key = ("rs", rows, n, dtype, bias, side_k, setting, alternate)
     if key in ctx.plans:
         return ctx.plans[key]
     algorithm, grid = policy.rs_algorithm(rows, n, setting)
@@ -205,10 +207,12 @@ def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Opti
     if algorithm == "direct":
         def build():
             return plans.matmul_reduce_scatter_direct_plan(ctx.rank, ctx.world, rows, n, channels,
-                                                            bias=bias is not None, side_gather=side)
+                                                            bias=bias is not None, side_gather=side,
+                                                            alternate=alternate)
     else:
         def build():
-            return plans.matmul_reduce_scatter_plan(ctx.rank, ctx.world, grid, channels, bias=bias, side_gather=side)
+            return plans.matmul_reduce_scatter_plan(ctx.rank, ctx.world, grid, channels, bias=bias, side_gather=side,
+                                                     alternate=alternate)
     return _bound(ctx, key, build, regions, dtype, cols)
 
 

@@ -2,7 +2,10 @@
 
 A plan is the list of instructions one rank issues for one call, in host issue order, each tagged
 with the stream it goes to (``compute`` = the caller's current stream, ``comm`` / ``comm2`` =
-high-priority side streams). Two interpreters run plans:
+high-priority side streams for copies and signals, ``aux`` = a second GEMM stream). Independent
+chunk GEMMs alternate between ``compute`` and ``aux`` (``alternate=True``) so the tail wave of one
+overlaps the head of the next instead of idling SMs (wave quantization of chunked GEMMs). Two
+interpreters run plans:
 
 * :mod:`.executor` on CUDA (cuBLAS GEMMs, copy-engine copies, symmetric-memory signals);
 * :mod:`.simulate` on CPU (every rank and stream of several consecutive calls, in random
@@ -47,8 +50,8 @@ __all__ = ["View", "Gemm", "Copy", "Sum", "Put", "Wait", "Barrier", "Record", "W
            "all_gather_matmul_plan", "matmul_reduce_scatter_plan", "matmul_reduce_scatter_direct_plan",
            "gather_only_plan", "validate"]
 
-COMPUTE, COMM, COMM2 = "compute", "comm", "comm2"
-STREAMS = (COMPUTE, COMM, COMM2)
+COMPUTE, COMM, COMM2, AUX = "compute", "comm", "comm2", "aux"
+STREAMS = (COMPUTE, COMM, COMM2, AUX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +174,17 @@ class Plan:
 
 
 class _Builder:
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, alternate: bool = False):
+        self.rank, self.world, self.alternate = rank, world, alternate
         self.out: list = []
         self.events = 0
+        self.gemms = 0
+
+    def gemm_stream(self) -> str:
+        """The stream of the next chunk GEMM: compute, aux, compute, ... when alternating."""
+        stream = AUX if self.alternate and self.gemms % 2 else COMPUTE
+        self.gemms += 1
+        return stream
 
     def emit(self, *instructions):
         self.out.extend(instructions)
@@ -184,14 +194,17 @@ class _Builder:
         return self.events - 1
 
     def fork(self, stream: str, barrier_channel: Optional[int]):
-        """``stream`` waits for the compute stream's work so far (then a barrier)."""
+        """``stream`` (and aux) wait for the compute stream's work so far (then a barrier on
+        ``stream``)."""
         ev = self.event()
         self.emit(Record(COMPUTE, ev), WaitEvent(stream, ev))
+        if self.alternate:
+            self.emit(WaitEvent(AUX, ev))
         if barrier_channel is not None:
             self.emit(Barrier(stream, barrier_channel))
 
     def join(self, streams: Iterable[str]):
-        for stream in streams:
+        for stream in list(streams) + ([AUX] if self.alternate else []):
             ev = self.event()
             self.emit(Record(stream, ev), WaitEvent(COMPUTE, ev))
 
@@ -216,7 +229,8 @@ def _emit_gather_pushes(bld: _Builder, stream: str, grid: Grid, channels: Channe
 
 
 def all_gather_matmul_plan(rank: int, world: int, grid: Grid, n: int, channels: ChannelMap, *,
-                           bias: bool, fill_own: bool = False, gemm: bool = True, probe: bool = False) -> Plan:
+                           bias: bool, fill_own: bool = False, gemm: bool = True, probe: bool = False,
+                           alternate: bool = False) -> Plan:
     """``out = all_gather(a) @ b (+ bias)``: ``a`` is this rank's ``[rows, K]`` shard, ``out`` is
     ``[world * rows, n]``. ``fill_own`` also copies ``a`` into this rank's own block of ``gather``
     (the whole gathered operand is then in ``gather`` after the call, for a weight gradient).
@@ -225,7 +239,7 @@ def all_gather_matmul_plan(rank: int, world: int, grid: Grid, n: int, channels: 
     Schedule (rank r): compute: GEMM(own shard from ``a``) while comm: barrier, then push to
     r-1, r-2, ...; compute: for s = r+1, r+2, ...: wait for s's shard, GEMM into out's block s.
     """
-    bld = _Builder(rank, world)
+    bld = _Builder(rank, world, alternate and gemm)
     rows = grid.rows
     bias_view = View("biasin", rank, 0, 1) if bias else None
     bld.fork(COMM, channels.barrier)
@@ -234,16 +248,17 @@ def all_gather_matmul_plan(rank: int, world: int, grid: Grid, n: int, channels: 
     if gemm:
         for j in range(grid.count):
             r0, nr, _, _ = grid.sub(j)
-            bld.emit(Gemm(COMPUTE, View("out", rank, rank * rows + r0, nr), View("a", rank, r0, nr), 0, n,
+            bld.emit(Gemm(bld.gemm_stream(), View("out", rank, rank * rows + r0, nr), View("a", rank, r0, nr), 0, n,
                           bias=bias_view))
     _emit_gather_pushes(bld, COMM, grid, channels, fill_own)
     for i in range(1, world):
         src = (rank + i) % world
         for j in range(grid.count):
             r0, nr, _, _ = grid.sub(j)
-            bld.emit(Wait(COMPUTE, src, channels.gather(j)))
+            stream = bld.gemm_stream() if gemm else COMPUTE
+            bld.emit(Wait(stream, src, channels.gather(j)))
             if gemm:
-                bld.emit(Gemm(COMPUTE, View("out", rank, src * rows + r0, nr),
+                bld.emit(Gemm(stream, View("out", rank, src * rows + r0, nr),
                               View("gather", rank, src * rows + r0, nr), 0, n, bias=bias_view))
     bld.join([COMM])
     if probe:
@@ -297,7 +312,7 @@ def _ring_slot(grid: Grid, step: int, j: int) -> int:
 
 def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: ChannelMap, *,
                                bias: Optional[str] = None, probe: bool = False,
-                               side_gather: Optional[Grid] = None) -> Plan:
+                               side_gather: Optional[Grid] = None, alternate: bool = False) -> Plan:
     """``out = reduce_scatter(a @ b) (+ bias once)``: ``a`` is ``[world * rows, K]``, ``out`` is
     this rank's ``[rows, n]`` block of the sum (``grid`` = rows x n of one chunk).
 
@@ -324,7 +339,7 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
     """
     if bias not in BIAS_MODES:
         raise ValueError(f"matmul_reduce_scatter_plan: bias={bias!r}; accepted: {BIAS_MODES}")
-    bld = _Builder(rank, world)
+    bld = _Builder(rank, world, alternate)
     rows, n, count = grid.rows, grid.cols, grid.count
     left, right = (rank - 1) % world, (rank + 1) % world
     bias_view = None
@@ -347,23 +362,27 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
             r0, nr, c0, nc = grid.sub(j)
             cols = nc if grid.col_parts > 1 else -1
             a_view = View("a", rank, chunk * rows + r0, nr)
+            stream = bld.gemm_stream()
             if step == world - 1:
                 # Own chunk: the received partial sum goes to out first (comm stream, overlapped
                 # with the previous GEMM), then the GEMM adds onto out in place.
                 dst = View("out", rank, r0, nr, c0, cols)
-                bld.emit(WaitEvent(COMPUTE, own_ready[j]), Gemm(COMPUTE, dst, a_view, c0, nc, "acc"))
+                bld.emit(WaitEvent(stream, own_ready[j]), Gemm(stream, dst, a_view, c0, nc, "acc"))
                 continue
             if step == 0:
                 dst = View("tmp", rank, j * grid.sub_rows, nr)
                 if j == 0 and bias == "owner":
                     bld.emit(Wait(COMPUTE, right, channels.bias))
-                bld.emit(Gemm(COMPUTE, dst, a_view, c0, nc, "set", bias_view))
+                    if alternate:  # the other GEMM stream reads the slot too
+                        seen = bld.event()
+                        bld.emit(Record(COMPUTE, seen), WaitEvent(AUX, seen))
+                bld.emit(Gemm(stream, dst, a_view, c0, nc, "set", bias_view))
             else:
                 dst = View("ring", rank, _ring_slot(grid, step, j), nr)
-                bld.emit(Wait(COMPUTE, right, channels.ring(item - count)),
-                         Gemm(COMPUTE, dst, a_view, c0, nc, "acc"))
+                bld.emit(Wait(stream, right, channels.ring(item - count)),
+                         Gemm(stream, dst, a_view, c0, nc, "acc"))
             done = bld.event()
-            bld.emit(Record(COMPUTE, done), WaitEvent(COMM, done),
+            bld.emit(Record(stream, done), WaitEvent(COMM, done),
                      Copy(COMM, View("ring", left, _ring_slot(grid, step + 1, j), nr), dst),
                      Put(COMM, left, channels.ring(item)))
             if step == world - 2:
@@ -395,7 +414,7 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
 
 def matmul_reduce_scatter_direct_plan(rank: int, world: int, rows: int, n: int, channels: ChannelMap, *,
                                       bias: bool = False, probe: bool = False,
-                                      side_gather: Optional[Grid] = None) -> Plan:
+                                      side_gather: Optional[Grid] = None, alternate: bool = False) -> Plan:
     """``out = reduce_scatter(a @ b) (+ bias)`` for small chunks: every rank GEMMs each peer's
     chunk whole (chunk ``r + 1`` first) into ``tmp`` and the comm stream pushes it into the
     owner's ``direct`` region at row block ``rank``; the own chunk is GEMM'd last into this rank's
@@ -407,7 +426,7 @@ def matmul_reduce_scatter_direct_plan(rank: int, world: int, rows: int, n: int, 
     GEMM ends. Chosen when the ring's sub-chunks would be too small to keep the GEMMs efficient
     (see :func:`.policy.rs_algorithm`). ``side_gather`` as in :func:`matmul_reduce_scatter_plan`.
     """
-    bld = _Builder(rank, world)
+    bld = _Builder(rank, world, alternate)
     bld.fork(COMM, channels.barrier)
     if side_gather is not None:
         _emit_side_gather(bld, side_gather, channels)
@@ -415,10 +434,12 @@ def matmul_reduce_scatter_direct_plan(rank: int, world: int, rows: int, n: int, 
         chunk = (rank + i + 1) % world
         dst = View("tmp", rank, i * rows, rows)
         done = bld.event()
-        bld.emit(Gemm(COMPUTE, dst, View("a", rank, chunk * rows, rows), 0, n),
-                 Record(COMPUTE, done), WaitEvent(COMM, done),
+        stream = bld.gemm_stream()
+        bld.emit(Gemm(stream, dst, View("a", rank, chunk * rows, rows), 0, n),
+                 Record(stream, done), WaitEvent(COMM, done),
                  Copy(COMM, View("direct", chunk, rank * rows, rows), dst),
                  Put(COMM, chunk, channels.ring(0)))
+    # The own GEMM stays on compute, where the reduction that reads its result runs.
     bld.emit(Gemm(COMPUTE, View("direct", rank, rank * rows, rows), View("a", rank, rank * rows, rows), 0, n,
                   bias=View("biasin", rank, 0, 1) if bias else None))
     for i in range(1, world):

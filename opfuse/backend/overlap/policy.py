@@ -37,6 +37,9 @@ CHANNEL_BASE = 8
 MIN_ROWS_PER_ROW_SPLIT = 512
 #: Sub-chunks per ring chunk when the setting is "auto".
 RING_SUBCHUNKS_AUTO = 2
+#: Alternate independent chunk GEMMs between two streams, so the last (partial) wave of one GEMM
+#: overlaps the first wave of the next: a chunked GEMM of 3.4 waves otherwise costs 4.
+ALTERNATE_GEMM_STREAMS = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .plan import (COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, Sum, View, Wait,
+from .plan import (AUX, COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, Sum, View, Wait,
                    WaitEvent)
 
 __all__ = ["Deadlock", "Race", "simulate"]
@@ -42,9 +42,9 @@ class _Rank:
     def __init__(self, world: int):
         self.pad: dict[tuple[int, int], int] = {}  # (channel, sender) -> 0/1
         self.events: set[tuple[int, int]] = set()  # (call, event)
-        self.queues = {s: [] for s in (COMPUTE, COMM, COMM2)}
-        self.pending = {s: None for s in (COMPUTE, COMM, COMM2)}
-        self.barrier = {s: None for s in (COMPUTE, COMM, COMM2)}
+        self.queues = {s: [] for s in (COMPUTE, COMM, COMM2, AUX)}
+        self.pending = {s: None for s in (COMPUTE, COMM, COMM2, AUX)}
+        self.barrier = {s: None for s in (COMPUTE, COMM, COMM2, AUX)}
 
 
 def _rect(tensor: torch.Tensor, view: View) -> torch.Tensor:
@@ -176,7 +176,7 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
         me.queues[stream].pop(0)
         return True
 
-    lanes = [(r, s) for r in range(world) for s in (COMPUTE, COMM, COMM2)]
+    lanes = [(r, s) for r in range(world) for s in (COMPUTE, COMM, COMM2, AUX)]
     # Lane speeds spanning 3 orders of magnitude; a weighted random order per step
     # (Efraimidis-Spirakis keys) lets fast lanes overtake slow ones by whole calls.
     speed = {lane: rng.choice((0.02, 0.3, 1.0, 5.0, 30.0)) for lane in lanes}
