@@ -19,7 +19,9 @@ REPS batches, max over ranks; every batch starts after a barrier):
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   ours        opfuse p2p_overlap forward (what a compiled program calls), eager
   ours:graph  the same, CUDA graph of CALLS calls (no Python launch overhead)
-  ours:cN     eager with OPFUSE_OVERLAP_CHUNKS=N (tuning information)
+  ours:1s     eager, chunk GEMMs on one stream (policy.ALTERNATE_GEMM_STREAMS off)
+  ours:cN     eager with OPFUSE_OVERLAP_CHUNKS=N (tuning information: for GEMM+RS, 1 = the direct
+              schedule, N >= 2 = the ring with N sub-chunks; for AG+GEMM, N row sub-chunks per shard)
   err         ||ours - nccl+gemm|| / ||nccl+gemm|| (correctness of what was timed)
 
 Targets: ours <= 1.05x (AG) / 1.03x (RS) of gemm at M=8192, <= 1.10x at M=2048, and faster than
@@ -46,7 +48,7 @@ from opfuse.ops.base import TensorMeta  # noqa: E402
 
 CALLS, REPS, WARMUP = 10, 7, 3
 TARGETS = {("AG+GEMM", 8192): 1.05, ("GEMM+RS", 8192): 1.03, ("AG+GEMM", 2048): 1.10, ("GEMM+RS", 2048): 1.10}
-COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "ours:graph"]
+COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "ours:graph", "ours:1s"]
 
 
 def _max_over_ranks(value: float) -> float:
@@ -116,7 +118,7 @@ def reserve(op: str, x, weight, group, **attrs):
 
 
 def bench_case(rank, world, op, m, k, n, chunk_settings):
-    from opfuse.backend.overlap import impl
+    from opfuse.backend.overlap import impl, policy
 
     pg = dist.group.WORLD
     name = pg.group_name
@@ -169,6 +171,11 @@ def bench_case(rank, world, op, m, k, n, chunk_settings):
         row["nccl+gemm"] = eager_us(nccl_gemm)
         row["ours"] = eager_us(ours)
         row["ours:graph"] = graph_us(ours)
+        policy.ALTERNATE_GEMM_STREAMS = False
+        try:
+            row["ours:1s"] = eager_us(ours)
+        finally:
+            policy.ALTERNATE_GEMM_STREAMS = True
         for setting in chunk_settings:
             with opfuse.config.override(overlap_chunks=setting):
                 reserve("all_gather_linear" if op == "AG+GEMM" else "linear_reduce_scatter", x, w, pg,
