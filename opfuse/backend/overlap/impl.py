@@ -211,8 +211,10 @@ def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Opti
                                                             alternate=alternate)
     else:
         def build():
+            # No alternation in the ring: two half-chunk GEMMs of one step running concurrently
+            # would both finish late and eat the hop's slack; its sub-GEMMs are >= 2 waves anyway.
             return plans.matmul_reduce_scatter_plan(ctx.rank, ctx.world, grid, channels, bias=bias, side_gather=side,
-                                                     alternate=alternate)
+                                                     alternate=False)
     return _bound(ctx, key, build, regions, dtype, cols)
 
 

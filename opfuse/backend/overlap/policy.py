@@ -38,7 +38,9 @@ MIN_ROWS_PER_ROW_SPLIT = 512
 #: Sub-chunks per ring chunk when the setting is "auto".
 RING_SUBCHUNKS_AUTO = 2
 #: Alternate independent chunk GEMMs between two streams, so the last (partial) wave of one GEMM
-#: overlaps the first wave of the next: a chunked GEMM of 3.4 waves otherwise costs 4.
+#: overlaps the first wave of the next: a chunked GEMM of 3.4 waves otherwise costs 4. Applies to
+#: the gather and direct schedules; the ring keeps one stream (concurrent half-chunk GEMMs of a
+#: step would both finish late and eat the slack of the hop that follows).
 ALTERNATE_GEMM_STREAMS = True
 
 
