@@ -200,9 +200,11 @@ def check_cases(rank, world):
         run_rs_case(rank, world, pg, gen, 64, 128, 256, FP16, True, (), bias_after=False)
 
 
-def check_graph_replay(rank, world):
+def check_graph_replay(rank, world, chunks):
     """Forward + backward of a sequence-parallel MLP captured in one CUDA graph, replayed with
-    fresh inputs: no host sync (capture would fail), no host-side state between calls."""
+    fresh inputs: no host sync (capture would fail), no host-side state between calls.
+    ``chunks=0``: the automatic schedules (direct reduce-scatter at this size); ``2``: the ring
+    and two sub-chunks per gathered shard."""
     pg, dtype = dist.group.WORLD, BF16
     tokens, hidden, ffn_local = 256, 512, 384
     fc1 = ops.Linear(hidden, ffn_local * world, parallel="column", sequence_parallel=True, group=pg, device="cuda",
@@ -243,7 +245,7 @@ def check_graph_replay(rank, world):
         h = F.linear(collectives.all_gather(x32, pg), p32[0], p32[1])
         y32 = collectives.reduce_scatter(F.linear(h, p32[2]), pg) + p32[3]
         y32.backward(static_dy.float())
-        what = f"graph replay {replay} rank {rank}"
+        what = f"graph replay {replay} rank {rank} chunks={chunks}"
         check(f"{what}: y", static_y, y32, dtype)
         check(f"{what}: dx", static_x.grad, x32.grad, dtype)
         for name, p, ref in zip(("w1", "b1", "w2", "b2"), params, p32):
@@ -306,7 +308,9 @@ def all_checks(rank, world):
     # of hanging until the harness timeout.
     executor.SIGNAL_TIMEOUT_MS = 120_000
     check_cases(rank, world)
-    check_graph_replay(rank, world)
+    for chunks in (0, 2):
+        with opfuse.config.override(overlap_chunks=chunks):
+            check_graph_replay(rank, world, chunks)
     check_fallbacks(rank, world)
 
 
