@@ -76,6 +76,10 @@ class _Region:
     def handle(self):
         return self.pool.handle
 
+    def local_tensor(self, dtype=torch.uint8, shape=None):
+        view = self.peer_tensor(self.pool.rank, torch.uint8, (self.nbytes,)).view(dtype)
+        return view if shape is None else view.view(shape)
+
     def peer_tensor(self, rank, dtype, shape):
         storage = self.pool.storages[rank]
         elt = torch.empty((), dtype=dtype).element_size()

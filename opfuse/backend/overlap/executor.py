@@ -72,6 +72,14 @@ class BoundPlan:
                 raise ValueError(f"overlap: region {name!r} has {region.nbytes} bytes, the plan needs {need}")
             for peer in range(plan.world):
                 self.views[(name, peer)] = region.peer_tensor(peer, dtype, shape)
+            # torch offsets get_buffer from its allocation's base; the pool's local views come
+            # from the segment tensor. They must agree, or every peer view is misplaced.
+            mine, local = self.views[(name, self.rank)].data_ptr(), region.local_tensor(dtype).data_ptr()
+            if mine != local:
+                raise RuntimeError(
+                    f"overlap: region {name!r}: the symmetric-memory handle maps this rank's view at {mine:#x}, "
+                    f"the pool's segment tensor at {local:#x}; the SymmetricPool segment does not start at its "
+                    f"allocation's base")
         # Signals of one plan go through one handle (any handle works for flags; sender and
         # receiver only have to agree, and every rank binds the same regions in the same order).
         first = regions.get("ring") or regions.get("direct") or regions.get("gather")
