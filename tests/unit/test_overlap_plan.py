@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from opfuse.backend.overlap import plan as P
+from opfuse.backend.overlap import schedules as S
 from opfuse.backend.overlap import policy
 from opfuse.backend.overlap.simulate import Deadlock, Race, simulate
 
@@ -75,13 +76,13 @@ def test_region_bytes():
 
 def _ag_plans(world, grid, n, *, bias, fill_own=False, alternate=True):
     channels = policy.channel_map(world, grid, None)
-    return [P.all_gather_matmul_plan(r, world, grid, n, channels, bias=bias, fill_own=fill_own, probe=True,
+    return [S.all_gather_matmul_plan(r, world, grid, n, channels, bias=bias, fill_own=fill_own, probe=True,
                                      alternate=alternate) for r in range(world)]
 
 
 def _rs_plans(world, grid, *, bias=None, side_gather=None, alternate=True):
     channels = policy.channel_map(world, side_gather, grid)
-    return [P.matmul_reduce_scatter_plan(r, world, grid, channels, bias=bias, probe=True, side_gather=side_gather,
+    return [S.matmul_reduce_scatter_plan(r, world, grid, channels, bias=bias, probe=True, side_gather=side_gather,
                                          alternate=alternate) for r in range(world)]
 
 
@@ -234,10 +235,10 @@ def test_layers_sharing_regions_back_to_back(seed):
         per_rank, bufs = [], []
         for r in range(world):
             if call % 2 == 0:
-                per_rank.append(P.all_gather_matmul_plan(r, world, ag_grid, n, channels, bias=False, probe=True))
+                per_rank.append(S.all_gather_matmul_plan(r, world, ag_grid, n, channels, bias=False, probe=True))
                 bufs.append({"a": _randn(rows, k, gen=gen), "b": _randn(k, n, gen=gen), "out": _nan(world * rows, n)})
             else:
-                per_rank.append(P.matmul_reduce_scatter_plan(r, world, ring_grid, channels, probe=True,
+                per_rank.append(S.matmul_reduce_scatter_plan(r, world, ring_grid, channels, probe=True,
                                                              side_gather=ag_grid))
                 bufs.append({"a": _randn(world * rows, n, gen=gen), "b": _randn(n, k, gen=gen),
                              "x": _randn(rows, k, gen=gen), "out": _nan(rows, k),
@@ -397,7 +398,7 @@ def test_rs_algorithm_choice():
 
 def _direct_plans(world, rows, n, *, bias=False, side_gather=None, alternate=True):
     channels = policy.channel_map(world, side_gather, None, direct=True)
-    return [P.matmul_reduce_scatter_direct_plan(r, world, rows, n, channels, bias=bias, probe=True,
+    return [S.matmul_reduce_scatter_direct_plan(r, world, rows, n, channels, bias=bias, probe=True,
                                                 side_gather=side_gather, alternate=alternate) for r in range(world)]
 
 

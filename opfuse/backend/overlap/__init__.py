@@ -4,7 +4,8 @@ chunked peer-to-peer pipelines over the symmetric pool (issue 5).
 Modules, in the order a call goes through them:
 
 * :mod:`.policy`   sub-chunk grids, signal channels, region sizes (pure Python);
-* :mod:`.plan`     the schedules as per-rank instruction lists (pure Python);
+* :mod:`.plan`     the instruction set of per-rank plans and its synchronisation rules;
+* :mod:`.schedules` the schedules (gather, ring, direct) as plan builders (pure Python);
 * :mod:`.simulate` a CPU interpreter of plans (all ranks/streams, random interleavings) used by
   the tests to check the schedules without GPUs;
 * :mod:`.resources` pool/region lookup and caching; :mod:`.executor` runs a plan on CUDA;

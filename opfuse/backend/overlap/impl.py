@@ -39,6 +39,7 @@ from ...ops.base import OpInputError
 from ...ops.norm import compute_dtype
 from . import policy, resources
 from . import plan as plans
+from . import schedules
 
 __all__ = ["NAME", "check_all_gather_linear", "check_linear_reduce_scatter", "all_gather_linear_forward",
            "all_gather_linear_backward", "linear_reduce_scatter_forward", "linear_reduce_scatter_backward"]
@@ -166,8 +167,9 @@ def _gather_plan(ctx, rows: int, k: int, n: int, dtype, *, bias: bool, fill_own:
     grid = policy.gather_grid(rows, k, setting)
     channels = policy.channel_map(ctx.world, grid, None)
     region = resources.gather_region(ctx.pool, ctx.world, rows, k, _itemsize(dtype))
-    return _bound(ctx, key, lambda: plans.all_gather_matmul_plan(ctx.rank, ctx.world, grid, n, channels, bias=bias,
-                                                                  fill_own=fill_own, gemm=gemm, alternate=alternate),
+    return _bound(ctx, key, lambda: schedules.all_gather_matmul_plan(ctx.rank, ctx.world, grid, n, channels,
+                                                                      bias=bias, fill_own=fill_own, gemm=gemm,
+                                                                      alternate=alternate),
                   {"gather": region}, dtype, {"gather": k})
 
 
@@ -186,7 +188,7 @@ def _rs_channels(world: int, rows: int, n: int, setting: int, side: Optional[pol
 
 def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Optional[int] = None):
     """Reduce-scatter of ``rows x n`` chunks, ring or direct (:func:`.policy.rs_algorithm`);
-    ``bias``: a :data:`~.plan.BIAS_MODES` value; ``side_k``: also re-gather a ``[rows, side_k]``
+    ``bias``: a :data:`~.schedules.BIAS_MODES` value; ``side_k``: also re-gather a ``[rows, side_k]``
     shard."""
     setting = resources.chunk_setting()
     alternate = policy.ALTERNATE_GEMM_STREAMS
@@ -206,15 +208,15 @@ def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Opti
         cols["gather"] = side_k
     if algorithm == "direct":
         def build():
-            return plans.matmul_reduce_scatter_direct_plan(ctx.rank, ctx.world, rows, n, channels,
-                                                            bias=bias is not None, side_gather=side,
-                                                            alternate=alternate)
+            return schedules.matmul_reduce_scatter_direct_plan(ctx.rank, ctx.world, rows, n, channels,
+                                                                bias=bias is not None, side_gather=side,
+                                                                alternate=alternate)
     else:
         def build():
             # No alternation in the ring: two half-chunk GEMMs of one step running concurrently
             # would both finish late and eat the hop's slack; its sub-GEMMs are >= 2 waves anyway.
-            return plans.matmul_reduce_scatter_plan(ctx.rank, ctx.world, grid, channels, bias=bias, side_gather=side,
-                                                     alternate=False)
+            return schedules.matmul_reduce_scatter_plan(ctx.rank, ctx.world, grid, channels, bias=bias,
+                                                         side_gather=side, alternate=False)
     return _bound(ctx, key, build, regions, dtype, cols)
 
 
