@@ -47,7 +47,9 @@ class Config:
     #: Largest message (bytes per rank) for the two-shot kernel; larger messages use NCCL
     #: (``OPFUSE_TWOSHOT_MAX_BYTES``).
     twoshot_max_bytes: int = 256 * 1024 * 1024
-    #: Chunks per rank in the comm+GEMM overlap pipelines (``OPFUSE_OVERLAP_CHUNKS``); 0 = auto.
+    #: Sub-chunks in the comm+GEMM pipelines (``OPFUSE_OVERLAP_CHUNKS``): 0 = automatic (reduce-scatter:
+    #: ring with two row halves when a rank's chunk has >= 1024 rows, else direct push-and-sum;
+    #: all-gather: one GEMM per shard); 1 = direct reduce-scatter; n >= 2 = ring with n sub-chunks.
     overlap_chunks: int = 0
 
 

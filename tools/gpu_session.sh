@@ -3,7 +3,8 @@
 # benchmarks of a stage, keep every log under $OUT, and print a short summary last.
 #
 #   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
-#   tools/gpu_session.sh multi     # 2-4 GPUs: NCCL tests at world 2/4, allreduce+norm and overlap benches
+#   tools/gpu_session.sh multi-tests   # 2-4 GPUs: NCCL tests at world 2 and 4
+#   tools/gpu_session.sh multi-bench   # 2-4 GPUs: allreduce+norm and overlap benchmarks
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
 stage=${1:-single}; shift || true
@@ -29,11 +30,13 @@ case "$stage" in
     step grouped_tests 300 python3 -m pytest -x -q tests/gpu/test_grouped*.py "$@"
     step grouped_bench 240 python3 bench/grouped.py
     ;;
-  multi)
-    step residual_norm_dist 500 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
-    step overlap_tests 400 python3 -m pytest -x -q tests/gpu/test_overlap*.py "$@"
-    step allreduce_bench 500 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
-    step overlap_bench 400 python3 bench/overlap.py --world 2 4
+  multi-tests)
+    step residual_norm_dist 280 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step overlap_tests 250 python3 -m pytest -x -q tests/gpu/test_overlap*.py "$@"
+    ;;
+  multi-bench)
+    step allreduce_bench 330 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
+    step overlap_bench 220 python3 bench/overlap.py --world 2 4
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

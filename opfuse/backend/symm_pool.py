@@ -51,11 +51,12 @@ class Region:
         return self.pool.segments[self.segment].handle
 
     def local_ptr(self) -> int:
-        return self.pool.segments[self.segment].handle.buffer_ptrs[self.pool.rank] + self.offset
+        return self.pool.segments[self.segment].tensor.data_ptr() + self.offset
 
     def peer_ptrs(self) -> list[int]:
         """Device addresses of this region on every rank, in rank order."""
-        return [ptr + self.offset for ptr in self.pool.segments[self.segment].handle.buffer_ptrs]
+        seg = self.pool.segments[self.segment]
+        return [ptr + seg.base_offset + self.offset for ptr in seg.handle.buffer_ptrs]
 
     def local_tensor(self, dtype: torch.dtype = torch.uint8, shape=None) -> torch.Tensor:
         """This rank's part of the region as a tensor view (no copy)."""
@@ -69,15 +70,20 @@ class Region:
         """Rank ``rank``'s part of the region as a tensor (peer memory, through the handle)."""
         seg = self.pool.segments[self.segment]
         element = torch.empty((), dtype=dtype).element_size()
-        if self.offset % element:
-            raise ValueError(f"Region at offset {self.offset} is not aligned for {dtype}")
-        return seg.handle.get_buffer(rank, tuple(shape), dtype, self.offset // element)
+        start = seg.base_offset + self.offset
+        if start % element:
+            raise ValueError(f"Region at offset {start} is not aligned for {dtype}")
+        return seg.handle.get_buffer(rank, tuple(shape), dtype, start // element)
 
 
 @dataclasses.dataclass
 class _Segment:
     tensor: torch.Tensor
     handle: object
+    #: tensor.data_ptr() - handle.buffer_ptrs[rank]: torch may place a symmetric tensor inside a
+    #: larger symmetric allocation; the offset is the same on every rank, so peer addresses are
+    #: buffer_ptrs[peer] + base_offset.
+    base_offset: int = 0
     used: int = 0
 
     @property
@@ -150,7 +156,7 @@ class SymmetricPool:
             enable(self.group_name)
         tensor = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(tensor, self.group)
-        segment = _Segment(tensor, handle)
+        segment = _Segment(tensor, handle, base_offset=tensor.data_ptr() - handle.buffer_ptrs[self.rank])
         self.segments.append(segment)
         return segment
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 
 import torch
@@ -35,6 +36,7 @@ def _worker(rank, world, port, backend, fn, args, errors):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    ok = False
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -42,12 +44,21 @@ def _worker(rank, world, port, backend, fn, args, errors):
         else:
             dist.init_process_group(backend, rank=rank, world_size=world)
         fn(rank, world, *args)
+        ok = True
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put((rank, traceback.format_exc()))
-        raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        try:
+            if ok and dist.is_initialized():
+                dist.barrier()  # nobody tears down while a peer still talks to it
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown problems must not mask the result
+            pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown: gloo's background threads can abort the process at exit
+        # ("terminate called without an active exception"), turning a passed run into a failure.
+        os._exit(0 if ok else 1)
 
 
 def default_backend() -> tuple[str, int]:
