@@ -42,8 +42,9 @@ class Config:
     symm_pool_mb: int = 512
     #: Upper bound of a group's symmetric pool (all segments) in MiB (``OPFUSE_SYMM_POOL_MAX_MB``).
     symm_pool_max_mb: int = 4096
-    #: Largest message (bytes per rank) for the one-shot Lamport kernel (``OPFUSE_ONESHOT_MAX_BYTES``).
-    oneshot_max_bytes: int = 512 * 1024
+    #: Largest message (bytes per rank) for the one-shot Lamport kernel (``OPFUSE_ONESHOT_MAX_BYTES``);
+    #: 0 = the measured crossover for the group's world size (docs/PERF_NOTES.md).
+    oneshot_max_bytes: int = 0
     #: Largest message (bytes per rank) for the two-shot kernel; larger messages use NCCL
     #: (``OPFUSE_TWOSHOT_MAX_BYTES``).
     twoshot_max_bytes: int = 256 * 1024 * 1024

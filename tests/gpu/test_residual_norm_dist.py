@@ -11,6 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
+from opfuse.backend.cuda.residual_norm import oneshot_limit  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -70,7 +71,7 @@ def check_impls(rank, world):
              (1000, 8192, torch.bfloat16), (33, 4096, torch.float32), (4096, 8192, torch.bfloat16)]
     for impl in ("cuda_oneshot", "cuda_twoshot", "nccl+cuda", "reference"):
         for tokens, hidden, dtype in cases:
-            if impl == "cuda_oneshot" and tokens * hidden * 2 > opfuse.config.oneshot_max_bytes:
+            if impl == "cuda_oneshot" and tokens * hidden * dtype.itemsize > oneshot_limit(world):
                 continue
             for norm in ("rms", "layer"):
                 model = block(hidden, dtype, norm)

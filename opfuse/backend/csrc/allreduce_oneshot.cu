@@ -11,6 +11,9 @@
 // (and its clearing) finished. Which buffer, and how much of it is dirty, lives in device memory,
 // so the kernel needs nothing from the host per call and can be captured in CUDA graphs.
 //
+// Blocks: every block pushes an equal share of the message (several SMs per row at small token
+// counts); blocks [0, tokens) then reduce and normalise one row at a time.
+//
 // Region layout (bytes): [0, 256) state; then 3 buffers of world * capacity bytes.
 //   state[0]: completed calls (the iteration counter);  state[1]: blocks finished in this call;
 //   state[2 + b]: elements of buffer b that the last call using it filled.
@@ -21,6 +24,7 @@ namespace opfuse {
 namespace {
 
 constexpr int64_t kStateBytes = 256;
+constexpr int64_t kPushPacksPerBlock = 128;  // 2 KiB per peer per block
 
 inline int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 
@@ -57,19 +61,22 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
       prev[i] = sentinel;
   }
 
-  // 2. Push this rank's rows into slot [rank] of every peer's current buffer.
+  // 2. Push this rank's message into slot [rank] of every peer's current buffer. The message is
+  //    split into equal pack ranges over *all* blocks (there may be more blocks than rows): one
+  //    SM cannot keep enough remote stores in flight, so a single-token message spread over
+  //    several SMs arrives sooner.
   const uint4* x = static_cast<const uint4*>(a.x);
-  for (int64_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-      const int idx = j * blockDim.x + threadIdx.x;
-      if (idx >= nvec) continue;
-      const uint4 value = clear_negative_zero<T>(__ldg(x + row * nvec + idx));
+  {
+    const int64_t per_block = (message_packs + gridDim.x - 1) / gridDim.x;
+    const int64_t begin = blockIdx.x * per_block;
+    const int64_t end = begin + per_block < message_packs ? begin + per_block : message_packs;
+    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      const uint4 value = clear_negative_zero<T>(__ldg(x + i));
       for (int step = 1; step < p.world; ++step) {
         const int peer = (p.rank + step) % p.world;  // stagger so ranks do not all hit one peer
         uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(p.peers[peer]) + kStateBytes +
                                               current * p.buffer_bytes) +
-                     p.rank * message_packs + row * nvec + idx;
+                     p.rank * message_packs + i;
         st_volatile(dst, value);
       }
     }
@@ -153,7 +160,12 @@ const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& re
   if (oneshot_region_bytes(region.world, region.capacity) > region.bytes) return "opfuse one-shot: region too small";
   if (args.tokens == 0) return nullptr;
   const RowLayout layout = row_layout(args.hidden, args.dtype);
-  const int blocks = static_cast<int>(args.tokens < max_blocks ? args.tokens : max_blocks);
+  // At least one block per row (up to max_blocks), and enough blocks that each pushes at most
+  // kPushPacksPerBlock packs.
+  const int64_t packs = args.tokens * layout.nvec;
+  int64_t want = (packs + kPushPacksPerBlock - 1) / kPushPacksPerBlock;
+  if (want < args.tokens) want = args.tokens;
+  const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
   OneShotLaunch launch{args, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
                        buffer_bytes(region.world, align256(region.capacity))};
   return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {

@@ -2,21 +2,24 @@
 // per-block flags.
 //
 // Tokens are split into W chunks of R = ceil(T / W) rows; rank j owns chunk j. Block b of every
-// rank handles rows i = b, b + G, ... (G = gridDim.x, identical on all ranks) of every chunk:
+// rank handles rows i = b, b + G, ... (G = gridDim.x, identical on all ranks) of every chunk, in
+// stages of a few rows. For each stage s:
 //
-//   A. push rows i of chunk j (j != rank) of x into slot [rank] of rank j's reduce-scatter area,
-//      then set flag A[b][rank] on rank j (release);
-//   B. wait for flags A[b][*] on this rank (acquire), sum rows i of its own chunk over the W
-//      slots in rank order (float32), round to the dtype, and push the sums into every rank's
-//      all-gather area; set flag B[b][rank] on every peer;
-//   C. wait for flags B[b][*], then apply bias + residual + norm to rows i of every chunk.
+//   A. push the stage's rows of chunk j (j != rank) of x into slot [rank] of rank j's
+//      reduce-scatter area, then set flag A[b][rank] = seq + s + 1 on rank j (release);
+//   B. wait for flags A[b][*] >= seq + s + 1 on this rank (acquire), sum the stage's rows of its
+//      own chunk over the W slots in rank order (float32), round to the dtype, and push the sums
+//      into every rank's all-gather area; set flag B[b][rank] on every peer;
+//   C. wait for flags B[b][*], then apply bias + residual + norm to the stage's rows of every chunk.
 //
-// Each rank sends 2 (W-1)/W of the message over NVLink, the minimum for an all-reduce without
-// multicast. Blocks move through the phases independently, so one block's phase C overlaps
-// another's phase A. Flags hold the call number (state[0] + 1): no reset between calls. Buffers
-// are reused safely because a peer can only start writing call k+1's data after this rank pushed
-// its own call-k+1 data, i.e. after it finished reading call k's. All ranks compute phase C from
-// the same reduced rows, so outputs are bitwise identical across ranks.
+// A block runs A(s), B(s-1), C(s-2) in turn (a software pipeline), so its NVLink pushes are in
+// flight while it does the HBM-bound norm of earlier rows. Each rank sends 2 (W-1)/W of the
+// message over NVLink, the minimum for an all-reduce without multicast. Flags hold a sequence
+// number that only grows (state[0] counts stages of all calls): no reset between calls, and a
+// later value also satisfies an earlier wait. Buffers are reused safely: a peer can only start
+// call k+1's pushes after this rank pushed its own call-k+1 data, i.e. after it finished reading
+// call k's. All ranks compute phase C from the same reduced rows, so outputs are bitwise
+// identical across ranks.
 //
 // Region layout (bytes): [0, 256) state; flags A and B (kMaxBlocks x kMaxWorld u32 each);
 // reduce-scatter area (W slots of R rows); all-gather area (T rows). Areas are sized for the
@@ -30,6 +33,7 @@ namespace {
 constexpr int64_t kStateBytes = 256;
 constexpr int64_t kFlagBytes = 2LL * kMaxBlocks * kMaxWorld * sizeof(uint32_t);
 constexpr int64_t kMaxRowBytes = 65536LL * 2;
+constexpr int64_t kMaxStages = 8;
 
 __host__ __device__ inline int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 __host__ __device__ inline int64_t rs_bytes(int world, int64_t capacity) { return align256(capacity + world * kMaxRowBytes); }
@@ -43,6 +47,7 @@ struct TwoShotLaunch {
   int rank;
   int world;
   int64_t ag_offset;
+  int64_t rows_per_stage;
 };
 
 __device__ __forceinline__ uint32_t* flag_ptr(uint64_t base, int phase, int block, int src) {
@@ -77,7 +82,11 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
   const ResidualNormArgs& a = p.args;
   const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
   const int64_t rows_per_rank = (a.tokens + p.world - 1) / p.world;
-  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(p.state) + 1;
+  const int64_t G = gridDim.x;
+  // Stage s of this block covers chunk rows i = blockIdx.x + (s * R + r) * G, r < R.
+  const int64_t R = p.rows_per_stage;
+  const int stages = static_cast<int>((rows_per_rank + G * R - 1) / (G * R));
+  const uint32_t seq0 = *reinterpret_cast<volatile uint32_t*>(p.state);
   const uint4* x = static_cast<const uint4*>(a.x);
 
   auto rs_slot = [&](int owner, int src, int64_t i) {  // row i of src's contribution, on owner
@@ -87,74 +96,91 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
   auto ag_row = [&](int owner, int64_t t) {
     return reinterpret_cast<uint4*>(reinterpret_cast<char*>(p.peers[owner]) + p.ag_offset) + t * nvec;
   };
+  auto row_of = [&](int stage, int r) { return blockIdx.x + (static_cast<int64_t>(stage) * R + r) * G; };
 
-  // A. Reduce-scatter, push side.
-  for (int64_t i = blockIdx.x; i < rows_per_rank; i += gridDim.x) {
-    for (int step = 1; step < p.world; ++step) {
-      const int owner = (p.rank + step) % p.world;
-      const int64_t t = owner * rows_per_rank + i;
-      if (t >= a.tokens) continue;
-      uint4* dst = rs_slot(owner, p.rank, i);
+  // A(s): push rows of stage s of every other rank's chunk to that rank.
+  auto push_stage = [&](int stage) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = row_of(stage, r);
+      if (i >= rows_per_rank) break;
+      for (int step = 1; step < p.world; ++step) {
+        const int owner = (p.rank + step) % p.world;
+        const int64_t t = owner * rows_per_rank + i;
+        if (t >= a.tokens) continue;
+        uint4* dst = rs_slot(owner, p.rank, i);
 #pragma unroll
-      for (int j = 0; j < VPT; ++j) {
-        const int idx = j * blockDim.x + threadIdx.x;
-        if (idx < nvec) dst[idx] = __ldg(x + t * nvec + idx);
+        for (int j = 0; j < VPT; ++j) {
+          const int idx = j * blockDim.x + threadIdx.x;
+          if (idx < nvec) dst[idx] = __ldg(x + t * nvec + idx);
+        }
       }
     }
-  }
-  __syncthreads();
-  signal_peers(p, 0, epoch);
+    __syncthreads();
+    signal_peers(p, 0, seq0 + stage + 1);
+  };
 
-  // B. Reduce this rank's chunk; push the sums to every rank.
-  wait_peers(p, 0, epoch, "two-shot reduce-scatter");
-  const uint4* own_rs = rs_slot(p.rank, 0, 0);
-  for (int64_t i = blockIdx.x; i < rows_per_rank; i += gridDim.x) {
-    const int64_t t = p.rank * rows_per_rank + i;
-    if (t >= a.tokens) break;
-    RowRegs<T, VPT> regs;
-    regs.zero();
-    for (int src = 0; src < p.world; ++src) {
+  // B(s): reduce this rank's rows of stage s over all slots, push the sums to every rank.
+  auto reduce_stage = [&](int stage) {
+    wait_peers(p, 0, seq0 + stage + 1, "two-shot reduce-scatter");
+    const uint4* own_rs = rs_slot(p.rank, 0, 0);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = row_of(stage, r);
+      const int64_t t = p.rank * rows_per_rank + i;
+      if (i >= rows_per_rank || t >= a.tokens) break;
+      RowRegs<T, VPT> regs;
+      regs.zero();
+      for (int src = 0; src < p.world; ++src) {
+#pragma unroll
+        for (int j = 0; j < VPT; ++j) {
+          const int idx = j * blockDim.x + threadIdx.x;
+          if (idx >= nvec) continue;
+          regs.add(j, src == p.rank ? __ldg(x + t * nvec + idx)
+                                    : ld_l2(own_rs + (src * rows_per_rank + i) * nvec + idx));
+        }
+      }
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
         const int idx = j * blockDim.x + threadIdx.x;
         if (idx >= nvec) continue;
-        regs.add(j, src == p.rank ? __ldg(x + t * nvec + idx)
-                                  : ld_l2(own_rs + (src * rows_per_rank + i) * nvec + idx));
+        const uint4 sum = regs.round(j);
+        for (int step = 0; step < p.world; ++step) ag_row((p.rank + step) % p.world, t)[idx] = sum;
       }
     }
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-      const int idx = j * blockDim.x + threadIdx.x;
-      if (idx >= nvec) continue;
-      const uint4 sum = regs.round(j);
-      for (int step = 0; step < p.world; ++step) {
-        const int peer = (p.rank + step) % p.world;
-        ag_row(peer, t)[idx] = sum;
-      }
-    }
-  }
-  __syncthreads();
-  signal_peers(p, 1, epoch);
+    __syncthreads();
+    signal_peers(p, 1, seq0 + stage + 1);
+  };
 
-  // C. All rows of every chunk that this block's index covers: bias + residual + norm.
-  wait_peers(p, 1, epoch, "two-shot all-gather");
-  for (int owner = 0; owner < p.world; ++owner) {
-    for (int64_t i = blockIdx.x; i < rows_per_rank; i += gridDim.x) {
-      const int64_t t = owner * rows_per_rank + i;
-      if (t >= a.tokens) break;
-      RowRegs<T, VPT> regs;
-      regs.zero();
-      const uint4* sums = ag_row(p.rank, t);
+  // C(s): bias + residual + norm for rows of stage s of every chunk.
+  auto finish_stage = [&](int stage) {
+    wait_peers(p, 1, seq0 + stage + 1, "two-shot all-gather");
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = row_of(stage, r);
+      if (i >= rows_per_rank) break;
+      for (int owner = 0; owner < p.world; ++owner) {
+        const int64_t t = owner * rows_per_rank + i;
+        if (t >= a.tokens) break;
+        RowRegs<T, VPT> regs;
+        regs.zero();
+        const uint4* sums = ag_row(p.rank, t);
 #pragma unroll
-      for (int j = 0; j < VPT; ++j) {
-        const int idx = j * blockDim.x + threadIdx.x;
-        if (idx < nvec) regs.add(j, ld_l2(sums + idx));
+        for (int j = 0; j < VPT; ++j) {
+          const int idx = j * blockDim.x + threadIdx.x;
+          if (idx < nvec) regs.add(j, ld_l2(sums + idx));
+        }
+        finish_row<T, VPT>(regs, t, a, nvec, scratch);
       }
-      finish_row<T, VPT>(regs, t, a, nvec, scratch);
     }
+  };
+
+  // Software pipeline: the pushes of stage s go out before the reduction of stage s-1 and the
+  // norm of stage s-2, so NVLink transfers overlap this block's HBM-bound work.
+  for (int s = 0; s < stages + 2; ++s) {
+    if (s < stages) push_stage(s);
+    if (s >= 1 && s <= stages) reduce_stage(s - 1);
+    if (s >= 2) finish_stage(s - 2);
   }
 
-  // The last block to finish publishes the call number.
+  // The last block to finish publishes the sequence number.
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -162,7 +188,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
     if (done == gridDim.x - 1) {
       p.state[1] = 0;
       __threadfence();
-      atomicExch(p.state, epoch);
+      atomicExch(p.state, seq0 + static_cast<uint32_t>(stages));
     }
   }
 }
@@ -191,8 +217,12 @@ const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& re
   if (twoshot_region_bytes(region.world, region.capacity) > region.bytes) return "opfuse two-shot: region too small";
   if (args.tokens == 0) return nullptr;
   const RowLayout layout = row_layout(args.hidden, args.dtype);
+  // Rows per stage: at most kMaxStages stages per block (each stage costs two flag hand-offs).
+  const int64_t rows_per_rank = (args.tokens + region.world - 1) / region.world;
+  const int64_t per_block = (rows_per_rank + blocks - 1) / blocks;
+  const int64_t rows_per_stage = (per_block + kMaxStages - 1) / kMaxStages;
   TwoShotLaunch launch{args, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
-                       ag_offset(region.world, region.capacity)};
+                       ag_offset(region.world, region.capacity), rows_per_stage < 1 ? 1 : rows_per_stage};
   return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {
     twoshot_kernel<T, VPT><<<blocks, layout.threads, 0, stream>>>(launch);
     return launch_status();

@@ -32,7 +32,19 @@ __all__ = ["check_oneshot", "check_twoshot", "check_nccl_then_kernel", "check_lo
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 NORMS = {"none": 0, "rms": 1, "layer": 2}
-_MIN_TWOSHOT_CAPACITY = 8 << 20
+_MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20}
+# Largest message (bytes per rank) for which the one-shot kernel beats the two-shot one, by world
+# size, measured with bench/allreduce_norm.py (docs/PERF_NOTES.md). OPFUSE_ONESHOT_MAX_BYTES
+# overrides it.
+_ONESHOT_AUTO_MAX = {2: 512 << 10, 4: 512 << 10}
+_ONESHOT_DEFAULT_MAX = 512 << 10
+
+
+def oneshot_limit(world: int) -> int:
+    """Largest message the one-shot kernel takes at ``world`` ranks."""
+    if config.oneshot_max_bytes:
+        return config.oneshot_max_bytes
+    return _ONESHOT_AUTO_MAX.get(world, _ONESHOT_DEFAULT_MAX)
 
 
 # Capability checks -------------------------------------------------------------------------
@@ -76,9 +88,8 @@ _plans: dict[tuple, _PeerPlan] = {}
 
 
 def _capacity(kind: str, message: int) -> int:
-    if kind == "oneshot":
-        return config.oneshot_max_bytes
-    capacity = _MIN_TWOSHOT_CAPACITY
+    """Regions come in power-of-two size classes, so programs of similar sizes share one."""
+    capacity = _MIN_CAPACITY[kind]
     while capacity < message:
         capacity *= 2
     return capacity
@@ -119,23 +130,23 @@ def _plan(group_name: str, kind: str, dtype: torch.dtype, message: int) -> _Peer
     return plan
 
 
-def _check_peer(kind: str, limit: int):
+def _check_peer(kind: str, limit):
     def check(spec) -> str | None:
         reason = _kernel_reason(spec)
         if reason:
             return reason
         message = _message_bytes(spec)
-        if message > limit():
+        if message > limit(spec.world_size):
             setting = "OPFUSE_ONESHOT_MAX_BYTES" if kind == "oneshot" else "OPFUSE_TWOSHOT_MAX_BYTES"
-            return f"message of {message} bytes exceeds {setting}={limit()}"
+            return f"message of {message} bytes exceeds {setting} ({limit(spec.world_size)} at world {spec.world_size})"
         plan = _plan(spec.group_name, kind, spec.dtype, message)
         return plan if isinstance(plan, str) else None
 
     return check
 
 
-check_oneshot = _check_peer("oneshot", lambda: config.oneshot_max_bytes)
-check_twoshot = _check_peer("twoshot", lambda: config.twoshot_max_bytes)
+check_oneshot = _check_peer("oneshot", oneshot_limit)
+check_twoshot = _check_peer("twoshot", lambda world: config.twoshot_max_bytes)
 
 
 def check_nccl_then_kernel(spec) -> str | None:
@@ -220,7 +231,7 @@ def _peer_forward(kind: str):
         args = (_ptr(x), _ptr(bias), _ptr(residual), _ptr(weight), _ptr(norm_bias), y.data_ptr(), _ptr(h if h.numel() else None),
                 tokens, hidden, float(eps), NORMS[norm], DTYPES[x.dtype], plan.peer_region)
         if kind == "oneshot":
-            ext.allreduce_oneshot(*args, min(max(tokens, 1), _sm_count()), stream)
+            ext.allreduce_oneshot(*args, _sm_count(), stream)
         else:
             world = plan.peer_region.world
             blocks = max(1, min(ext.MAX_BLOCKS, -(-tokens // world)))
