@@ -10,7 +10,7 @@ from torch import fx
 
 from ..config import config, version
 from ..debug.dump import render_python, render_text
-from ..ops.base import BasicOp, TensorMeta
+from ..ops.base import BasicOp, TensorMeta, structure_version
 from ..ops.sequential import Sequential
 from ..passes.pipeline import PassContext, run_pipeline
 from ..passes.rule import generation
@@ -24,9 +24,8 @@ _program_ids = itertools.count()
 
 def signature(seq: Sequential, inputs) -> tuple:
     """Everything a compiled program depends on besides the block's structure."""
-    shapes = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in inputs)
-    params = tuple(p.requires_grad for p in seq.parameters())
-    return shapes, params, torch.is_grad_enabled(), version(), generation()
+    shapes = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in inputs)
+    return shapes, seq.requires_grad_key(), torch.is_grad_enabled(), version(), generation(), structure_version()
 
 
 def _light_copy(gm: fx.GraphModule) -> fx.GraphModule:

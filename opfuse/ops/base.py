@@ -16,7 +16,15 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
-__all__ = ["BasicOp", "OpInputError", "TensorMeta", "check_meta_equal", "dtype_name"]
+__all__ = ["BasicOp", "OpInputError", "TensorMeta", "check_meta_equal", "dtype_name", "structure_version"]
+
+_structure_version = 0
+
+
+def structure_version() -> int:
+    """Bumped whenever an op gets a new parameter or submodule object (compiled programs hold
+    references to parameters, so replacing one invalidates them)."""
+    return _structure_version
 
 
 class OpInputError(ValueError):
@@ -102,6 +110,16 @@ class BasicOp(nn.Module):
     is_collective: ClassVar[bool] = False
     #: True for composite ops that the partition pass expands into basic ops.
     is_composite: ClassVar[bool] = False
+
+    def __setattr__(self, name, value):
+        global _structure_version
+        # Replacing an existing parameter or submodule (not the first assignment in __init__)
+        # invalidates compiled programs, which hold references to the old objects.
+        params, modules = self.__dict__.get("_parameters", {}), self.__dict__.get("_modules", {})
+        replaced = (name in params and params[name] is not value) or (name in modules and modules[name] is not value)
+        super().__setattr__(name, value)
+        if replaced:
+            _structure_version += 1
 
     @property
     def kind(self) -> str:

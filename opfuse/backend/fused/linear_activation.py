@@ -17,7 +17,7 @@ from torch import Tensor
 from ...ops.base import TensorMeta
 from ...ops.norm import compute_dtype
 from .. import dispatch
-from .base import FusedOp
+from .base import FusedCall, FusedOp
 
 __all__ = ["LinearBiasActivation", "reference_forward", "reference_backward", "cublaslt_forward", "cublaslt_check"]
 
@@ -64,29 +64,27 @@ def cublaslt_forward(x, weight, bias, *, activation, save_pre):
     return y.reshape(x.shape[:-1] + (weight.shape[0],)), x.new_empty(0)
 
 
-@torch.library.custom_op("opfuse::linear_bias_activation", mutates_args=())
-def linear_bias_activation(x: Tensor, weight: Tensor, bias: Tensor, activation: str, impl: str,
-                           save_pre: bool) -> tuple[Tensor, Tensor]:
+def _linear_bias_activation(x: Tensor, weight: Tensor, bias: Tensor, activation: str, impl: str,
+                            save_pre: bool) -> tuple[Tensor, Tensor]:
     return dispatch.get("linear_bias_activation", impl).forward(x, weight, bias, activation=activation,
                                                                 save_pre=save_pre)
 
 
-@linear_bias_activation.register_fake
-def _(x, weight, bias, activation, impl, save_pre):
+def _linear_bias_activation_fake(x, weight, bias, activation, impl, save_pre):
     shape = tuple(x.shape[:-1]) + (weight.shape[0],)
     return x.new_empty(shape), (x.new_empty(shape) if save_pre else x.new_empty(0))
 
 
-@torch.library.custom_op("opfuse::linear_bias_activation_backward", mutates_args=())
-def linear_bias_activation_backward(dy: Tensor, x: Tensor, weight: Tensor, pre: Tensor, activation: str,
-                                    impl: str) -> tuple[Tensor, Tensor, Tensor]:
+def _linear_bias_activation_backward(dy: Tensor, x: Tensor, weight: Tensor, pre: Tensor, activation: str,
+                                     impl: str) -> tuple[Tensor, Tensor, Tensor]:
     chosen = dispatch.get("linear_bias_activation", impl)
     return (chosen.backward or reference_backward)(dy, x, weight, pre, activation=activation)
 
 
-@linear_bias_activation_backward.register_fake
-def _(dy, x, weight, pre, activation, impl):
-    return torch.empty_like(x), torch.empty_like(weight), dy.new_empty(weight.shape[0])
+LINEAR_BIAS_ACTIVATION_BACKWARD = FusedCall(
+    "opfuse::linear_bias_activation_backward", _linear_bias_activation_backward,
+    lambda dy, x, weight, pre, activation, impl: (torch.empty_like(x), torch.empty_like(weight),
+                                                  dy.new_empty(weight.shape[0])))
 
 
 def _setup(ctx, inputs, output):
@@ -100,12 +98,12 @@ def _backward(ctx, dy, _dpre):
     if pre.numel() == 0:
         raise RuntimeError("opfuse linear_bias_activation backward: the pre-activation was not kept; the program "
                            "was compiled for inputs that did not require grad")
-    dx, dw, db = torch.ops.opfuse.linear_bias_activation_backward(dy.contiguous(), x, weight, pre, ctx.activation,
-                                                                  ctx.impl)
+    dx, dw, db = LINEAR_BIAS_ACTIVATION_BACKWARD(dy.contiguous(), x, weight, pre, ctx.activation, ctx.impl)
     return dx, dw, db, None, None, None
 
 
-linear_bias_activation.register_autograd(_backward, setup_context=_setup)
+LINEAR_BIAS_ACTIVATION = FusedCall("opfuse::linear_bias_activation", _linear_bias_activation,
+                                   _linear_bias_activation_fake, _setup, _backward)
 
 
 class LinearBiasActivation(FusedOp):
@@ -136,6 +134,5 @@ class LinearBiasActivation(FusedOp):
         )
 
     def forward(self, x):
-        y, _pre = torch.ops.opfuse.linear_bias_activation(x, self.weight, self.bias, self.activation, self._impl(),
-                                                           self.save_pre)
+        y, _pre = LINEAR_BIAS_ACTIVATION(x, self.weight, self.bias, self.activation, self._impl(), self.save_pre)
         return y

@@ -27,7 +27,7 @@ from ...ops.base import TensorMeta
 from ...ops.norm import compute_dtype
 from ...ops.collectives import raw_all_gather, raw_reduce_scatter
 from .. import dispatch
-from .base import FusedOp
+from .base import FusedCall, FusedOp
 
 __all__ = ["AllGatherLinear", "LinearReduceScatter", "ag_linear_reference", "ag_linear_backward_reference",
            "linear_rs_reference", "linear_rs_backward_reference"]
@@ -77,30 +77,32 @@ def linear_rs_backward_reference(dy, x, weight, *, bias_after, group, need_dx, n
 # Custom ops ---------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("opfuse::all_gather_linear", mutates_args=())
-def all_gather_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
+def _all_gather_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, impl: str) -> Tensor:
     return dispatch.get("all_gather_linear", impl).forward(x, weight, bias, group=group)
 
 
-@all_gather_linear.register_fake
-def _(x, weight, bias, group, impl):
+def _all_gather_linear_fake(x, weight, bias, group, impl):
     world = groups.world_size(groups.from_name(group))
     return x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
 
 
-@torch.library.custom_op("opfuse::all_gather_linear_backward", mutates_args=())
-def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, impl: str, need_dx: bool,
-                               need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, impl: str, need_dx: bool,
+                                need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     chosen = dispatch.get("all_gather_linear", impl)
     backward = chosen.backward or ag_linear_backward_reference
     return backward(dy, x, weight, group=group, need_dx=need_dx, need_dw=need_dw, need_db=need_db)
 
 
-@all_gather_linear_backward.register_fake
-def _(dy, x, weight, group, impl, need_dx, need_dw, need_db):
+def _grads_fake(dy, x, weight, need_dx, need_dw, need_db):
     return (torch.empty_like(x) if need_dx else dy.new_empty(0),
             torch.empty_like(weight) if need_dw else dy.new_empty(0),
             dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0))
+
+
+AG_LINEAR_BACKWARD = FusedCall(
+    "opfuse::all_gather_linear_backward", _all_gather_linear_backward,
+    lambda dy, x, weight, group, impl, need_dx, need_dw, need_db: _grads_fake(dy, x, weight, need_dx, need_dw,
+                                                                             need_db))
 
 
 def _ag_setup(ctx, inputs, output):
@@ -112,41 +114,38 @@ def _ag_setup(ctx, inputs, output):
 def _ag_backward(ctx, dy):
     x, weight = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    dx, dw, db = torch.ops.opfuse.all_gather_linear_backward(
-        dy.contiguous(), x, weight, ctx.group, ctx.impl, need_dx, need_dw, need_db and ctx.has_bias)
+    dx, dw, db = AG_LINEAR_BACKWARD(dy.contiguous(), x, weight, ctx.group, ctx.impl, need_dx, need_dw,
+                                    need_db and ctx.has_bias)
     return (dx if need_dx else None, dw if need_dw else None, db if need_db and ctx.has_bias else None,
             None, None)
 
 
-all_gather_linear.register_autograd(_ag_backward, setup_context=_ag_setup)
+AG_LINEAR = FusedCall("opfuse::all_gather_linear", _all_gather_linear, _all_gather_linear_fake, _ag_setup,
+                      _ag_backward)
 
 
-@torch.library.custom_op("opfuse::linear_reduce_scatter", mutates_args=())
-def linear_reduce_scatter(x: Tensor, weight: Tensor, bias: Optional[Tensor], bias_after: bool, group: str,
-                          impl: str) -> Tensor:
+def _linear_reduce_scatter(x: Tensor, weight: Tensor, bias: Optional[Tensor], bias_after: bool, group: str,
+                           impl: str) -> Tensor:
     return dispatch.get("linear_reduce_scatter", impl).forward(x, weight, bias, bias_after=bias_after, group=group)
 
 
-@linear_reduce_scatter.register_fake
-def _(x, weight, bias, bias_after, group, impl):
+def _linear_reduce_scatter_fake(x, weight, bias, bias_after, group, impl):
     world = groups.world_size(groups.from_name(group))
     return x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
 
 
-@torch.library.custom_op("opfuse::linear_reduce_scatter_backward", mutates_args=())
-def linear_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, bias_after: bool, group: str, impl: str,
-                                   need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _linear_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, bias_after: bool, group: str, impl: str,
+                                    need_dx: bool, need_dw: bool, need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     chosen = dispatch.get("linear_reduce_scatter", impl)
     backward = chosen.backward or linear_rs_backward_reference
     return backward(dy, x, weight, bias_after=bias_after, group=group, need_dx=need_dx, need_dw=need_dw,
                     need_db=need_db)
 
 
-@linear_reduce_scatter_backward.register_fake
-def _(dy, x, weight, bias_after, group, impl, need_dx, need_dw, need_db):
-    return (torch.empty_like(x) if need_dx else dy.new_empty(0),
-            torch.empty_like(weight) if need_dw else dy.new_empty(0),
-            dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0))
+LINEAR_RS_BACKWARD = FusedCall(
+    "opfuse::linear_reduce_scatter_backward", _linear_reduce_scatter_backward,
+    lambda dy, x, weight, bias_after, group, impl, need_dx, need_dw, need_db: _grads_fake(dy, x, weight, need_dx,
+                                                                                         need_dw, need_db))
 
 
 def _rs_setup(ctx, inputs, output):
@@ -158,14 +157,14 @@ def _rs_setup(ctx, inputs, output):
 def _rs_backward(ctx, dy):
     x, weight = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    dx, dw, db = torch.ops.opfuse.linear_reduce_scatter_backward(
-        dy.contiguous(), x, weight, ctx.bias_after, ctx.group, ctx.impl, need_dx, need_dw,
-        need_db and ctx.has_bias)
+    dx, dw, db = LINEAR_RS_BACKWARD(dy.contiguous(), x, weight, ctx.bias_after, ctx.group, ctx.impl, need_dx,
+                                    need_dw, need_db and ctx.has_bias)
     return (dx if need_dx else None, dw if need_dw else None, db if need_db and ctx.has_bias else None,
             None, None, None)
 
 
-linear_reduce_scatter.register_autograd(_rs_backward, setup_context=_rs_setup)
+LINEAR_RS = FusedCall("opfuse::linear_reduce_scatter", _linear_reduce_scatter, _linear_reduce_scatter_fake,
+                      _rs_setup, _rs_backward)
 
 
 # Fused modules --------------------------------------------------------------------------------
@@ -210,8 +209,7 @@ class AllGatherLinear(_CommLinear):
     op_name = "all_gather_linear"
 
     def forward(self, x):
-        return torch.ops.opfuse.all_gather_linear(x, self.weight, self.bias, groups.group_name(self.group),
-                                                  self._impl())
+        return AG_LINEAR(x, self.weight, self.bias, groups.group_name(self.group), self._impl())
 
 
 class LinearReduceScatter(_CommLinear):
@@ -232,5 +230,4 @@ class LinearReduceScatter(_CommLinear):
         return {"bias_after": self.bias_after}
 
     def forward(self, x):
-        return torch.ops.opfuse.linear_reduce_scatter(x, self.weight, self.bias, self.bias_after,
-                                                      groups.group_name(self.group), self._impl())
+        return LINEAR_RS(x, self.weight, self.bias, self.bias_after, groups.group_name(self.group), self._impl())

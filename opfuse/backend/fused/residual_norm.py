@@ -31,7 +31,7 @@ from ...ops.base import TensorMeta
 from ...ops.collectives import raw_all_reduce
 from ...ops.norm import compute_dtype, layer_norm_reference, rms_norm_reference
 from .. import dispatch
-from .base import FusedOp
+from .base import FusedCall, FusedOp
 
 __all__ = [
     "AllReduceAddRMSNorm",
@@ -98,33 +98,33 @@ def reference_backward(dy, h, weight, norm_bias, *, norm, eps):
 # Custom ops --------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("opfuse::residual_norm", mutates_args=())
-def residual_norm(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], weight: Optional[Tensor],
-                  norm_bias: Optional[Tensor], norm: str, eps: float, group: str, op: str, impl: str,
-                  write_residual: bool) -> tuple[Tensor, Tensor]:
+def _residual_norm(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], weight: Optional[Tensor],
+                   norm_bias: Optional[Tensor], norm: str, eps: float, group: str, op: str, impl: str,
+                   write_residual: bool) -> tuple[Tensor, Tensor]:
     return dispatch.get(op, impl).forward(x, bias, residual, weight, norm_bias, norm=norm, eps=eps, group=group,
                                           write_residual=write_residual)
 
 
-@residual_norm.register_fake
-def _(x, bias, residual, weight, norm_bias, norm, eps, group, op, impl, write_residual):
+def _residual_norm_fake(x, bias, residual, weight, norm_bias, norm, eps, group, op, impl, write_residual):
     keep_h = write_residual and norm != "none"
     return torch.empty_like(x), (torch.empty_like(x) if keep_h else x.new_empty(0))
 
 
-@torch.library.custom_op("opfuse::residual_norm_backward", mutates_args=())
-def residual_norm_backward(dy: Tensor, h: Tensor, weight: Optional[Tensor], norm_bias: Optional[Tensor],
-                           norm: str, eps: float, op: str, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+def _residual_norm_backward(dy: Tensor, h: Tensor, weight: Optional[Tensor], norm_bias: Optional[Tensor],
+                            norm: str, eps: float, op: str, impl: str) -> tuple[Tensor, Tensor, Tensor]:
     chosen = dispatch.get(op, impl)
     backward = chosen.backward or reference_backward
     return backward(dy, h, weight, norm_bias, norm=norm, eps=eps)
 
 
-@residual_norm_backward.register_fake
-def _(dy, h, weight, norm_bias, norm, eps, op, impl):
+def _residual_norm_backward_fake(dy, h, weight, norm_bias, norm, eps, op, impl):
     dw = torch.empty_like(weight) if weight is not None else dy.new_empty(0)
     db = torch.empty_like(norm_bias) if norm_bias is not None else dy.new_empty(0)
     return torch.empty_like(dy), dw, db
+
+
+RESIDUAL_NORM_BACKWARD = FusedCall("opfuse::residual_norm_backward", _residual_norm_backward,
+                                   _residual_norm_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -150,8 +150,8 @@ def _backward(ctx, dy, dh_out):
                 "opfuse residual_norm backward: the pre-norm sum was not kept; the program was compiled "
                 "for inputs that did not require grad (call the block again with requires_grad inputs)"
             )
-        dsum, dw_full, dnb_full = torch.ops.opfuse.residual_norm_backward(
-            dy.contiguous(), h, weight, norm_bias, ctx.norm, ctx.eps, ctx.op, ctx.impl)
+        dsum, dw_full, dnb_full = RESIDUAL_NORM_BACKWARD(dy.contiguous(), h, weight, norm_bias, ctx.norm, ctx.eps,
+                                                         ctx.op, ctx.impl)
         dw = dw_full if weight is not None else None
         dnb = dnb_full if norm_bias is not None else None
     if dh_out is not None:
@@ -163,7 +163,7 @@ def _backward(ctx, dy, dh_out):
     return dsum, dbias, dres, dw, dnb, None, None, None, None, None, None
 
 
-residual_norm.register_autograd(_backward, setup_context=_setup_context)
+RESIDUAL_NORM = FusedCall("opfuse::residual_norm", _residual_norm, _residual_norm_fake, _setup_context, _backward)
 
 
 # Fused modules -------------------------------------------------------------------------------
@@ -227,9 +227,8 @@ class _ResidualNorm(FusedOp):
 
     def forward(self, x, residual=None):
         group = groups.group_name(self.group) if self.reduces else ""
-        return torch.ops.opfuse.residual_norm(
-            x, self.bias, residual, self.weight, self.norm_bias, self.norm, self.eps, group, self.op_name,
-            self._impl(), self.write_residual)
+        return RESIDUAL_NORM(x, self.bias, residual, self.weight, self.norm_bias, self.norm, self.eps, group,
+                             self.op_name, self._impl(), self.write_residual)
 
 
 class AllReduceAddRMSNorm(_ResidualNorm):

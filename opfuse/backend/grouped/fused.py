@@ -24,7 +24,7 @@ from ...ops import group as groups
 from ...ops.base import TensorMeta
 from ...ops.collectives import raw_all_gather, raw_reduce_scatter
 from .. import dispatch
-from ..fused.base import FusedOp
+from ..fused.base import FusedCall, FusedOp
 
 __all__ = ["GroupedGemm", "OP_NAME"]
 
@@ -48,8 +48,7 @@ def _gather(t: Tensor | None, shape, fsdp_group: str) -> Tensor | None:
     return raw_all_gather(t, groups.from_name(fsdp_group)).view(shape)
 
 
-@torch.library.custom_op("opfuse::grouped_linear", mutates_args=())
-def grouped_linear(x: Tensor, group_sizes: Tensor, weight: Tensor, bias: Optional[Tensor], fsdp_group: str,
+def _grouped_linear(x: Tensor, group_sizes: Tensor, weight: Tensor, bias: Optional[Tensor], fsdp_group: str,
                    impl: str) -> Tensor:
     shape = _full_shape(weight, group_sizes.shape[0], fsdp_group)
     full_w = _gather(weight, shape, fsdp_group)
@@ -57,13 +56,11 @@ def grouped_linear(x: Tensor, group_sizes: Tensor, weight: Tensor, bias: Optiona
     return dispatch.get(OP_NAME, impl).forward(x.contiguous(), group_sizes, full_w, full_b)
 
 
-@grouped_linear.register_fake
-def _(x, group_sizes, weight, bias, fsdp_group, impl):
+def _grouped_linear_fake(x, group_sizes, weight, bias, fsdp_group, impl):
     return x.new_empty(x.shape[0], _full_shape(weight, group_sizes.shape[0], fsdp_group)[1])
 
 
-@torch.library.custom_op("opfuse::grouped_linear_backward", mutates_args=())
-def grouped_linear_backward(dy: Tensor, x: Tensor, group_sizes: Tensor, weight: Tensor, bias: Optional[Tensor],
+def _grouped_linear_backward(dy: Tensor, x: Tensor, group_sizes: Tensor, weight: Tensor, bias: Optional[Tensor],
                             fsdp_group: str, impl: str, need_dx: bool, need_dw: bool,
                             need_db: bool) -> tuple[Tensor, Tensor, Tensor]:
     shape = _full_shape(weight, group_sizes.shape[0], fsdp_group)
@@ -83,11 +80,14 @@ def grouped_linear_backward(dy: Tensor, x: Tensor, group_sizes: Tensor, weight: 
     return dx, dw, db
 
 
-@grouped_linear_backward.register_fake
-def _(dy, x, group_sizes, weight, bias, fsdp_group, impl, need_dx, need_dw, need_db):
+def _grouped_linear_backward_fake(dy, x, group_sizes, weight, bias, fsdp_group, impl, need_dx, need_dw, need_db):
     return (torch.empty_like(x) if need_dx else dy.new_empty(0),
             torch.empty_like(weight) if need_dw else dy.new_empty(0),
             torch.empty_like(bias) if need_db else dy.new_empty(0))
+
+
+GROUPED_LINEAR_BACKWARD = FusedCall("opfuse::grouped_linear_backward", _grouped_linear_backward,
+                                    _grouped_linear_backward_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -100,12 +100,12 @@ def _backward(ctx, dy):
     x, group_sizes, weight, bias = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     need_db = bias is not None and ctx.needs_input_grad[3]
-    dx, dw, db = torch.ops.opfuse.grouped_linear_backward(
-        dy, x, group_sizes, weight, bias, ctx.fsdp_group, ctx.impl, need_dx, need_dw, need_db)
+    dx, dw, db = GROUPED_LINEAR_BACKWARD(dy, x, group_sizes, weight, bias, ctx.fsdp_group, ctx.impl, need_dx, need_dw,
+                                         need_db)
     return dx if need_dx else None, None, dw if need_dw else None, db if need_db else None, None, None
 
 
-grouped_linear.register_autograd(_backward, setup_context=_setup)
+GROUPED_LINEAR = FusedCall("opfuse::grouped_linear", _grouped_linear, _grouped_linear_fake, _setup, _backward)
 
 
 class GroupedGemm(FusedOp):
@@ -164,5 +164,4 @@ class GroupedGemm(FusedOp):
         )
 
     def forward(self, x, group_sizes):
-        return torch.ops.opfuse.grouped_linear(x, group_sizes, self.weight, self.bias, self._fsdp_name(),
-                                               self._impl())
+        return GROUPED_LINEAR(x, group_sizes, self.weight, self.bias, self._fsdp_name(), self._impl())
