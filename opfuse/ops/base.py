@@ -95,7 +95,20 @@ def _fmt(value) -> str:
     return str(value)
 
 
-class BasicOp(nn.Module):
+class Described:
+    """``kind`` (what rules match on: the class name) and ``describe()`` (for messages and dumps)
+    of ops and fused ops."""
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+    def describe(self) -> str:
+        extra = self.extra_repr()
+        return f"{self.kind}({extra})" if extra else self.kind
+
+
+class BasicOp(Described, nn.Module):
     """Base class of fusible ops.
 
     Subclasses set the class attributes below, implement ``forward(x, *extra_inputs)`` as the
@@ -120,16 +133,6 @@ class BasicOp(nn.Module):
         super().__setattr__(name, value)
         if replaced:
             _structure_version += 1
-
-    @property
-    def kind(self) -> str:
-        """The op kind rules match on: the class name (``"RMSNorm"``)."""
-        return type(self).__name__
-
-    def describe(self) -> str:
-        """Name used in error messages: the kind and its arguments."""
-        extra = self.extra_repr()
-        return f"{self.kind}({extra})" if extra else self.kind
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         """Output metadata for inputs with metadata ``x`` (main) and ``extra``; raise

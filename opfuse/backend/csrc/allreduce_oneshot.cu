@@ -112,17 +112,9 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
   }
 
   // 4. The last block to finish advances the iteration and records how much it dirtied.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t done = atomicAdd(p.state + 1, 1u);
-    if (done == gridDim.x - 1) {
-      p.state[1] = 0;
-      p.state[2 + current] = static_cast<uint32_t>(p.world * message_packs * Pack<T>::kElems);
-      __threadfence();
-      atomicExch(p.state, iteration + 1);
-    }
-  }
+  publish_call(p.state, iteration + 1, [&] {
+    p.state[2 + current] = static_cast<uint32_t>(p.world * message_packs * Pack<T>::kElems);
+  });
 }
 
 template <typename T>

@@ -181,16 +181,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
   }
 
   // The last block to finish publishes the sequence number.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const uint32_t done = atomicAdd(p.state + 1, 1u);
-    if (done == gridDim.x - 1) {
-      p.state[1] = 0;
-      __threadfence();
-      atomicExch(p.state, seq0 + static_cast<uint32_t>(stages));
-    }
-  }
+  publish_call(p.state, seq0 + static_cast<uint32_t>(stages), [] {});
 }
 
 }  // namespace

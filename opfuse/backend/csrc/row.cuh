@@ -115,6 +115,25 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
   }
 }
 
+// The last block of a call to finish stores ``next`` into state[0] (the call/sequence counter
+// every block read at its start) and resets the finished-blocks counter state[1]. All blocks
+// read state[0] before any can be last, so they all saw the same value; the next launch on the
+// stream sees the new one. ``on_last`` runs in the last block's thread 0 before the publish.
+template <typename OnLast>
+__device__ __forceinline__ void publish_call(uint32_t* state, uint32_t next, OnLast&& on_last) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(state + 1, 1u);
+    if (done == gridDim.x - 1) {
+      state[1] = 0;
+      on_last();
+      __threadfence();
+      atomicExch(state, next);
+    }
+  }
+}
+
 // --- Host side ------------------------------------------------------------------------------
 
 inline int dtype_size(int dtype) { return dtype == static_cast<int>(DType::kFloat32) ? 4 : 2; }

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from .. import dispatch
-from ...ops.base import TensorMeta
+from ...ops.base import Described, TensorMeta
 
 __all__ = ["FusedOp", "FusedCall"]
 
 
-class FusedOp(nn.Module):
+class FusedOp(Described, nn.Module):
     #: Key of this op in the dispatch table.
     op_name: ClassVar[str] = ""
 
@@ -27,14 +27,6 @@ class FusedOp(nn.Module):
         super().__init__()
         self.impl: str | None = None
         self.skipped: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def kind(self) -> str:
-        return type(self).__name__
-
-    def describe(self) -> str:
-        extra = self.extra_repr()
-        return f"{self.kind}({extra})" if extra else self.kind
 
     def call_spec(self, metas: Sequence[TensorMeta]) -> dispatch.CallSpec:
         raise NotImplementedError
