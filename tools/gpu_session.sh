@@ -31,12 +31,15 @@ case "$stage" in
     step grouped_bench 240 python3 bench/grouped.py
     ;;
   multi-tests)
-    step residual_norm_dist 280 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
-    step overlap_tests 250 python3 -m pytest -x -q tests/gpu/test_overlap*.py "$@"
+    step kernels 120 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
+    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step overlap_tests 120 python3 -m pytest -x -q tests/gpu/test_overlap*.py "$@"
+    step graphed_tests 150 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
     ;;
   multi-bench)
-    step allreduce_bench 330 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
-    step overlap_bench 220 python3 bench/overlap.py --world 2 4
+    step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
+    step overlap_bench 100 python3 bench/overlap.py --world 2 4
+    step block_bench 280 python3 bench/block.py --world 2 4
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
