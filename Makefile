@@ -44,9 +44,9 @@ build:
 	PYTHONPATH=. $(PYTHON) -m opfuse.backend.extension --build
 
 # Compile every CUDA source without a GPU (runs in CI when nvcc is present; skipped otherwise).
-check-cuda:
+check-cuda: venv
 	@if command -v $(NVCC) >/dev/null 2>&1; then \
-		$(PYTHON) tools/check_cuda.py --nvcc $(NVCC); \
+		$(PY) tools/check_cuda.py --nvcc $$(command -v $(NVCC)); \
 	else \
 		echo "check-cuda: nvcc not found, skipped"; \
 	fi
