@@ -9,8 +9,9 @@ all-reduce -> add -> RMSNorm into single implementations, and caches the result 
 from . import ops, passes
 from .config import config  # the settings object (shadows the module name on purpose)
 from .fuser import Program, compile
+from .fuser.graphed import graphed
 from .ops.collectives import sync_sequence_parallel_grads
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "passes", "config", "compile", "Program", "sync_sequence_parallel_grads", "__version__"]
+__all__ = ["ops", "passes", "config", "compile", "graphed", "Program", "sync_sequence_parallel_grads", "__version__"]

@@ -271,6 +271,8 @@ def _bump() -> None:
 
 def generation() -> int:
     """Changes whenever the set of active rules may have changed (compile caches key on it)."""
+    if _REGISTRY is None:
+        get_registry()  # registering the built-in rules bumps the counter: do it before keying on it
     return _generation
 
 
