@@ -136,10 +136,10 @@ def _import(path: str):
 def load():
     """The extension module, built on first use; raises :class:`ExtensionUnavailable`."""
     global _loaded, _failure
-    if _loaded is not None:
-        return _loaded
     if not config.cuda:
         raise ExtensionUnavailable("disabled by OPFUSE_CUDA=0")
+    if _loaded is not None:
+        return _loaded
     if _failure is not None:
         raise ExtensionUnavailable(_failure)
     import torch
