@@ -11,17 +11,22 @@ ranks), K = 8192 hidden, N = 28672 / world.
 * ``GEMM+RS`` (row-parallel, the transpose): ``reduce_scatter(x[M, N] @ W[K, N].T)``.
 
 Columns (microseconds per call; eager calls back to back, batches of CALLS after WARMUP, median of
-REPS batches, max over ranks; every batch starts after a barrier):
+REPS batches, max over ranks; every batch starts after a barrier; the batches of gemm, coll,
+nccl+gemm, torch and ours are interleaved, so drift within a case does not bias their ratios):
 
   gemm        the local GEMM alone (the full-M GEMM of one rank)
   coll        the NCCL collective alone
   nccl+gemm   NCCL collective then GEMM (AG) / GEMM then NCCL collective (RS): no overlap
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   ours        opfuse p2p_overlap forward (what a compiled program calls), eager
+  host        Python issue time of one eager ``ours`` call (host-bound when close to ``ours``)
+  plan        what the policy picked (rank 0): schedule, GEMMs per call, ``2s`` = two GEMM streams
   ours:graph  the same, CUDA graph of CALLS calls (no Python launch overhead)
-  ours:1s     eager, chunk GEMMs on one stream (policy.ALTERNATE_GEMM_STREAMS off)
+  ours:1s     eager, chunk GEMMs forced onto one stream (policy.ALTERNATE_GEMM_STREAMS = False)
+  ours:2s     eager, chunk GEMMs forced to alternate between two streams (= True)
   ours:cN     eager with OPFUSE_OVERLAP_CHUNKS=N (tuning information: for GEMM+RS, 1 = the direct
-              schedule, N >= 2 = the ring with N sub-chunks; for AG+GEMM, N row sub-chunks per shard)
+              schedule, N >= 2 = the ring with N sub-chunks; for AG+GEMM, 1 = one GEMM per shard
+              (no grouping), N >= 2 = N row sub-chunks per shard)
   err         ||ours - nccl+gemm|| / ||nccl+gemm|| (correctness of what was timed)
 
 Targets: ours <= 1.05x (AG) / 1.03x (RS) of gemm at M=8192, <= 1.10x at M=2048, and faster than
@@ -35,6 +40,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,7 +54,7 @@ from opfuse.ops.base import TensorMeta  # noqa: E402
 
 CALLS, REPS, WARMUP = 10, 7, 3
 TARGETS = {("AG+GEMM", 8192): 1.05, ("GEMM+RS", 8192): 1.03, ("AG+GEMM", 2048): 1.10, ("GEMM+RS", 2048): 1.10}
-COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "ours:graph", "ours:1s"]
+COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "host", "ours:graph", "ours:1s", "ours:2s"]
 
 
 def _max_over_ranks(value: float) -> float:
@@ -57,22 +63,65 @@ def _max_over_ranks(value: float) -> float:
     return t.item()
 
 
+def _batch(fn):
+    """One timed batch of CALLS back-to-back eager calls: (GPU us per call, host issue us per call)."""
+    dist.barrier()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    issue = (time.perf_counter() - t0) * 1e6 / CALLS
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / CALLS, issue
+
+
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 def eager_us(fn) -> float:
+    """GPU time per call of CALLS back-to-back eager calls (median of REPS batches, max over ranks)."""
     for _ in range(WARMUP):
         fn()
-    times = []
-    for _ in range(REPS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(CALLS):
+    return _max_over_ranks(_median([_batch(fn)[0] for _ in range(REPS)]))
+
+
+def eager_interleaved(fns: dict, host_of: str) -> tuple[dict, float]:
+    """:func:`eager_us` of every function in ``fns``, their batches interleaved (rep 1 of each,
+    rep 2 of each, ...) so that clock or thermal drift during a case biases none of the ratios;
+    also the host issue time per call of ``fns[host_of]``."""
+    for fn in fns.values():
+        for _ in range(WARMUP):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / CALLS)
-    times.sort()
-    return _max_over_ranks(times[len(times) // 2])
+    gpu = {name: [] for name in fns}
+    issue = []
+    for _ in range(REPS):
+        for name, fn in fns.items():
+            t, h = _batch(fn)
+            gpu[name].append(t)
+            if name == host_of:
+                issue.append(h)
+    return ({name: _max_over_ranks(_median(v)) for name, v in gpu.items()},
+            _max_over_ranks(_median(issue)))
+
+
+def plan_summary() -> str:
+    """Rank 0's most recently bound overlap plan: schedule, GEMMs per call, streams."""
+    from opfuse.backend.overlap import plan as P
+    from opfuse.backend.overlap import resources
+
+    ctx = resources._CONTEXTS.get((dist.group.WORLD.group_name, torch.cuda.current_device()))
+    if ctx is None or not ctx.plans:
+        return "-"
+    plan = list(ctx.plans.values())[-1].plan
+    kind = "direct" if "direct" in plan.shapes else "ring" if "ring" in plan.shapes else "gather"
+    gemms = sum(1 for i in plan.instructions if isinstance(i, P.Gemm))
+    two = any(i.stream == P.AUX for i in plan.instructions)
+    return f"{kind} {gemms}g {'2s' if two else '1s'}"
 
 
 def graph_us(fn) -> float:
@@ -160,22 +209,24 @@ def bench_case(rank, world, op, m, k, n, chunk_settings):
 
         ref = nccl_gemm().clone()
         row["err"] = rel_err(ours(), ref)
+        row["plan"] = plan_summary()
+        fns = {"gemm": gemm, "coll": coll, "nccl+gemm": nccl_gemm}
         try:
             row["torch_err"] = rel_err(torch_fused(), ref)
-            row["torch"] = eager_us(torch_fused)
+            fns["torch"] = torch_fused
         except Exception as error:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
             row["torch"] = None
             row["torch_error"] = f"{type(error).__name__}: {error}"[:200]
-        row["gemm"] = eager_us(gemm)
-        row["coll"] = eager_us(coll)
-        row["nccl+gemm"] = eager_us(nccl_gemm)
-        row["ours"] = eager_us(ours)
+        fns["ours"] = ours
+        times, row["host"] = eager_interleaved(fns, host_of="ours")
+        row.update(times)
         row["ours:graph"] = graph_us(ours)
-        policy.ALTERNATE_GEMM_STREAMS = False
-        try:
-            row["ours:1s"] = eager_us(ours)
-        finally:
-            policy.ALTERNATE_GEMM_STREAMS = True
+        for column, forced in (("ours:1s", False), ("ours:2s", True)):
+            policy.ALTERNATE_GEMM_STREAMS = forced
+            try:
+                row[column] = eager_us(ours)
+            finally:
+                policy.ALTERNATE_GEMM_STREAMS = None
         for setting in chunk_settings:
             with opfuse.config.override(overlap_chunks=setting):
                 reserve("all_gather_linear" if op == "AG+GEMM" else "linear_reduce_scatter", x, w, pg,
@@ -210,7 +261,7 @@ def ratio(a, b):
 
 def table(rows, chunks) -> str:
     extra = [f"ours:c{c}" for c in chunks]
-    head = (["world", "M", "op"] + COLUMNS + extra
+    head = (["world", "M", "op", "plan"] + COLUMNS + extra
             + ["ours/gemm", "target", "ours/nccl+gemm", "ours/torch", "graph/gemm", "err", "met"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -218,7 +269,7 @@ def table(rows, chunks) -> str:
         over = r["ours"] / r["gemm"]
         met = (target is None or over <= target) and r["ours"] < r["nccl+gemm"] and (
             r["torch"] is None or r["ours"] < r["torch"]) and r["err"] < 1.6e-2
-        cells = ([str(r["world"]), str(r["M"]), r["op"]] + [fmt(r.get(c)) for c in COLUMNS + extra]
+        cells = ([str(r["world"]), str(r["M"]), r["op"], r.get("plan", "-")] + [fmt(r.get(c)) for c in COLUMNS + extra]
                  + [ratio(r["ours"], r["gemm"]), "-" if target is None else f"<={target}",
                     ratio(r["ours"], r["nccl+gemm"]), ratio(r["ours"], r["torch"]),
                     ratio(r["ours:graph"], r["gemm"]), f"{r['err']:.1e}", "yes" if met else "NO"])

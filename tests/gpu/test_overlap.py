@@ -7,6 +7,10 @@ every call; CUDA-graph capture of forward + backward replayed with fresh inputs;
 (one-rank group, pool too small, float32) shown in ``Program.fusions``; non-divisible tokens as an
 error at compile time.
 
+Schedules covered: all-gather with grouped remote shards (automatic for these sizes), one GEMM
+per shard (``OPFUSE_OVERLAP_CHUNKS=1``) and row sub-chunks (``=4``); the ring and the direct
+reduce-scatter (pre-summed partials, own GEMM accumulating onto them); one and two GEMM streams.
+
 One spawn per world size (process start-up dominates): ``pytest -q tests/gpu/test_overlap.py``.
 """
 
@@ -198,6 +202,21 @@ def check_cases(rank, world):
         run_ag_case(rank, world, pg, gen, 512, 256, 128, BF16, True, ())
         run_rs_case(rank, world, pg, gen, 2048, 256, 256, BF16, True, ())
         run_rs_case(rank, world, pg, gen, 64, 128, 256, FP16, True, (), bias_after=False)
+    # One GEMM per gathered shard (the automatic setting groups small shards) and the direct
+    # reduce-scatter at a size where the automatic setting picks the ring.
+    with opfuse.config.override(overlap_chunks=1):
+        run_ag_case(rank, world, pg, gen, 256, 256, 128, BF16, True, ())
+        run_rs_case(rank, world, pg, gen, 1024, 128, 256, BF16, True, ())
+    # The GEMM-stream rule forced both ways (small test shapes alone would always alternate).
+    from opfuse.backend.overlap import policy
+
+    for forced in (False, True):
+        policy.ALTERNATE_GEMM_STREAMS = forced
+        try:
+            run_ag_case(rank, world, pg, gen, 96, 256, 192, BF16, True, ())
+            run_rs_case(rank, world, pg, gen, 96, 128, 256, FP16, True, ())
+        finally:
+            policy.ALTERNATE_GEMM_STREAMS = None
 
 
 def check_graph_replay(rank, world, chunks):

@@ -112,19 +112,41 @@ class _Stream:
         pass
 
 
-class _Event:
-    def record(self, stream=None):
-        pass
+class FakeApi:
+    """The stream/event primitives of :class:`executor.CudaApi`, as no-ops (CPU ops complete in
+    issue order) that count their calls."""
+
+    def __init__(self):
+        self.streams = {}
+        self.side = tuple((_Stream(), ("side", i, 0)) for i in range(3))
+        self.counts = {"set": 0, "record": 0, "wait": 0}
+
+    def current(self):
+        return ("compute", 0, 0)
+
+    def stream(self, key):
+        self.streams[key] = _Stream()
+        return self.streams[key]
+
+    def set(self, *key):
+        self.counts["set"] += 1
+
+    def record(self, event, stream):
+        self.counts["record"] += 1
+
+    def wait(self, event, stream):
+        self.counts["wait"] += 1
+
+    def new_event(self):
+        return object()
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    stream = _Stream()
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: None)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(executor, "side_streams", lambda device: (stream, stream, stream))
+    api = FakeApi()
+    monkeypatch.setattr(executor, "cuda_api", lambda device: api)
     monkeypatch.setattr(resources, "signal_pad_bytes", lambda: 2048)
+    return api
 
 
 def _run_ranks(world, fn, capacity=1 << 22):
@@ -209,7 +231,7 @@ def test_all_gather_linear_forward_backward(fake_cuda, monkeypatch, world, bias,
     assert signals.counts["put"] == signals.counts["wait"]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
 @pytest.mark.parametrize("bias_after", [True, False])
 @pytest.mark.parametrize("rows_per_rank", [2, 1024])
 def test_linear_reduce_scatter_forward_backward(fake_cuda, monkeypatch, world, bias_after, rows_per_rank):
@@ -322,3 +344,36 @@ def test_every_schedule_through_the_executor(fake_cuda, monkeypatch, chunks, wor
         torch.testing.assert_close(hdw, full_dyr.T @ xr[r])
         torch.testing.assert_close(hdb, dyr[r].sum(0))
     assert signals.counts["put"] == signals.counts["wait"]
+
+
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize("chunks", [0, 1])
+def test_forced_stream_setups(fake_cuda, monkeypatch, forced, chunks):
+    """``policy.ALTERNATE_GEMM_STREAMS`` forced off / on (the bench's ours:1s / ours:2s) and
+    one GEMM per shard (chunks=1) bind and compute the same results."""
+    from opfuse import config
+    from opfuse.backend.overlap import policy
+
+    monkeypatch.setattr(config, "overlap_chunks", chunks)
+    monkeypatch.setattr(policy, "ALTERNATE_GEMM_STREAMS", forced)
+    world, tokens, k, n = 4, 4, 6, 5
+    wrap = _with_ctx(monkeypatch)
+    xs = [_randn(tokens, k, seed=200 + r) for r in range(world)]
+    ws = [_randn(n, k, seed=210 + r) for r in range(world)]
+    xr = [_randn(tokens * world, n, seed=220 + r) for r in range(world)]
+    wr = [_randn(k, n, seed=230 + r) for r in range(world)]
+
+    def fn(r, ctx):
+        y = impl.all_gather_linear_forward(xs[r], ws[r], None, group="g")
+        z = impl.linear_reduce_scatter_forward(xr[r], wr[r], None, bias_after=True, group="g")
+        streams = {ins.stream for bound in ctx.plans.values() for ins in bound.plan.instructions}
+        return y, z, streams
+
+    results, _ = _run_ranks(world, wrap(fn))
+    full_x = torch.cat(xs)
+    z_full = sum(xr[p] @ wr[p].T for p in range(world))
+    for r in range(world):
+        y, z, streams = results[r]
+        torch.testing.assert_close(y, full_x @ ws[r].T)
+        torch.testing.assert_close(z, z_full[r * tokens:(r + 1) * tokens])
+        assert ("aux" in streams) == forced

@@ -69,6 +69,7 @@ def test_channel_map_is_disjoint_and_sized():
 def test_region_bytes():
     assert policy.gather_region_bytes(4, 2048, 8192, 2) == 8192 * 8192 * 2
     assert policy.ring_region_bytes(4, 2048, 8192, 2) == 3 * 2048 * 8192 * 2
+    assert policy.direct_region_bytes(4, 512, 8192, 2) == 3 * 512 * 8192 * 2  # the peers' partials only
 
 
 # Plans ------------------------------------------------------------------------------------------
@@ -163,10 +164,12 @@ def _run_rs(world, grid, k, *, bias, calls, seed, side_gather=None, xk=3, altern
     plans = [_rs_plans(world, grid, bias=bias, side_gather=side_gather, alternate=alternate) for _ in range(calls)]
     # "local": every rank holds the same vector; "owner": each rank's own bias, added to its chunk.
     shared_bias = [_randn(1, n, gen=gen) for _ in range(calls)]
+    # ``tmp`` belongs to the bound plan (one per rank, reused by every call), the rest is per call.
+    tmps = [_nan(grid.count * grid.sub_rows, grid.sub_cols) for _ in range(world)]
     buffers = [[{"a": _randn(world * grid.rows, k, gen=gen), "b": _randn(k, n, gen=gen),
                  "biasin": shared_bias[c] if bias == "local" else _randn(1, n, gen=gen),
-                 "out": _nan(grid.rows, n), "tmp": _nan(grid.count * grid.sub_rows, grid.sub_cols)}
-                for _ in range(world)] for c in range(calls)]
+                 "out": _nan(grid.rows, n), "tmp": tmps[r]}
+                for r in range(world)] for c in range(calls)]
     regions = [{"ring": _nan((world - 1) * grid.count * grid.sub_rows, grid.sub_cols), "bias": _nan(1, n)}
                for _ in range(world)]
     if side_gather is not None:
@@ -230,6 +233,7 @@ def test_layers_sharing_regions_back_to_back(seed):
     gen = torch.Generator().manual_seed(3000 + seed)
     ag_grid, ring_grid = policy.Grid(rows, k), policy.Grid(rows, k, 2, 1)
     channels = policy.channel_map(world, ag_grid, ring_grid)
+    tmps = [_nan(ring_grid.count * ring_grid.sub_rows, k) for _ in range(world)]
     plans, buffers = [], []
     for call in range(4):
         per_rank, bufs = [], []
@@ -241,8 +245,7 @@ def test_layers_sharing_regions_back_to_back(seed):
                 per_rank.append(S.matmul_reduce_scatter_plan(r, world, ring_grid, channels, probe=True,
                                                              side_gather=ag_grid))
                 bufs.append({"a": _randn(world * rows, n, gen=gen), "b": _randn(n, k, gen=gen),
-                             "x": _randn(rows, k, gen=gen), "out": _nan(rows, k),
-                             "tmp": _nan(ring_grid.count * ring_grid.sub_rows, k)})
+                             "x": _randn(rows, k, gen=gen), "out": _nan(rows, k), "tmp": tmps[r]})
         plans.append(per_rank)
         buffers.append(bufs)
     regions = [{"gather": _nan(world * rows, k), "ring": _nan((world - 1) * rows, k)} for _ in range(world)]
@@ -330,7 +333,8 @@ def test_simulator_catches_broken_ring_schedules(mutation, bias):
     """Each synchronisation step of the ring is necessary: removing it must make some random
     interleaving of three calls fail (wrong output, race or deadlock). (With an owner bias, the
     bias signals alone happen to order consecutive calls at world 3, so the barrier case runs
-    without bias.)"""
+    without bias.) (The ring's join is implied by its own-chunk events, which follow every push on
+    the comm stream, so it is not in this list.)"""
     world, grid = 3, policy.Grid(2, 4, 1, 2)
     failures = 0
     for seed in range(30):
@@ -339,10 +343,10 @@ def test_simulator_catches_broken_ring_schedules(mutation, bias):
             for plan in plans:
                 plan.instructions = mutation(plan.instructions)
         gen = torch.Generator().manual_seed(seed)
+        tmps = [_nan(grid.count * grid.sub_rows, grid.sub_cols) for _ in range(world)]
         buffers = [[{"a": _randn(world * grid.rows, 3, gen=gen), "b": _randn(3, grid.cols, gen=gen),
-                     "biasin": _randn(1, grid.cols, gen=gen),
-                     "out": _nan(grid.rows, grid.cols), "tmp": _nan(grid.count * grid.sub_rows, grid.sub_cols)}
-                    for _ in range(world)] for _ in range(3)]
+                     "biasin": _randn(1, grid.cols, gen=gen), "out": _nan(grid.rows, grid.cols), "tmp": tmps[r]}
+                    for r in range(world)] for _ in range(3)]
         regions = [{"ring": _nan((world - 1) * grid.count * grid.sub_rows, grid.sub_cols),
                     "bias": _nan(1, grid.cols)} for _ in range(world)]
         try:
@@ -412,10 +416,11 @@ def test_direct_reduce_scatter_schedule(world, rows, bias, side, seed, alternate
     plans = [_direct_plans(world, rows, n, bias=bias, side_gather=side, alternate=alternate) for _ in range(calls)]
     for plan in plans[0]:
         P.validate(plan)
+    tmps = [_nan((world - 1) * rows, n) for _ in range(world)]  # persistent, as in the executor
     buffers = [[{"a": _randn(world * rows, k, gen=gen), "b": _randn(k, n, gen=gen), "biasin": _randn(1, n, gen=gen),
-                 "out": _nan(rows, n), "tmp": _nan((world - 1) * rows, n),
-                 **({"x": _randn(side.rows, 3, gen=gen)} if side else {})} for _ in range(world)] for _ in range(calls)]
-    regions = [{"direct": _nan(world * rows, n), **({"gather": _nan(world * side.rows, 3)} if side else {})}
+                 "out": _nan(rows, n), "tmp": tmps[r],
+                 **({"x": _randn(side.rows, 3, gen=gen)} if side else {})} for r in range(world)] for _ in range(calls)]
+    regions = [{"direct": _nan((world - 1) * rows, n), **({"gather": _nan(world * side.rows, 3)} if side else {})}
                for _ in range(world)]
     probes = simulate(plans, buffers, regions, seed=seed)
     for call in range(calls):
@@ -429,9 +434,26 @@ def test_direct_reduce_scatter_schedule(world, rows, bias, side, seed, alternate
                 torch.testing.assert_close(probes[(call, r, "gather")], torch.cat([b[p]["x"] for p in range(world)]))
 
 
-@pytest.mark.parametrize("mutation", [_drop_barrier, _drop_gemm_before_push])
-def test_simulator_catches_broken_direct_schedules(mutation):
-    world, rows, n = 3, 2, 4
+def _drop_presum_waits(ins):
+    """The pre-sum reads the early partials without waiting for their signals."""
+    return [i for i in ins if not (isinstance(i, P.Wait) and i.stream == P.COMM)]
+
+
+def _drop_final_wait(ins):
+    """The final add reads the last sender's partial without waiting for its signal."""
+    return [i for i in ins if not (isinstance(i, P.Wait) and i.stream == P.COMPUTE)]
+
+
+@pytest.mark.parametrize("mutation,world", [
+    # At world 3 the pre-sum chain alone happens to order consecutive calls (rank c's pre-sum ->
+    # its last push -> rank c-1's final add -> c-1's next call); from world 4 the barrier is needed.
+    (_drop_barrier, 4), (_drop_gemm_before_push, 3), (_drop_own_ready, 3), (_drop_own_ready, 4),
+    (_drop_presum_waits, 4), (_drop_final_wait, 2), (_drop_final_wait, 3),
+    # Without the join, the next call's last peer GEMM overwrites the plan's staging buffer
+    # (persistent across calls) while the comm stream may still push it.
+    (_drop_join, 3), (_drop_join, 4)])
+def test_simulator_catches_broken_direct_schedules(mutation, world):
+    rows, n = 2, 4
     failures = 0
     for seed in range(30):
         plans_per_call = [_direct_plans(world, rows, n) for _ in range(3)]
@@ -439,9 +461,10 @@ def test_simulator_catches_broken_direct_schedules(mutation):
             for plan in plans:
                 plan.instructions = mutation(plan.instructions)
         gen = torch.Generator().manual_seed(seed)
+        tmps = [_nan((world - 1) * rows, n) for _ in range(world)]
         buffers = [[{"a": _randn(world * rows, 3, gen=gen), "b": _randn(3, n, gen=gen), "out": _nan(rows, n),
-                     "tmp": _nan((world - 1) * rows, n)} for _ in range(world)] for _ in range(3)]
-        regions = [{"direct": _nan(world * rows, n)} for _ in range(world)]
+                     "tmp": tmps[r]} for r in range(world)] for _ in range(3)]
+        regions = [{"direct": _nan((world - 1) * rows, n)} for _ in range(world)]
         try:
             probes = simulate(plans_per_call, buffers, regions, seed=seed)
             for call, r in itertools.product(range(3), range(world)):

@@ -8,8 +8,10 @@ Modules, in the order a call goes through them:
 * :mod:`.schedules` the schedules (gather, ring, direct) as plan builders (pure Python);
 * :mod:`.simulate` a CPU interpreter of plans (all ranks/streams, random interleavings) used by
   the tests to check the schedules without GPUs;
-* :mod:`.resources` pool/region lookup and caching; :mod:`.executor` runs a plan on CUDA;
-* :mod:`.impl`     forward/backward/check functions registered below.
+* :mod:`.resources` pool/region lookup and caching; :mod:`.executor` compiles a plan into
+  straight-line Python and runs it on CUDA;
+* :mod:`.impl`     forward/backward/check functions registered below;
+* :mod:`.hostcost` the host (Python) cost per call of the bench cases, measured on CPU.
 """
 
 from __future__ import annotations

@@ -160,16 +160,20 @@ def _itemsize(dtype) -> int:
 
 def _gather_plan(ctx, rows: int, k: int, n: int, dtype, *, bias: bool, fill_own: bool, gemm: bool):
     setting = resources.chunk_setting()
-    alternate = policy.ALTERNATE_GEMM_STREAMS
-    key = ("gather", rows, k, n, dtype, bias, fill_own, gemm, setting, alternate)
-    if key in ctx.plans:
-        return ctx.plans[key]
+    forced = policy.ALTERNATE_GEMM_STREAMS
+    key = ("gather", rows, k, n, dtype, bias, fill_own, gemm, setting, forced)
+    bound = ctx.plans.get(key)
+    if bound is not None:
+        return bound
     grid = policy.gather_grid(rows, k, setting)
     channels = policy.channel_map(ctx.world, grid, None)
     region = resources.gather_region(ctx.pool, ctx.world, rows, k, _itemsize(dtype))
+    # Shard GEMMs are rows x n: group small ones, second stream where their tail is worth it.
+    alternate = gemm and policy.alternate_gemms(rows, n, ctx.sms)
+    group = policy.gather_group(rows, n, setting, ctx.sms) if gemm else 1
     return _bound(ctx, key, lambda: schedules.all_gather_matmul_plan(ctx.rank, ctx.world, grid, n, channels,
                                                                       bias=bias, fill_own=fill_own, gemm=gemm,
-                                                                      alternate=alternate),
+                                                                      alternate=alternate, group=group),
                   {"gather": region}, dtype, {"gather": k})
 
 
@@ -191,10 +195,11 @@ def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Opti
     ``bias``: a :data:`~.schedules.BIAS_MODES` value; ``side_k``: also re-gather a ``[rows, side_k]``
     shard."""
     setting = resources.chunk_setting()
-    alternate = policy.ALTERNATE_GEMM_STREAMS
-    key = ("rs", rows, n, dtype, bias, side_k, setting, alternate)
-    if key in ctx.plans:
-        return ctx.plans[key]
+    forced = policy.ALTERNATE_GEMM_STREAMS
+    key = ("rs", rows, n, dtype, bias, side_k, setting, forced)
+    bound = ctx.plans.get(key)
+    if bound is not None:
+        return bound
     algorithm, grid = policy.rs_algorithm(rows, n, setting)
     side = policy.gather_grid(rows, side_k, setting) if side_k is not None else None
     channels = policy.channel_map(ctx.world, side, grid, direct=algorithm == "direct")
@@ -207,6 +212,8 @@ def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Opti
         regions["gather"] = resources.gather_region(ctx.pool, ctx.world, rows, side_k, itemsize)
         cols["gather"] = side_k
     if algorithm == "direct":
+        alternate = policy.alternate_gemms(rows, n, ctx.sms)
+
         def build():
             return schedules.matmul_reduce_scatter_direct_plan(ctx.rank, ctx.world, rows, n, channels,
                                                                 bias=bias is not None, side_gather=side,
@@ -223,15 +230,11 @@ def _rs_plan(ctx, rows: int, n: int, dtype, *, bias: Optional[str], side_k: Opti
 def _context(group: str, t: Tensor):
     if t.device.type != "cuda" or t.dtype not in SUPPORTED_DTYPES:
         return None
-    if resources.is_capturing():
-        # Lookups only: a context is created (collectively) at compile time, never in capture.
-        return resources._CONTEXTS.get((group, t.device.index))
+    ctx = resources._CONTEXTS.get((group, t.device.index))
+    if ctx is not None or resources.is_capturing():
+        # In capture: lookups only (a context is created, collectively, at compile time).
+        return ctx
     return resources.context(group, t.device)
-
-
-def _ring_tmp(bound, like: Tensor) -> Tensor:
-    rows, cols = bound.plan.shapes["tmp"]
-    return like.new_empty((rows, cols))
 
 
 def _sum_over_ranks(t: Tensor, ctx) -> Tensor:
@@ -256,7 +259,7 @@ def all_gather_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     """``all_gather_tokens(x) @ weight.T + bias``, each peer's shard GEMM'd as it lands."""
     ctx = _context(group, x)
     k, n = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     bound = ctx and _gather_plan(ctx, x2.shape[0], k, n, x.dtype, bias=bias is not None, fill_own=False, gemm=True)
     if not bound:
         from ..fused.linear_comm import ag_linear_reference
@@ -264,11 +267,8 @@ def all_gather_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         return ag_linear_reference(x, weight, bias, group=group)
     x2 = x2.contiguous()
     out = x.new_empty((ctx.world * x2.shape[0], n))
-    buffers = {"a": x2, "out": out}
-    if bias is not None:
-        buffers["biasin"] = bias.reshape(1, n)
-    bound.run(buffers, weight.t())
-    return out.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:-1]) + (n,))
+    bound.call(weight.t(), a=x2, out=out, biasin=None if bias is None else bias.reshape(1, n))
+    return out if x.dim() == 2 else out.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:-1]) + (n,))
 
 
 def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, *, group: str, need_dx: bool, need_dw: bool,
@@ -294,10 +294,10 @@ def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, *, group: 
     dx = dw = db = _empty(dy)
     if need_dx:
         dx2 = dy.new_empty((rows, k))
-        bound.run({"a": dy2, "out": dx2, "tmp": _ring_tmp(bound, dy), "x": x2}, weight)
+        bound(weight, a=dy2, out=dx2, x=x2)
         dx = dx2.view(x.shape)
     elif need_dw:
-        bound.run({"a": x2}, weight)
+        bound(weight, a=x2)
     if need_dw:
         # The gathered x stays valid until this rank's next overlap call (peers write the region
         # only after that call's barrier), and this GEMM is ordered before it on this stream.
@@ -316,7 +316,7 @@ def linear_reduce_scatter_forward(x: Tensor, weight: Tensor, bias: Optional[Tens
     rank's ``x_r @ weight_r.T + bias_r``) as a ring of GEMMs accumulating in their epilogues."""
     ctx = _context(group, x)
     kl, n = x.shape[-1], weight.shape[0]
-    x2 = x.reshape(-1, kl)
+    x2 = x if x.dim() == 2 else x.reshape(-1, kl)
     mode = None if bias is None else ("owner" if bias_after else "local")
     bound = None
     if ctx and x.shape[0] % ctx.world == 0:
@@ -328,13 +328,13 @@ def linear_reduce_scatter_forward(x: Tensor, weight: Tensor, bias: Optional[Tens
     x2 = x2.contiguous()
     rows = x2.shape[0] // ctx.world
     out = x.new_empty((rows, n))
-    buffers = {"a": x2, "out": out, "tmp": _ring_tmp(bound, x)}
+    biasin = None
     if mode == "owner":
-        buffers["biasin"] = bias.reshape(1, n)
+        biasin = bias.reshape(1, n)
     elif mode == "local":
-        buffers["biasin"] = _sum_over_ranks(bias, ctx).reshape(1, n)
-    bound.run(buffers, weight.t())
-    return out.view((x.shape[0] // ctx.world,) + tuple(x.shape[1:-1]) + (n,))
+        biasin = _sum_over_ranks(bias, ctx).reshape(1, n)
+    bound.call(weight.t(), a=x2, out=out, biasin=biasin)
+    return out if x.dim() == 2 else out.view((x.shape[0] // ctx.world,) + tuple(x.shape[1:-1]) + (n,))
 
 
 def linear_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, *, bias_after: bool, group: str,
@@ -357,13 +357,12 @@ def linear_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, *, bia
                                             need_dw=need_dw, need_db=need_db)
     dy2, x2 = dy2.contiguous(), x2.contiguous()
     dx = dw = db = _empty(dy)
-    buffers = {"a": dy2}
+    dx2 = None
     if need_dx:
         dx2 = dy.new_empty((ctx.world * rows, kl))
-        buffers["out"] = dx2
         dx = dx2.view(x.shape)
     if bound:
-        bound.run(buffers, weight)
+        bound(weight, a=dy2, out=dx2)
     if need_dw:
         dw = bound.local("gather").t().mm(x2)
     if need_db:

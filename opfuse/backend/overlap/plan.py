@@ -22,7 +22,7 @@ Buffers are 2-D and named; a :class:`View` names a rectangle of one rank's buffe
 ``gather``  symmetric region: ``[world * rows, cols]``, every rank's shard in rank order
 ``ring``    symmetric region: receive slots of the ring, ``[(world - 1) * count * sub_rows, sub_cols]``
 ``bias``    symmetric region: ``[1, N]``, this rank's bias for the peer that starts its chain
-``direct``  symmetric region: ``[world * rows, N]``, every rank's partial sum of this rank's chunk
+``direct``  symmetric region: ``[(world - 1) * rows, N]``, every peer's partial sum of this rank's chunk
 
 and ``b`` (the right operand, ``[K, N]``) is addressed by column range only.
 
@@ -98,13 +98,16 @@ class Copy:
 
 @dataclasses.dataclass(frozen=True)
 class Sum:
-    """``dst = sum_p src[p]`` where ``src`` is ``parts`` row blocks of ``dst``'s shape stacked
-    (one reduction kernel, fp32 accumulation, one rounding)."""
+    """``dst = sum_p src[p] (+ bias[0])`` where ``src`` is ``parts`` row blocks of ``dst``'s shape
+    stacked (fp32 accumulation, one rounding); ``acc=True``: ``dst += ...`` (elementwise kernels:
+    one for two parts or one part plus ``dst``, a reduction kernel for more)."""
 
     stream: str
     dst: View
     src: View
     parts: int
+    acc: bool = False
+    bias: Optional[View] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,10 +3,28 @@ signal channels a pipeline uses, and how many bytes of symmetric memory it needs
 
 Pure Python (no CUDA): the capability check, the plan builders and the CPU tests share it.
 
-Why these choices (numbers for bf16 on H100/H200, see docs/PERF_NOTES.overlap.md):
+Why these choices (bf16 on H100/H200; the measurements are in docs/PERF_NOTES.overlap.md):
 
-* All-gather + GEMM needs no sub-chunks: the GEMM of the local shard runs first, so the first
-  peer shard has a whole chunk-GEMM of time to arrive, and every later shard more.
+* **GEMM size in waves.** cuBLAS tiles a GEMM's output in ~128 x 256 tiles, one per SM at a time,
+  so a GEMM of ``rows x cols`` outputs takes ``ceil(waves)`` rounds, ``waves = tiles / SMs``
+  (:func:`gemm_waves`). Chunking a GEMM pays for every partial last round, and chunks under one
+  wave also re-read the whole weight per chunk. Two rules follow:
+
+  - *Group small shards* (all-gather + GEMM): after the own shard's GEMM (which hides the first
+    transfers), the remote shards are GEMM'd in groups of up to ``ceil(MIN_GEMM_WAVES / waves)``
+    consecutive shards (arrival order, never across the wrap from rank world-1 to 0, so each
+    group is one contiguous block of rows; :func:`gather_group`). World 4, M = 2048 (512 x 7168
+    per shard, 0.85 waves): own + one or two GEMMs instead of four; measured: four 0.85-wave
+    GEMMs take 1.16x the unchunked GEMM even in a CUDA graph. A group waits for its last shard:
+    a shard's transfer takes ``F / (BW * N)`` of its GEMM (~0.28 at world 4 with the copy
+    engine's ~392 GB/s), so the three remote shards of world 4 land within the own GEMM.
+  - *Second GEMM stream only where the tail is worth it* (:func:`alternate_gemms`): independent
+    chunk GEMMs alternate between two streams when a chunk's last round is at least
+    :data:`ALTERNATE_MIN_TAIL` idle (e.g. 3.4 waves: 15% of 4 rounds); with a full last round
+    (0.97 waves) or many waves (13.6: 3%) the second stream only makes two GEMMs share the SMs and
+    the L2 for their whole length. Measured, world 2, M = 8192 (13.6 waves): one stream 2822 us,
+    two 2950; world 4, M = 8192 and world 2, M = 2048 (3.4 waves): two streams 3-9% faster.
+
 * GEMM + reduce-scatter has two schedules (:func:`rs_algorithm`):
 
   - ``ring``: partial sums travel rank to rank and are accumulated by the next rank's GEMM
@@ -14,20 +32,32 @@ Why these choices (numbers for bf16 on H100/H200, see docs/PERF_NOTES.overlap.md
     A ring step depends on the previous step of the next rank, so with one GEMM per chunk every
     hop's transfer would be exposed; two sub-chunks per chunk give every hop one sub-GEMM of
     slack. Used when a chunk has >= 1024 rows, split into two row halves of >= 512 rows (the
-    sub-GEMMs stay compute-bound and fill the GPU).
-  - ``direct``: each rank GEMMs every peer's chunk whole and pushes it to the owner, which sums
-    the ``world`` partials in one reduction after its own GEMM. Exposes that reduction
-    (``(world + 1) * rows * N`` elements of traffic, ~13 us at 512 x 8192 x 4 ranks on H200),
-    but keeps whole-chunk GEMMs: for small chunks the ring's half-chunks (e.g. 512 x 4096)
-    would fill only about half a wave of 128 x 256 tiles on 132 SMs.
+    sub-GEMMs stay compute-bound and fill the GPU). Never on two GEMM streams (two concurrent
+    half-chunk GEMMs of one step would both finish late and eat the slack of the next hop).
+  - ``direct``: each rank GEMMs every peer's chunk whole and pushes it to the owner. The owner
+    sums the partials of the first world-2 senders on its comm stream (between its own last two
+    pushes) while its last peer GEMM runs, its own
+    GEMM accumulates onto that sum (``beta = 1``), and only the last sender's partial is added
+    after it (``3 * rows * N`` elements of traffic, ~8 us at 512 x 8192 on H200, instead of a
+    ``(world + 1) * rows * N`` reduction). Keeps whole-chunk GEMMs: for small chunks the ring's
+    half-chunks (e.g. 512 x 4096) fill only half a wave.
+
+* Host cost: every instruction of a plan is one call into torch, issued from Python in eager
+  mode (~13-16 us each on the measured host before :mod:`.executor` compiled the plans;
+  ``OPFUSE_OVERLAP_CHUNKS=4`` at world 4, M = 2048 was host-bound at 93 instructions), so these
+  rules never trade a few GPU microseconds for many more instructions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Optional
 
 __all__ = ["Grid", "ChannelMap", "channel_map", "ring_grid", "gather_grid", "rs_algorithm", "gather_region_bytes",
-           "ring_region_bytes", "bias_region_bytes", "direct_region_bytes", "CHANNEL_BASE", "MIN_ROWS_PER_ROW_SPLIT"]
+           "ring_region_bytes", "bias_region_bytes", "direct_region_bytes", "CHANNEL_BASE", "MIN_ROWS_PER_ROW_SPLIT",
+           "gemm_waves", "alternate_gemms", "gather_group", "DEFAULT_SMS", "TILE_ROWS", "TILE_COLS",
+           "MIN_GEMM_WAVES", "ALTERNATE_MIN_TAIL"]
 
 #: Signal-pad channels below this are left to other users of the pool's handles (the lead's
 #: kernels, torch); the overlap pipelines use ``CHANNEL_BASE`` and up.
@@ -37,12 +67,17 @@ CHANNEL_BASE = 8
 MIN_ROWS_PER_ROW_SPLIT = 512
 #: Sub-chunks per ring chunk when the setting is "auto".
 RING_SUBCHUNKS_AUTO = 2
-#: Alternate independent chunk GEMMs between two streams, so the last (partial) wave of one GEMM
-#: overlaps the first wave of the next: a chunked GEMM of 3.4 waves otherwise costs 4. Applies to
-#: the gather and direct schedules; the ring keeps one stream (concurrent half-chunk GEMMs of a
-#: step would both finish late and eat the slack of the hop that follows).
-ALTERNATE_GEMM_STREAMS = True
-
+#: Second GEMM stream: ``None`` = :func:`alternate_gemms` decides per shape; ``True`` / ``False``
+#: force it on / off for every gather and direct schedule (the bench times both).
+ALTERNATE_GEMM_STREAMS: Optional[bool] = None
+#: SMs assumed when the device is unknown (H100 / H200 SXM).
+DEFAULT_SMS = 132
+#: Output tile of cuBLAS's large bf16 GEMMs on sm90 (rows x cols of the row-major output).
+TILE_ROWS, TILE_COLS = 128, 256
+#: A grouped all-gather GEMM covers at least this many waves (its last round is then <= 1/3 idle).
+MIN_GEMM_WAVES = 2.0
+#: Alternate GEMM streams when at least this fraction of a chunk GEMM's rounds is idle tail.
+ALTERNATE_MIN_TAIL = 0.10
 
 @dataclasses.dataclass(frozen=True)
 class Grid:
@@ -87,6 +122,35 @@ class Grid:
 
 def _split(size: int, parts: int) -> bool:
     return parts >= 1 and size % parts == 0 and size // parts >= 1
+
+
+def gemm_waves(rows: int, cols: int, sms: int = DEFAULT_SMS) -> float:
+    """Output tiles of a ``rows x cols`` GEMM result per SM (:data:`TILE_ROWS` x :data:`TILE_COLS`)."""
+    tiles = math.ceil(rows / TILE_ROWS) * math.ceil(cols / TILE_COLS)
+    return tiles / max(1, sms)
+
+
+def alternate_gemms(rows: int, cols: int, sms: int = DEFAULT_SMS,
+                    setting: Optional[bool] = None) -> bool:
+    """Whether independent chunk GEMMs of ``rows x cols`` outputs should alternate between two
+    streams: when the last round of one is at least :data:`ALTERNATE_MIN_TAIL` idle, so the next
+    GEMM's first tiles fill it. ``setting`` (default :data:`ALTERNATE_GEMM_STREAMS`) forces it."""
+    setting = ALTERNATE_GEMM_STREAMS if setting is None else setting
+    if setting is not None:
+        return bool(setting)
+    waves = gemm_waves(rows, cols, sms)
+    rounds = math.ceil(waves)
+    return (rounds - waves) / rounds >= ALTERNATE_MIN_TAIL
+
+
+def gather_group(rows: int, cols: int, setting: int = 0, sms: int = DEFAULT_SMS) -> int:
+    """Remote shards (``rows`` tokens each, ``cols`` outputs) per GEMM of the all-gather schedule:
+    enough consecutive shards for :data:`MIN_GEMM_WAVES` waves (automatic setting only;
+    ``OPFUSE_OVERLAP_CHUNKS >= 1`` keeps one GEMM per shard or sub-chunk)."""
+    if setting != 0:
+        return 1
+    waves = gemm_waves(rows, cols, sms)
+    return max(1, math.ceil(MIN_GEMM_WAVES / waves - 1e-9)) if waves > 0 else 1
 
 
 def ring_grid(rows: int, cols: int, setting: int = 0) -> Grid:
@@ -192,8 +256,8 @@ def bias_region_bytes(cols: int, itemsize: int) -> int:
 
 
 def direct_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:
-    """Every rank's partial sum of this rank's chunk: ``[world * rows, cols]``."""
-    return world * rows * cols * itemsize
+    """Every peer's partial sum of this rank's chunk: ``[(world - 1) * rows, cols]``."""
+    return (world - 1) * rows * cols * itemsize
 
 
 def ring_region_bytes(world: int, rows: int, cols: int, itemsize: int) -> int:

@@ -48,6 +48,8 @@ class Context:
     rank: int
     world: int
     plans: dict = dataclasses.field(default_factory=dict)
+    #: SMs of the device (the GEMM-size rules of :mod:`.policy` count waves of output tiles).
+    sms: int = policy.DEFAULT_SMS
 
 
 def context(group_name: str, device: torch.device) -> Optional[Context]:
@@ -63,7 +65,8 @@ def context(group_name: str, device: torch.device) -> Optional[Context]:
         pool = SymmetricPool.get(pg, torch.device("cuda", index))
         if pool is None:
             return None
-        ctx = Context(pg, pool, pool.rank, pool.world_size)
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        ctx = Context(pg, pool, pool.rank, pool.world_size, sms=sms)
         _CONTEXTS[key] = ctx
     return ctx
 

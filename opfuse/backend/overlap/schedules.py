@@ -4,8 +4,8 @@ and the synchronisation rules they follow are in :mod:`.plan`):
 * :func:`all_gather_matmul_plan` / :func:`gather_only_plan`: push-based all-gather, a GEMM per
   arriving shard;
 * :func:`matmul_reduce_scatter_plan`: the ring, partial sums accumulated in GEMM epilogues;
-* :func:`matmul_reduce_scatter_direct_plan`: whole-chunk partials pushed to their owner, one
-  reduction.
+* :func:`matmul_reduce_scatter_direct_plan`: whole-chunk partials pushed to their owner, summed
+  while the owner's GEMMs run; only the last one is added after the own GEMM.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class _Builder:
 
     def fork(self, stream: str, barrier_channel: Optional[int]):
         """``stream`` (and aux) wait for the compute stream's work so far (then a barrier on
-        ``stream``)."""
+        ``stream``). Every side stream must be forked before it touches a per-call buffer: the
+        caching allocator hands a per-call buffer out on the compute stream's order only."""
         ev = self.event()
         self.emit(Record(COMPUTE, ev), WaitEvent(stream, ev))
         if self.alternate:
@@ -75,38 +76,57 @@ def _emit_gather_pushes(bld: _Builder, stream: str, grid: Grid, channels: Channe
         bld.emit(Copy(stream, View("gather", r, r * rows, rows), View("a", r, 0, rows)))
 
 
+def _shard_groups(rank: int, world: int, group: int) -> list[tuple[int, int]]:
+    """Remote shards in arrival order (``rank + 1, rank + 2, ...``) as ``(first, count)`` runs of
+    at most ``group`` consecutive shards, cut at the wrap from ``world - 1`` to 0 so that every
+    run is one contiguous block of rows (of ``gather`` and of ``out``)."""
+    runs: list[list[int]] = []
+    for i in range(1, world):
+        s = (rank + i) % world
+        if runs and len(runs[-1]) < group and runs[-1][-1] + 1 == s:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return [(run[0], len(run)) for run in runs]
+
+
 def all_gather_matmul_plan(rank: int, world: int, grid: Grid, n: int, channels: ChannelMap, *,
                            bias: bool, fill_own: bool = False, gemm: bool = True, probe: bool = False,
-                           alternate: bool = False) -> Plan:
+                           alternate: bool = False, group: int = 1) -> Plan:
     """``out = all_gather(a) @ b (+ bias)``: ``a`` is this rank's ``[rows, K]`` shard, ``out`` is
     ``[world * rows, n]``. ``fill_own`` also copies ``a`` into this rank's own block of ``gather``
     (the whole gathered operand is then in ``gather`` after the call, for a weight gradient).
     ``gemm=False`` only gathers.
 
     Schedule (rank r): compute: GEMM(own shard from ``a``) while comm: barrier, then push to
-    r-1, r-2, ...; compute: for s = r+1, r+2, ...: wait for s's shard, GEMM into out's block s.
+    r-1, r-2, ...; then for s = r+1, r+2, ...: wait for s's shard, GEMM into out's block s.
+    ``group > 1`` (unsplit shards only): up to ``group`` consecutive remote shards share one
+    GEMM, which waits for all of them (:func:`.policy.gather_group`: small shards make
+    inefficient GEMMs, and the own GEMM hides their transfers anyway).
     """
     bld = _Builder(rank, world, alternate and gemm)
     rows = grid.rows
+    group = group if grid.count == 1 and gemm else 1
     bias_view = View("biasin", rank, 0, 1) if bias else None
     bld.fork(COMM, channels.barrier)
     # Issue order: the local GEMM before the pushes, so the compute stream never idles while the
-    # host enqueues copies (GPU order between the streams is set by events/signals, not by this).
+    # host enqueues copies (GPU order between the streams is set by events/signals, not by this;
+    # the pushes are bound by the transfers, not by their issue).
     if gemm:
         for j in range(grid.count):
             r0, nr, _, _ = grid.sub(j)
             bld.emit(Gemm(bld.gemm_stream(), View("out", rank, rank * rows + r0, nr), View("a", rank, r0, nr), 0, n,
                           bias=bias_view))
     _emit_gather_pushes(bld, COMM, grid, channels, fill_own)
-    for i in range(1, world):
-        src = (rank + i) % world
+    for first, count in _shard_groups(rank, world, group):
         for j in range(grid.count):
             r0, nr, _, _ = grid.sub(j)
             stream = bld.gemm_stream() if gemm else COMPUTE
-            bld.emit(Wait(stream, src, channels.gather(j)))
+            for src in range(first, first + count):
+                bld.emit(Wait(stream, src, channels.gather(j)))
             if gemm:
-                bld.emit(Gemm(stream, View("out", rank, src * rows + r0, nr),
-                              View("gather", rank, src * rows + r0, nr), 0, n, bias=bias_view))
+                block = View("gather", rank, first * rows + r0, nr if count == 1 else count * rows)
+                bld.emit(Gemm(stream, View("out", rank, block.row0, block.rows), block, 0, n, bias=bias_view))
     bld.join([COMM])
     if probe:
         if gemm:
@@ -264,34 +284,54 @@ def matmul_reduce_scatter_direct_plan(rank: int, world: int, rows: int, n: int, 
                                       side_gather: Optional[Grid] = None, alternate: bool = False) -> Plan:
     """``out = reduce_scatter(a @ b) (+ bias)`` for small chunks: every rank GEMMs each peer's
     chunk whole (chunk ``r + 1`` first) into ``tmp`` and the comm stream pushes it into the
-    owner's ``direct`` region at row block ``rank``; the own chunk is GEMM'd last into this rank's
-    own block (with ``biasin``, this rank's own bias); then one reduction sums the ``world``
-    blocks into ``out``.
+    owner's ``direct`` region at row block ``i`` = the sender's step (so the owner finds the
+    partials in arrival order: block ``i`` comes from rank ``r - 1 - i``).
 
-    Exposed: that reduction (``(world + 1) * rows * n`` elements of traffic). The last partial
-    for this rank is pushed while its sender GEMMs its own chunk, so it lands before the own
-    GEMM ends. Chosen when the ring's sub-chunks would be too small to keep the GEMMs efficient
-    (see :func:`.policy.rs_algorithm`). ``side_gather`` as in :func:`matmul_reduce_scatter_plan`.
+    The owner (``world >= 3``): between its pushes of steps ``world - 3`` and ``world - 2``, the
+    comm stream waits for the partials of steps ``0 .. world - 3`` and sums them (+ ``biasin``,
+    this rank's own bias) into ``out``, while the compute stream runs its last peer GEMM; the own
+    GEMM (last) accumulates onto that sum in its epilogue (``beta = 1``); then the partial of step
+    ``world - 2`` (rank r+1's last peer GEMM, pushed while r+1 runs its own GEMM) is added: the
+    only exposed work, ``3 * rows * n`` elements of traffic. ``world == 2``: the own GEMM writes
+    ``out`` (+ bias), then the one partial is added. No wait can cycle: every push a pre-sum
+    waits for precedes the sender's own pre-sum on its comm stream.
+
+    Chosen when the ring's sub-chunks would be too small to keep the GEMMs efficient (see
+    :func:`.policy.rs_algorithm`). ``side_gather`` as in :func:`matmul_reduce_scatter_plan`.
     """
     bld = _Builder(rank, world, alternate)
     bld.fork(COMM, channels.barrier)
     if side_gather is not None:
         _emit_side_gather(bld, side_gather, channels)
+    out = View("out", rank, 0, rows)
+    bias_view = View("biasin", rank, 0, 1) if bias else None
+    own = View("a", rank, rank * rows, rows)
+    presum = world > 2
     for i in range(world - 1):
         chunk = (rank + i + 1) % world
         dst = View("tmp", rank, i * rows, rows)
         done = bld.event()
         stream = bld.gemm_stream()
-        bld.emit(Gemm(stream, dst, View("a", rank, chunk * rows, rows), 0, n),
-                 Record(stream, done), WaitEvent(COMM, done),
-                 Copy(COMM, View("direct", chunk, rank * rows, rows), dst),
+        bld.emit(Gemm(stream, dst, View("a", rank, chunk * rows, rows), 0, n), Record(stream, done))
+        if presum and i == world - 2:
+            # A sender's step-s partial lands ~(s + 1) chunk GEMMs + one transfer into the call,
+            # so those of steps 0 .. world-3 are here about when our push of step world-3 is
+            # done: sum them now, while the last peer GEMM runs (the own GEMM needs the sum).
+            ready = bld.event()
+            for step in range(world - 2):
+                bld.emit(Wait(COMM, (rank - 1 - step) % world, channels.ring(0)))
+            bld.emit(Sum(COMM, out, View("direct", rank, 0, (world - 2) * rows), world - 2, bias=bias_view),
+                     Record(COMM, ready))
+        bld.emit(WaitEvent(COMM, done),
+                 Copy(COMM, View("direct", chunk, i * rows, rows), dst),
                  Put(COMM, chunk, channels.ring(0)))
-    # The own GEMM stays on compute, where the reduction that reads its result runs.
-    bld.emit(Gemm(COMPUTE, View("direct", rank, rank * rows, rows), View("a", rank, rank * rows, rows), 0, n,
-                  bias=View("biasin", rank, 0, 1) if bias else None))
-    for i in range(1, world):
-        bld.emit(Wait(COMPUTE, (rank - i) % world, channels.ring(0)))
-    bld.emit(Sum(COMPUTE, View("out", rank, 0, rows), View("direct", rank, 0, world * rows), world))
+    # The own GEMM stays on compute, where the final add that reads its result runs.
+    if presum:
+        bld.emit(WaitEvent(COMPUTE, ready), Gemm(COMPUTE, out, own, 0, n, "acc"))
+    else:
+        bld.emit(Gemm(COMPUTE, out, own, 0, n, bias=bias_view))
+    bld.emit(Wait(COMPUTE, (rank + 1) % world, channels.ring(0)),
+             Sum(COMPUTE, out, View("direct", rank, (world - 2) * rows, rows), 1, acc=True))
     if side_gather is not None:
         _emit_side_gather_waits(bld, side_gather, channels)
     bld.join([COMM] + ([COMM2] if side_gather is not None else []))
@@ -300,7 +340,7 @@ def matmul_reduce_scatter_direct_plan(rank: int, world: int, rows: int, n: int, 
         if side_gather is not None:
             bld.emit(Probe(COMPUTE, View("gather", rank, 0, world * side_gather.rows), "gather"))
     shapes = {"a": (world * rows, None), "out": (rows, n), "tmp": ((world - 1) * rows, n),
-              "direct": (world * rows, n)}
+              "direct": ((world - 1) * rows, n)}
     if bias:
         shapes["biasin"] = (1, n)
     if side_gather is not None:

@@ -77,8 +77,10 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
         return _rect(buffers[call][rank][view.buf], view)
 
     def sources(call, rank, ins):
-        if isinstance(ins, (Copy, Sum)):
+        if isinstance(ins, Copy):
             return [tensor(call, rank, ins.src)]
+        if isinstance(ins, Sum):
+            return [tensor(call, rank, ins.src)] + ([tensor(call, rank, ins.bias)] if ins.bias is not None else [])
         bufs = buffers[call][rank]
         srcs = [tensor(call, rank, ins.a), bufs["b"][:, ins.b_col0:ins.b_col0 + ins.b_cols]]
         if ins.bias is not None:
@@ -88,7 +90,8 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
     def start(call, rank, ins):
         dst = tensor(call, rank, ins.dst)
         srcs = sources(call, rank, ins)
-        old = dst.clone() if isinstance(ins, Gemm) and ins.mode == "acc" else None
+        accumulates = (isinstance(ins, Gemm) and ins.mode == "acc") or (isinstance(ins, Sum) and ins.acc)
+        old = dst.clone() if accumulates else None
         snap = [s.clone() for s in srcs]
         dst.fill_(float("nan"))
         return (call, ins, snap, old)
@@ -101,7 +104,10 @@ def simulate(plans: list[list[Plan]], buffers: list[list[dict]], regions: list[d
                 raise Race(f"rank {rank} call {call}: a source of {ins} changed while it was read")
         dst = tensor(call, rank, ins.dst)
         if isinstance(ins, Sum):
-            dst.copy_(srcs[0].reshape(ins.parts, *dst.shape).sum(0))
+            total = srcs[0].reshape(ins.parts, *dst.shape).sum(0)
+            if ins.bias is not None:
+                total = total + srcs[1]
+            dst.copy_(total + old if ins.acc else total)
             return
         if isinstance(ins, Copy):
             if tuple(srcs[0].shape) != tuple(dst.shape):
