@@ -50,7 +50,8 @@ class Config:
     twoshot_max_bytes: int = 256 * 1024 * 1024
     #: Sub-chunks in the comm+GEMM pipelines (``OPFUSE_OVERLAP_CHUNKS``): 0 = automatic (reduce-scatter:
     #: ring with two row halves when a rank's chunk has >= 1024 rows, else direct push-and-sum;
-    #: all-gather: one GEMM per shard); 1 = direct reduce-scatter; n >= 2 = ring with n sub-chunks.
+    #: all-gather: shards grouped into GEMMs of ~2 waves); 1 = direct reduce-scatter and one GEMM per
+    #: gathered shard; n >= 2 = ring with n sub-chunks.
     overlap_chunks: int = 0
 
 
