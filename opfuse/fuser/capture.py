@@ -1,5 +1,5 @@
 """One recorded signature of :func:`opfuse.graphed`: its static buffers, the per-call checks
-(signature, parameter addresses, aliased gradients), and the ``autograd.Function`` that replays
+(signature, parameter addresses), and the ``autograd.Function`` that replays
 its forward and backward recordings.
 
 See :mod:`opfuse.fuser.graphed` for the rules these implement.
@@ -135,16 +135,6 @@ class Capture:
     def outputs(self, clone: bool) -> list:
         return [o.clone() if clone else o.detach() for o in self.static_outputs]
 
-    def release_aliased_grads(self, leaf_inputs) -> None:
-        """Before a backward replay rewrites the static gradients: a ``.grad`` still aliasing one
-        (autograd steals a returned gradient as ``.grad`` when it can) gets its own storage, so
-        ``.grad += new`` accumulates instead of doubling the new gradient."""
-        for tensor, static in list(zip(self.params, self.param_grads)) + list(leaf_inputs):
-            grad = tensor.grad
-            if static is not None and grad is not None and \
-                    grad.untyped_storage().data_ptr() == static.untyped_storage().data_ptr():
-                tensor.grad = grad.clone()
-
 
 class ReplayFunction(torch.autograd.Function):
     """Forward: copy inputs, replay the forward graph. Backward: copy the output gradients,
@@ -156,8 +146,6 @@ class ReplayFunction(torch.autograd.Function):
         capture.copy_inputs(inputs)
         capture.replay_forward()
         ctx.capture, ctx.generation = capture, capture.generation
-        ctx.leaf_inputs = tuple((t, g) for t, g in zip(inputs, capture.input_grads)
-                                if g is not None and t.is_leaf and t.requires_grad)
         outputs = capture.outputs(clone)
         fixed = [o for o, d in zip(outputs, capture.differentiable) if not d]
         if fixed:
@@ -173,7 +161,6 @@ class ReplayFunction(torch.autograd.Function):
                 f"opfuse.graphed: backward of call {ctx.generation}, but the graph has replayed its forward "
                 f"{capture.generation - ctx.generation} more time(s) since, overwriting the activations this backward "
                 f"needs. Run backward before calling the graphed block again (or use separate graphed copies).")
-        capture.release_aliased_grads(ctx.leaf_inputs)
         with torch.no_grad():
             for static, grad in zip(capture.static_grad_outputs, grads):
                 if static is None:
@@ -183,7 +170,9 @@ class ReplayFunction(torch.autograd.Function):
                 elif grad is not static:
                     static.copy_(grad)
         capture.replayer.replay_backward()
-        # Detached aliases: autograd may adopt them as ``.grad`` without a copy (see
-        # release_aliased_grads for what keeps that correct).
-        return (None, None, None) + tuple(None if g is None else g.detach()
+        # Fresh copies: autograd adopts a returned gradient as ``.grad`` when nothing else holds
+        # it, and a ``.grad`` aliasing a static buffer would be rewritten (doubled, on
+        # accumulation) by the next replay. Handing out aliases was tried and failed that test on
+        # the GPU; one copy per gradient is the price of always-correct accumulation.
+        return (None, None, None) + tuple(None if g is None else g.clone()
                                           for g in capture.input_grads + capture.param_grads)

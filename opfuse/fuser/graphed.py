@@ -20,8 +20,8 @@ What it does beyond ``torch.cuda.make_graphed_callables``:
   every call (with a warning once); a changed shape or dtype is an error.
 * **Gradients.** Backward replays the captured backward graph through an
   ``autograd.Function``; parameter and input gradients flow into autograd as usual. Returned
-  gradients live in static buffers (no copy): a ``.grad`` that still aliases one when the next
-  backward replays is moved aside first, so accumulation without ``zero_grad`` stays correct.
+  gradients are copies of the static gradient buffers (so ``.grad`` never aliases a buffer the
+  next replay rewrites, and accumulation without ``zero_grad`` stays correct).
   Backward of a call whose activations a later forward replay overwrote raises.
 * **Signatures.** A call whose inputs differ in shape, dtype, device or ``requires_grad`` from the
   captured ones raises :class:`GraphSignatureError` naming both signatures; with

@@ -36,7 +36,10 @@ _MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20}
 # Largest message (bytes per rank) for which the one-shot kernel beats the two-shot one, by world
 # size, measured with bench/allreduce_norm.py (docs/PERF_NOTES.md). OPFUSE_ONESHOT_MAX_BYTES
 # overrides it.
-_ONESHOT_AUTO_MAX = {2: 512 << 10, 4: 512 << 10}
+# World 2: one-shot sends the same bytes as two-shot with one hop instead of two, and won at every
+# size measured (up to 32 MiB, 2048 tokens x 8192 bf16); world 4: it won up to 512 KiB and tied at
+# 2 MiB. World 3 is interpolated (not measured); larger worlds keep the conservative 512 KiB.
+_ONESHOT_AUTO_MAX = {2: 32 << 20, 3: 4 << 20, 4: 1 << 20}
 _ONESHOT_DEFAULT_MAX = 512 << 10
 
 
@@ -209,6 +212,12 @@ def _outputs(x, norm, write_residual):
 _SM_COUNT: dict[int, int] = {}
 
 
+def _current_stream() -> int:
+    # The raw handle straight from C (torch.cuda.current_stream() builds a Python Stream object,
+    # which costs several microseconds of host time per call on the GPU hosts).
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+
+
 def _sm_count() -> int:
     device = torch.cuda.current_device()
     if device not in _SM_COUNT:
@@ -227,7 +236,7 @@ def _peer_forward(kind: str):
         hidden = x.shape[-1]
         tokens = x.numel() // hidden
         ext = extension.load()
-        stream = torch.cuda.current_stream().cuda_stream
+        stream = _current_stream()
         args = (_ptr(x), _ptr(bias), _ptr(residual), _ptr(weight), _ptr(norm_bias), y.data_ptr(), _ptr(h if h.numel() else None),
                 tokens, hidden, float(eps), NORMS[norm], DTYPES[x.dtype], plan.peer_region)
         if kind == "oneshot":
@@ -251,8 +260,7 @@ def _local(x, bias, residual, weight, norm_bias, *, norm, eps, write_residual):
     tokens = x.numel() // hidden
     extension.load().add_norm(_ptr(x), _ptr(bias), _ptr(residual), _ptr(weight), _ptr(norm_bias), y.data_ptr(),
                               _ptr(h if h.numel() else None), tokens, hidden, float(eps), NORMS[norm],
-                              DTYPES[x.dtype], max(1, min(tokens, 4 * _sm_count())),
-                              torch.cuda.current_stream().cuda_stream)
+                              DTYPES[x.dtype], max(1, min(tokens, 4 * _sm_count())), _current_stream())
     return y, h
 
 
@@ -288,5 +296,5 @@ def norm_backward(dy, h, weight, norm_bias, *, norm, eps):
         dw, partial = dy.new_empty(0), None
     extension.load().rms_norm_backward(dy.data_ptr(), h.data_ptr(), _ptr(weight), 0, dh.data_ptr(), _ptr(partial),
                                        _ptr(dw if weight is not None else None), tokens, hidden, float(eps),
-                                       DTYPES[h.dtype], blocks, torch.cuda.current_stream().cuda_stream)
+                                       DTYPES[h.dtype], blocks, _current_stream())
     return dh, dw, dy.new_empty(0)
