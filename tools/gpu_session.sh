@@ -41,6 +41,13 @@ case "$stage" in
     step overlap_bench 100 python3 bench/overlap.py --world 2 4
     step block_bench 280 python3 bench/block.py --world 2 4
     ;;
+  world8)
+    step residual_norm_dist 150 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py -k "8]" "$@"
+    step overlap_tests 120 python3 -m pytest -x -q tests/gpu/test_overlap.py -k "8]" "$@"
+    step graphed_tests 120 python3 -m pytest -x -q tests/gpu/test_graphed.py -k "8]" "$@"
+    step allreduce_bench 100 python3 bench/allreduce_norm.py --world 8 --json "$OUT/allreduce_norm.json"
+    step overlap_bench 60 python3 bench/overlap.py --world 8
+    ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/gpus.txt"

@@ -327,7 +327,7 @@ def all_checks(rank, world):
                    expect={"all_gather_linear": ("p2p_overlap",), "linear_reduce_scatter": ("p2p_overlap",)})
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_graphed_blocks_on_gpus(world):
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs (have {GPUS})")

@@ -333,7 +333,7 @@ def all_checks(rank, world):
     check_fallbacks(rank, world)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_overlap(world):
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs (have {GPUS})")

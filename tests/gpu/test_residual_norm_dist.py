@@ -218,7 +218,7 @@ def all_checks(rank, world):
     check_fallbacks(rank, world)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_residual_norm_on_gpus(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")

@@ -36,10 +36,10 @@ _MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20}
 # Largest message (bytes per rank) for which the one-shot kernel beats the two-shot one, by world
 # size, measured with bench/allreduce_norm.py (docs/PERF_NOTES.md). OPFUSE_ONESHOT_MAX_BYTES
 # overrides it.
-# World 2: one-shot sends the same bytes as two-shot with one hop instead of two, and won at every
-# size measured (up to 32 MiB, 2048 tokens x 8192 bf16); world 4: it won up to 512 KiB and tied at
-# 2 MiB. World 3 is interpolated (not measured); larger worlds keep the conservative 512 KiB.
-_ONESHOT_AUTO_MAX = {2: 32 << 20, 3: 4 << 20, 4: 1 << 20}
+# World 2: one-shot sends the same bytes as two-shot with one hop instead of two; it won up to
+# 2 MiB, tied at 8 MiB and lost at 32 MiB against the staged two-shot; world 4: it won up to
+# 512 KiB and tied at 2 MiB. World 3 is interpolated (not measured); larger worlds keep 512 KiB.
+_ONESHOT_AUTO_MAX = {2: 8 << 20, 3: 2 << 20, 4: 1 << 20}
 _ONESHOT_DEFAULT_MAX = 512 << 10
 
 
