@@ -30,46 +30,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
+from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPLAYS, EPS = 40, 7, 1e-6
 
 
 def graph_time_us(fn, reset=None) -> float:
-    """Median over REPLAYS of a CUDA graph holding CALLS calls of ``fn``, per call (microseconds)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            if reset:
-                reset()
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    if reset:
-        reset()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        if reset:
-            reset()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / CALLS)
-    times.sort()
-    value = torch.tensor([times[len(times) // 2]], device="cuda")
+    """Median over REPLAYS of a CUDA graph holding CALLS calls of ``fn``, per call (microseconds),
+    max over ranks."""
+    value = torch.tensor([median(graph_replay_us(fn, CALLS, REPLAYS, reset=reset))], device="cuda")
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value.item()
 
@@ -147,7 +121,6 @@ def worker(rank, world, opts, out_path):
                 row["addnorm_eager"] = graph_time_us(lambda: F.rms_norm(x + res, (hidden,), weight, EPS))
                 row["addnorm_compiled"] = graph_time_us(lambda: compiled_add_norm(x, res, weight))
             rows.append(row)
-            del symm
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(rows, handle)

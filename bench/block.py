@@ -62,8 +62,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from opfuse import ops  # noqa: E402
+from timing import graph_replay_us  # noqa: E402  (bench/timing.py)
 from opfuse.cli.launch import run  # noqa: E402
 from opfuse.ops import collectives  # noqa: E402
 
@@ -223,30 +225,7 @@ def graph_us(fn, calls, reps):
     """Per call, median over ``reps`` replays of one CUDA graph of ``calls`` calls of ``fn``."""
     if DEVICE != "cuda":
         return eager_us(fn, calls, reps)[0]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    del graph
-    return statistics.median(times)
+    return statistics.median(graph_replay_us(fn, calls, reps))
 
 
 def rel(a, b):

@@ -75,7 +75,7 @@ def main() -> int:
         direct_us = per_call_us(direct, args.calls, 7, sync)
     print(f"host overhead, {args.device}, tokens={args.tokens}, hidden={args.hidden}, torch {torch.__version__}, "
           f"best of 7 x {args.calls} calls (us per call)")
-    print(f"| path | seq(x, res) | GraphModule only | seq - direct ops |")
+    print("| path | seq(x, res) | GraphModule only | seq - direct ops |")
     print("|---|---|---|---|")
     print(f"| direct calls of the basic ops | {direct_us:.1f} | - | - |")
     for label, compiled, bare in rows:

@@ -46,10 +46,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opfuse  # noqa: E402
 from opfuse.backend import dispatch  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
+from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
 from opfuse.ops.base import TensorMeta  # noqa: E402
 
 CALLS, REPS, WARMUP = 10, 7, 3
@@ -125,30 +127,7 @@ def plan_summary() -> str:
 
 
 def graph_us(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(WARMUP):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(REPS):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / CALLS)
-    times.sort()
-    return _max_over_ranks(times[len(times) // 2])
+    return _max_over_ranks(median(graph_replay_us(fn, CALLS, REPS, warmup=WARMUP)))
 
 
 def rel_err(got, ref) -> float:

@@ -98,7 +98,7 @@ def check_all_gather_linear(spec) -> Optional[str]:
     if reason:
         return reason
     x, w = spec.x, spec.inputs["weight"]
-    rows, k, n = x.tokens, x.features, w.shape[0]
+    rows, k = x.tokens, x.features
     setting, world = resources.chunk_setting(), spec.world_size
     gather = policy.gather_grid(rows, k, setting)
     needs, channels = [("gather", rows, k)], [policy.channel_map(world, gather, None)]
