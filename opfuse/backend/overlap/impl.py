@@ -97,7 +97,7 @@ def check_all_gather_linear(spec) -> Optional[str]:
     reason = _basic_reason(spec)
     if reason:
         return reason
-    x, w = spec.x, spec.inputs["weight"]
+    x = spec.x
     rows, k = x.tokens, x.features
     setting, world = resources.chunk_setting(), spec.world_size
     gather = policy.gather_grid(rows, k, setting)
