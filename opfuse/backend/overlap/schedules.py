@@ -177,6 +177,19 @@ def _ring_slot(grid: Grid, step: int, j: int) -> int:
     return ((step - 1) * grid.count + j) * grid.sub_rows
 
 
+def _finish_reduce_scatter(bld: _Builder, rank: int, world: int, rows: int, side_gather: Grid | None,
+                           channels: ChannelMap, probe: bool) -> None:
+    """Common tail of both reduce-scatter schedules: wait for the backward's side re-gather (if
+    any), join the side streams into the compute stream, and emit the simulator's probes."""
+    if side_gather is not None:
+        _emit_side_gather_waits(bld, side_gather, channels)
+    bld.join([COMM] + ([COMM2] if side_gather is not None else []))
+    if probe:
+        bld.emit(Probe(COMPUTE, View("out", rank, 0, rows), "out"))
+        if side_gather is not None:
+            bld.emit(Probe(COMPUTE, View("gather", rank, 0, world * side_gather.rows), "gather"))
+
+
 def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: ChannelMap, *,
                                bias: Optional[str] = None, probe: bool = False,
                                side_gather: Optional[Grid] = None, alternate: bool = False) -> Plan:
@@ -260,13 +273,7 @@ def matmul_reduce_scatter_plan(rank: int, world: int, grid: Grid, channels: Chan
                               View("ring", rank, _ring_slot(grid, world - 1, j), nr)),
                          Record(COMM, ready))
                 own_ready[j] = ready
-    if side_gather is not None:
-        _emit_side_gather_waits(bld, side_gather, channels)
-    bld.join([COMM] + ([COMM2] if side_gather is not None else []))
-    if probe:
-        bld.emit(Probe(COMPUTE, View("out", rank, 0, rows), "out"))
-        if side_gather is not None:
-            bld.emit(Probe(COMPUTE, View("gather", rank, 0, world * side_gather.rows), "gather"))
+    _finish_reduce_scatter(bld, rank, world, rows, side_gather, channels, probe)
     shapes = {"a": (world * rows, None), "out": (rows, n), "tmp": (count * grid.sub_rows, grid.sub_cols),
               "ring": ((world - 1) * count * grid.sub_rows, grid.sub_cols)}
     if bias is not None:
@@ -332,13 +339,7 @@ def matmul_reduce_scatter_direct_plan(rank: int, world: int, rows: int, n: int, 
         bld.emit(Gemm(COMPUTE, out, own, 0, n, bias=bias_view))
     bld.emit(Wait(COMPUTE, (rank + 1) % world, channels.ring(0)),
              Sum(COMPUTE, out, View("direct", rank, (world - 2) * rows, rows), 1, acc=True))
-    if side_gather is not None:
-        _emit_side_gather_waits(bld, side_gather, channels)
-    bld.join([COMM] + ([COMM2] if side_gather is not None else []))
-    if probe:
-        bld.emit(Probe(COMPUTE, View("out", rank, 0, rows), "out"))
-        if side_gather is not None:
-            bld.emit(Probe(COMPUTE, View("gather", rank, 0, world * side_gather.rows), "gather"))
+    _finish_reduce_scatter(bld, rank, world, rows, side_gather, channels, probe)
     shapes = {"a": (world * rows, None), "out": (rows, n), "tmp": ((world - 1) * rows, n),
               "direct": ((world - 1) * rows, n)}
     if bias:
