@@ -1,4 +1,5 @@
-"""Comm + GEMM overlap (``p2p_overlap``) on real GPUs, NCCL world 2 and 4, through opfuse programs:
+"""Comm + GEMM overlap (``p2p_overlap``) on real GPUs, NCCL world 2, 3, 4 and 8 (as the host
+allows), through opfuse programs:
 outputs and every gradient against the non-overlapped distributed computation with the same
 sharding in float32 (opfuse's differentiable NCCL collectives + F.linear), over several shapes
 (1 token per rank up to thousands, 3-D inputs, odd widths, bias / no bias, both bias placements
@@ -333,7 +334,7 @@ def all_checks(rank, world):
     check_fallbacks(rank, world)
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_overlap(world):
     if GPUS < world:
         pytest.skip(f"needs {world} GPUs (have {GPUS})")
