@@ -240,7 +240,8 @@ def poison_overlap_regions():
 
 
 def check_tp_inference(rank, world):
-    hidden, ffn, dtype = 1024, 4096, BF16
+    hidden, dtype = 1024, BF16
+    ffn = 4096 if 4096 % world == 0 else 1024 * world  # column-parallel: a multiple of the world size
     block = mlp(hidden, ffn, dtype, parallel=True)
     for tokens in (4, 1024):
         gen = torch.Generator(device="cuda").manual_seed(100 + tokens)  # replicated inputs
