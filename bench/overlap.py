@@ -20,8 +20,11 @@ nccl+gemm, torch and ours are interleaved, so drift within a case does not bias 
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   ours        opfuse p2p_overlap forward (what a compiled program calls), eager
   host        Python issue time of one eager ``ours`` call (host-bound when close to ``ours``)
-  plan        what the policy picked (rank 0): schedule, GEMMs per call, ``2s`` = two GEMM streams
+  plan        what the policy picked (rank 0): schedule, GEMMs per call, ``2s`` = two GEMM streams,
+              ``eg`` = eager calls replay a graph of the plan (OPFUSE_OVERLAP_EAGER_GRAPHS=auto chose it)
   ours:graph  the same, CUDA graph of CALLS calls (no Python launch overhead)
+  ours:direct eager, every instruction issued (OPFUSE_OVERLAP_EAGER_GRAPHS=off)
+  ours:eg     eager, each call replays a graph of its plan (=on: copies the per-call buffers in/out)
   ours:1s     eager, chunk GEMMs forced onto one stream (policy.ALTERNATE_GEMM_STREAMS = False)
   ours:2s     eager, chunk GEMMs forced to alternate between two streams (= True)
   ours:cN     eager with OPFUSE_OVERLAP_CHUNKS=N (tuning information: for GEMM+RS, 1 = the direct
@@ -56,7 +59,8 @@ from opfuse.ops.base import TensorMeta  # noqa: E402
 
 CALLS, REPS, WARMUP = 10, 7, 3
 TARGETS = {("AG+GEMM", 8192): 1.05, ("GEMM+RS", 8192): 1.03, ("AG+GEMM", 2048): 1.10, ("GEMM+RS", 2048): 1.10}
-COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "host", "ours:graph", "ours:1s", "ours:2s"]
+COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "host", "ours:graph", "ours:direct", "ours:eg", "ours:1s",
+           "ours:2s"]
 
 
 def _max_over_ranks(value: float) -> float:
@@ -123,7 +127,8 @@ def plan_summary() -> str:
     kind = "direct" if "direct" in plan.shapes else "ring" if "ring" in plan.shapes else "gather"
     gemms = sum(1 for i in plan.instructions if isinstance(i, P.Gemm))
     two = any(i.stream == P.AUX for i in plan.instructions)
-    return f"{kind} {gemms}g {'2s' if two else '1s'}"
+    eager_graph = " eg" if list(ctx.plans.values())[-1].graphs.auto else ""
+    return f"{kind} {gemms}g {'2s' if two else '1s'}{eager_graph}"
 
 
 def graph_us(fn) -> float:
@@ -200,6 +205,9 @@ def bench_case(rank, world, op, m, k, n, chunk_settings):
         times, row["host"] = eager_interleaved(fns, host_of="ours")
         row.update(times)
         row["ours:graph"] = graph_us(ours)
+        for column, setting in (("ours:direct", "off"), ("ours:eg", "on")):
+            with opfuse.config.override(overlap_eager_graphs=setting):
+                row[column] = eager_us(ours)
         for column, forced in (("ours:1s", False), ("ours:2s", True)):
             policy.ALTERNATE_GEMM_STREAMS = forced
             try:

@@ -53,12 +53,18 @@ class Config:
     #: all-gather: shards grouped into GEMMs of ~2 waves); 1 = direct reduce-scatter and one GEMM per
     #: gathered shard; n >= 2 = ring with n sub-chunks.
     overlap_chunks: int = 0
-
+    #: Eager comm+GEMM overlap calls replayed from a CUDA graph of their plan
+    #: (``OPFUSE_OVERLAP_EAGER_GRAPHS``): ``auto`` = when the call is predicted to be bound by its
+    #: launches, ``on``, ``off`` (opfuse/backend/overlap/eager_graph.py).
+    overlap_eager_graphs: str = "auto"
 
     def __setattr__(self, name, value):
         global _version
         if name not in _FIELD_NAMES:
             raise AttributeError(f"opfuse.config has no setting {name!r}; known: {sorted(_FIELD_NAMES)}")
+        choices = _CHOICES.get(name)
+        if choices is not None and value not in choices:
+            raise ValueError(f"opfuse.config.{name}={value!r}; accepted: {', '.join(map(repr, choices))}")
         object.__setattr__(self, name, value)
         _version += 1
 
@@ -86,7 +92,10 @@ _ENV_NAMES = {
     "oneshot_max_bytes": "ONESHOT_MAX_BYTES",
     "twoshot_max_bytes": "TWOSHOT_MAX_BYTES",
     "overlap_chunks": "OVERLAP_CHUNKS",
+    "overlap_eager_graphs": "OVERLAP_EAGER_GRAPHS",
 }
+#: Settings restricted to a set of values.
+_CHOICES = {"overlap_eager_graphs": ("auto", "on", "off")}
 
 _version = 0
 config = Config()
@@ -114,6 +123,11 @@ def _parse(field: dataclasses.Field, raw: str, source: str) -> Any:
         if value < 0:
             raise ValueError(f"{source}={raw!r}: expected a non-negative integer")
         return value
+    if field.name in _CHOICES:
+        low = raw.strip().lower()
+        if low not in _CHOICES[field.name]:
+            raise ValueError(f"{source}={raw!r}: expected one of {'/'.join(_CHOICES[field.name])}")
+        return low
     if kind.startswith("tuple"):
         return tuple(part.strip() for part in raw.split(",") if part.strip())
     return raw

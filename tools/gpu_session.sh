@@ -5,6 +5,7 @@
 #   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
 #   tools/gpu_session.sh multi-tests   # 2-4 GPUs: NCCL tests at world 2 and 4
 #   tools/gpu_session.sh multi-bench   # 2-4 GPUs: allreduce+norm and overlap benchmarks
+#   tools/gpu_session.sh overlap       # 2-4 GPUs: overlap + graphed-block tests, overlap benchmark
 #   tools/gpu_session.sh graphed-push  # 2-4 GPUs: graphed-block tests, copy-engine push bandwidth
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests and benchmarks
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
@@ -42,6 +43,11 @@ case "$stage" in
     step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
     step overlap_bench 100 python3 bench/overlap.py --world 2 4
     step block_bench 280 python3 bench/block.py --world 2 4
+    ;;
+  overlap)
+    step overlap_tests 400 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
+    step graphed_tests 300 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    step overlap_bench 300 python3 bench/overlap.py --world 2 4 --m 512 2048 8192
     ;;
   graphed-push)
     step graphed_tests 300 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"

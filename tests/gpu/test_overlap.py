@@ -121,13 +121,13 @@ def expect_impl(dtype):
 # Cases ---------------------------------------------------------------------------------------------
 
 
-def run_ag_case(rank, world, pg, gen, tokens, k, n_local, dtype, bias, lead):
+def run_ag_case(rank, world, pg, gen, tokens, k, n_local, dtype, bias, lead, calls=2):
     layer = ops.Linear(k, n_local * world, bias=bias, parallel="column", sequence_parallel=True, group=pg,
                        device="cuda", dtype=dtype)
     model = ops.Sequential(layer)
     randomize(model, gen)
     params = list(model.parameters())
-    for call in range(2):  # the second call reuses the bound plan and the regions
+    for call in range(calls):  # later calls reuse the bound plan and the regions (and replay its graph)
         x = randn(gen, tokens, *lead, k, dtype=dtype).requires_grad_()
         dy = randn(gen, tokens * world, *lead, n_local, dtype=dtype)
         program = opfuse.compile(model, x)
@@ -149,7 +149,7 @@ def run_ag_case(rank, world, pg, gen, tokens, k, n_local, dtype, bias, lead):
             check(f"{what}: db", layer.bias.grad, b32.grad, dtype)
 
 
-def run_rs_case(rank, world, pg, gen, tokens, kl, n, dtype, bias, lead, bias_after=True):
+def run_rs_case(rank, world, pg, gen, tokens, kl, n, dtype, bias, lead, bias_after=True, calls=2):
     if bias_after:
         layer = ops.Linear(kl * world, n, bias=bias, parallel="row", sequence_parallel=True, group=pg,
                            device="cuda", dtype=dtype)
@@ -162,7 +162,7 @@ def run_rs_case(rank, world, pg, gen, tokens, kl, n, dtype, bias, lead, bias_aft
         weight, bias_param, rule = linear.weight, add.bias, "linear_bias_reduce_scatter"
     randomize(model, gen)  # row-parallel biases differ per rank too: each rank's own must be used
     params = list(model.parameters())
-    for call in range(2):
+    for call in range(calls):
         x = randn(gen, tokens * world, *lead, kl, dtype=dtype).requires_grad_()
         dy = randn(gen, tokens, *lead, n, dtype=dtype)
         program = opfuse.compile(model, x)
@@ -189,15 +189,15 @@ def run_rs_case(rank, world, pg, gen, tokens, kl, n, dtype, bias, lead, bias_aft
             check(f"{what}: db", bias_param.grad, b32.grad, dtype)
 
 
-def check_cases(rank, world):
+def check_cases(rank, world, calls=2):
     pg = dist.group.WORLD
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
     for case in AG_CASES:
-        run_ag_case(rank, world, pg, gen, *case)
+        run_ag_case(rank, world, pg, gen, *case, calls=calls)
     for case in RS_CASES:
-        run_rs_case(rank, world, pg, gen, *case)
+        run_rs_case(rank, world, pg, gen, *case, calls=calls)
     for tokens, kl, n, dtype, lead in RS_LOCAL_BIAS_CASES:
-        run_rs_case(rank, world, pg, gen, tokens, kl, n, dtype, True, lead, bias_after=False)
+        run_rs_case(rank, world, pg, gen, tokens, kl, n, dtype, True, lead, bias_after=False, calls=calls)
     # More sub-chunks than the default (several per gather shard, 4 per ring chunk).
     with opfuse.config.override(overlap_chunks=4):
         run_ag_case(rank, world, pg, gen, 512, 256, 128, BF16, True, ())
@@ -218,6 +218,26 @@ def check_cases(rank, world):
             run_rs_case(rank, world, pg, gen, 96, 128, 256, FP16, True, ())
         finally:
             policy.ALTERNATE_GEMM_STREAMS = None
+
+
+def eager_graph_states():
+    from opfuse.backend.overlap import resources
+
+    return [bound.graphs.state() for ctx in resources._CONTEXTS.values() for bound in ctx.plans.values()]
+
+
+def check_eager_graph_modes(rank, world):
+    """Every case again with eager calls forced to replay graphs of their plans (call 1 captures,
+    calls 2-3 replay with fresh inputs: the static buffers must be refilled and copied out), then
+    forced to issue directly; the default (auto) ran in :func:`check_cases`."""
+    before = sum(state["replays"] for state in eager_graph_states())
+    with opfuse.config.override(overlap_eager_graphs="on"):
+        check_cases(rank, world, calls=4)
+    states = eager_graph_states()
+    assert not [s["disabled"] for s in states if s["disabled"]], states
+    assert sum(state["replays"] for state in states) > before, "no eager call replayed a plan graph"
+    with opfuse.config.override(overlap_eager_graphs="off"):
+        check_cases(rank, world, calls=2)
 
 
 def check_graph_replay(rank, world, chunks):
@@ -328,6 +348,7 @@ def all_checks(rank, world):
     # of hanging until the harness timeout.
     executor.SIGNAL_TIMEOUT_MS = 120_000
     check_cases(rank, world)
+    check_eager_graph_modes(rank, world)
     for chunks in (0, 2):
         with opfuse.config.override(overlap_chunks=chunks):
             check_graph_replay(rank, world, chunks)

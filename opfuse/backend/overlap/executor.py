@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from .eager_graph import PlanGraphs
 from .plan import AUX, COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, Sum, View, Wait, WaitEvent
 
 __all__ = ["BoundPlan", "CudaApi", "cuda_api", "side_streams", "SIGNAL_TIMEOUT_MS"]
@@ -176,8 +177,11 @@ class BoundPlan:
         device = self.views[(next(iter(regions)), self.rank)].device
         self.tmp = torch.empty(plan.shapes["tmp"], dtype=dtype, device=device) if "tmp" in plan.shapes else None
         self.source, self.host_calls, self._fn = _Compiler(self).compile()
-        #: The compiled function itself: ``call(b, a=..., out=..., ...)`` (no extra frame).
+        #: The compiled function itself: ``call(b, a=..., out=..., ...)`` (no extra frame, always
+        #: issues every instruction; ``bound(...)`` may replay a graph of it instead).
         self.call = self._fn
+        #: Eager calls through ``bound(...)``: direct issue or a replayed graph (:mod:`.eager_graph`).
+        self.graphs = PlanGraphs(self)
 
     def local(self, name: str) -> torch.Tensor:
         """This rank's 2-D view of region ``name`` (e.g. the gathered operand after a plan with
@@ -185,11 +189,13 @@ class BoundPlan:
         return self.views[(name, self.rank)]
 
     def __call__(self, b: torch.Tensor, **buffers) -> None:
-        self._fn(b, **buffers)
+        """Issue the plan, or replay a CUDA graph of it when that is faster (see
+        :mod:`.eager_graph`; never while the caller's stream is capturing)."""
+        self.graphs(b, buffers)
 
     def run(self, buffers: dict, b: torch.Tensor) -> None:
-        """Issue the plan with the per-call ``buffers`` by name (see the class doc)."""
-        self._fn(b, **buffers)
+        """``bound(b, **buffers)``."""
+        self.graphs(b, buffers)
 
 
 class _Compiler:

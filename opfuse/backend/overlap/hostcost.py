@@ -139,12 +139,12 @@ def measure(world: int, m: int, op: str, setting: int = 0, iters: int = 2000) ->
         instructions = max(instructions, sum(1 for i in plan.instructions if not isinstance(i, Probe)))
         calls = max(calls, bound.host_calls)
         for _ in range(min(200, iters)):
-            bound(b, **bufs)
+            bound.call(b, **bufs)
         best = float("inf")
         for _ in range(5):
             start = time.perf_counter()
             for _ in range(iters):
-                bound(b, **bufs)
+                bound.call(b, **bufs)
             best = min(best, (time.perf_counter() - start) / iters)
         times.append(best * 1e6)
     times.sort()

@@ -267,7 +267,7 @@ def all_gather_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         return ag_linear_reference(x, weight, bias, group=group)
     x2 = x2.contiguous()
     out = x.new_empty((ctx.world * x2.shape[0], n))
-    bound.call(weight.t(), a=x2, out=out, biasin=None if bias is None else bias.reshape(1, n))
+    bound(weight.t(), a=x2, out=out, biasin=None if bias is None else bias.reshape(1, n))
     return out if x.dim() == 2 else out.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:-1]) + (n,))
 
 
@@ -333,7 +333,7 @@ def linear_reduce_scatter_forward(x: Tensor, weight: Tensor, bias: Optional[Tens
         biasin = bias.reshape(1, n)
     elif mode == "local":
         biasin = _sum_over_ranks(bias, ctx).reshape(1, n)
-    bound.call(weight.t(), a=x2, out=out, biasin=biasin)
+    bound(weight.t(), a=x2, out=out, biasin=biasin)
     return out if x.dim() == 2 else out.view((x.shape[0] // ctx.world,) + tuple(x.shape[1:-1]) + (n,))
 
 
