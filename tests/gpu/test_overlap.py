@@ -10,7 +10,9 @@ error at compile time.
 
 Schedules covered: all-gather with grouped remote shards (automatic for these sizes), one GEMM
 per shard (``OPFUSE_OVERLAP_CHUNKS=1``) and row sub-chunks (``=4``); the ring and the direct
-reduce-scatter (pre-summed partials, own GEMM accumulating onto them); one and two GEMM streams.
+reduce-scatter (pre-summed partials, own GEMM accumulating onto them); one and two GEMM streams;
+eager calls issued instruction by instruction and replayed from a graph of their plan
+(``OPFUSE_OVERLAP_EAGER_GRAPHS`` auto, on and off).
 
 One spawn per world size (process start-up dominates): ``pytest -q tests/gpu/test_overlap.py``.
 """
