@@ -7,7 +7,8 @@
 #   tools/gpu_session.sh multi-bench   # 2-4 GPUs: allreduce+norm and overlap benchmarks
 #   tools/gpu_session.sh overlap       # 2-4 GPUs: overlap + graphed-block tests, overlap benchmark
 #   tools/gpu_session.sh graphed-push  # 2-4 GPUs: graphed-block tests, copy-engine push bandwidth
-#   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests and benchmarks
+#   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
+#   tools/gpu_session.sh world8-bench  # 8 GPUs: the world-8 benchmarks
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
 stage=${1:-single}; shift || true
@@ -55,10 +56,13 @@ case "$stage" in
     ;;
   world8)
     step residual_norm_dist 150 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py -k "8]" "$@"
-    step overlap_tests 120 python3 -m pytest -x -q tests/gpu/test_overlap.py -k "8]" "$@"
-    step graphed_tests 120 python3 -m pytest -x -q tests/gpu/test_graphed.py -k "8]" "$@"
-    step allreduce_bench 100 python3 bench/allreduce_norm.py --world 8 --json "$OUT/allreduce_norm.json"
-    step overlap_bench 60 python3 bench/overlap.py --world 8
+    step overlap_tests 220 python3 -m pytest -x -q tests/gpu/test_overlap.py -k "8]" "$@"
+    step graphed_tests 180 python3 -m pytest -x -q tests/gpu/test_graphed.py -k "8]" "$@"
+    ;;
+  world8-bench)
+    step allreduce_bench 150 python3 bench/allreduce_norm.py --world 8 --json "$OUT/allreduce_norm.json"
+    step overlap_bench 200 python3 bench/overlap.py --world 8 --m 512 2048 8192 --chunks
+    step push_bench 100 python3 bench/push_bandwidth.py --world 8
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
