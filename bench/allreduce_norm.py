@@ -12,7 +12,8 @@ baselines stay finite. Columns:
   symm1_eager    torch symm_mem one_shot_all_reduce + eager add+norm
   symm2_ar       torch symm_mem two_shot_all_reduce_ alone
   ours           opfuse AllReduceAddRMSNorm, implementation chosen by the dispatch table
-  ours_1shot / ours_2shot   the same with the implementation forced (where capable)
+  ours_1shot / ours_2shot / ours_nccl   the same with the implementation forced (where capable;
+                            nccl = NCCL all-reduce + opfuse's local add+norm kernel)
   ours_ar        opfuse plain AllReduce (implementation chosen by the dispatch table)
   addnorm_*      single-GPU add+RMSNorm: opfuse kernel / eager / compiled (rank 0)
 """
@@ -98,12 +99,14 @@ def worker(rank, world, opts, out_path):
                 block(x, res)
                 row["ours_impl"] = opfuse.compile(block, x, res).fusions[0].impl
                 row["ours"] = graph_time_us(lambda: block(x, res))
-                for impl, key in (("cuda_oneshot", "ours_1shot"), ("cuda_twoshot", "ours_2shot")):
+                for impl, key in (("cuda_oneshot", "ours_1shot"), ("cuda_twoshot", "ours_2shot"),
+                                  ("nccl+cuda", "ours_nccl")):
                     try:
-                        # Forced one-shot runs past its default limit, to locate the crossover. The
-                        # timing stays inside the override: programs are cached per settings.
+                        # Forced one-shot / two-shot run past their automatic limits, to locate the
+                        # crossovers. The timing stays inside the override: programs are cached per
+                        # settings.
                         with opfuse.config.override(force_impl=f"allreduce_add_norm={impl}",
-                                                    oneshot_max_bytes=32 << 20):
+                                                    oneshot_max_bytes=32 << 20, twoshot_max_bytes=256 << 20):
                             forced = rms_block(hidden, dtype)
                             forced(x, res)
                             assert opfuse.compile(forced, x, res).fusions[0].impl == impl
@@ -134,15 +137,16 @@ def table(world, rows) -> str:
     lines = [f"\nworld {world}, {rows[0]['hidden'] if rows else ''} hidden, bf16, microseconds per call "
              f"(CUDA graph of {CALLS} calls, median of {REPLAYS}, max over ranks)",
              "| tokens | bytes | NCCL AR | NCCL+eager | NCCL+compiled | symm1+eager | symm2 AR | ours | impl | "
-             "ours/compiled | ours/symm1 | ours/symm2 | ours 1shot | ours 2shot | AR ours | AR ours/NCCL | "
+             "ours/compiled | ours/symm1 | ours/symm2 | ours 1shot | ours 2shot | ours nccl | AR ours | AR ours/NCCL | "
              "add+norm ours/compiled |",
-             "|" + "---|" * 17]
+             "|" + "---|" * 18]
     for r in rows:
         lines.append(
             f"| {r['tokens']} | {r['bytes'] >> 10} KiB | {fmt(r['nccl_ar'])} | {fmt(r['nccl_eager'])} | "
             f"{fmt(r['nccl_compiled'])} | {fmt(r['symm1_eager'])} | {fmt(r['symm2_ar'])} | {fmt(r['ours'])} | "
             f"{r['ours_impl']} | {r['ours'] / r['nccl_compiled']:.2f} | {r['ours'] / r['symm1_eager']:.2f} | "
             f"{r['ours'] / r['symm2_ar']:.2f} | {fmt(r.get('ours_1shot'))} | {fmt(r.get('ours_2shot'))} | "
+            f"{fmt(r.get('ours_nccl'))} | "
             f"{fmt(r['ours_ar'])} | {r['ours_ar'] / r['nccl_ar']:.2f} | "
             f"{r['addnorm_ours'] / r['addnorm_compiled']:.2f} ({fmt(r['addnorm_ours'])}/{fmt(r['addnorm_compiled'])}) |")
     return "\n".join(lines)

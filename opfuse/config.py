@@ -45,9 +45,10 @@ class Config:
     #: Largest message (bytes per rank) for the one-shot Lamport kernel (``OPFUSE_ONESHOT_MAX_BYTES``);
     #: 0 = the measured crossover for the group's world size (docs/PERF_NOTES.md).
     oneshot_max_bytes: int = 0
-    #: Largest message (bytes per rank) for the two-shot kernel; larger messages use NCCL
-    #: (``OPFUSE_TWOSHOT_MAX_BYTES``).
-    twoshot_max_bytes: int = 256 * 1024 * 1024
+    #: Largest message (bytes per rank) for the two-shot kernel; larger messages use NCCL + the
+    #: local kernel (``OPFUSE_TWOSHOT_MAX_BYTES``); 0 = measured: 16 MiB for rows under 16 KiB,
+    #: else 256 MiB (docs/PERF_NOTES.md).
+    twoshot_max_bytes: int = 0
     #: Sub-chunks in the comm+GEMM pipelines (``OPFUSE_OVERLAP_CHUNKS``): 0 = automatic (reduce-scatter:
     #: ring with two row halves when a rank's chunk has >= 1024 rows, else direct push-and-sum;
     #: all-gather: shards grouped into GEMMs of ~2 waves); 1 = direct reduce-scatter and one GEMM per

@@ -43,11 +43,27 @@ _ONESHOT_AUTO_MAX = {2: 8 << 20, 3: 2 << 20, 4: 1 << 20}
 _ONESHOT_DEFAULT_MAX = 512 << 10
 
 
-def oneshot_limit(world: int) -> int:
+# Largest message for the two-shot kernel (beyond it: NCCL all-reduce + the local add+norm
+# kernel), by row size; OPFUSE_TWOSHOT_MAX_BYTES overrides it. With 16 KiB rows (hidden 8192,
+# bf16) the two-shot won up to 128 MiB at world 2 and 4; with 8 KiB rows (hidden 4096) it tied
+# with NCCL + kernel at 16 MiB (+-3 %) and lost by 11-14 % at 64 MiB (docs/PERF_NOTES.md).
+_TWOSHOT_SHORT_ROW_BYTES = 16 << 10
+_TWOSHOT_SHORT_ROW_MAX = 16 << 20
+_TWOSHOT_DEFAULT_MAX = 256 << 20
+
+
+def oneshot_limit(world: int, row_bytes: int = 0) -> int:
     """Largest message the one-shot kernel takes at ``world`` ranks."""
     if config.oneshot_max_bytes:
         return config.oneshot_max_bytes
     return _ONESHOT_AUTO_MAX.get(world, _ONESHOT_DEFAULT_MAX)
+
+
+def twoshot_limit(world: int, row_bytes: int) -> int:
+    """Largest message the two-shot kernel takes for rows of ``row_bytes``."""
+    if config.twoshot_max_bytes:
+        return config.twoshot_max_bytes
+    return _TWOSHOT_SHORT_ROW_MAX if row_bytes < _TWOSHOT_SHORT_ROW_BYTES else _TWOSHOT_DEFAULT_MAX
 
 
 # Capability checks -------------------------------------------------------------------------
@@ -139,9 +155,12 @@ def _check_peer(kind: str, limit):
         if reason:
             return reason
         message = _message_bytes(spec)
-        if message > limit(spec.world_size):
+        row_bytes = spec.x.features * torch.empty((), dtype=spec.dtype).element_size()
+        most = limit(spec.world_size, row_bytes)
+        if message > most:
             setting = "OPFUSE_ONESHOT_MAX_BYTES" if kind == "oneshot" else "OPFUSE_TWOSHOT_MAX_BYTES"
-            return f"message of {message} bytes exceeds {setting} ({limit(spec.world_size)} at world {spec.world_size})"
+            return (f"message of {message} bytes exceeds the {kind} limit of {most} bytes ({setting}; automatic "
+                    f"when 0: by world size and row size, here world {spec.world_size}, {row_bytes}-byte rows)")
         plan = _plan(spec.group_name, kind, spec.dtype, message)
         return plan if isinstance(plan, str) else None
 
@@ -149,7 +168,7 @@ def _check_peer(kind: str, limit):
 
 
 check_oneshot = _check_peer("oneshot", oneshot_limit)
-check_twoshot = _check_peer("twoshot", lambda world: config.twoshot_max_bytes)
+check_twoshot = _check_peer("twoshot", twoshot_limit)
 
 
 def check_nccl_then_kernel(spec) -> str | None:
