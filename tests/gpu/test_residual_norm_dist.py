@@ -105,6 +105,14 @@ def check_auto_choice_and_plain_allreduce(rank, world):
         assert opfuse.compile(plain, xs[rank]).fusions[0].impl in ("cuda_oneshot", "cuda_twoshot")
         assert rel(out, sum(x.double() for x in xs)) < TOL[dtype]
         assert_bitwise_across_ranks(out, "plain all-reduce")
+    # Plain all-reduce past the peer kernels' limits (e.g. a large message of short rows): NCCL alone.
+    xs = partials(9, world, 64, 4096, torch.bfloat16)
+    with opfuse.config.override(oneshot_max_bytes=1024, twoshot_max_bytes=1024):
+        plain = ops.Sequential(ops.AllReduce())
+        out = plain(xs[rank])
+        assert opfuse.compile(plain, xs[rank]).fusions[0].impl == "nccl+cuda"
+    assert rel(out, sum(x.double() for x in xs)) < TOL[torch.bfloat16]
+    assert_bitwise_across_ranks(out, "plain all-reduce through NCCL")
 
 
 def check_gradients(rank, world):
