@@ -473,3 +473,58 @@ def test_simulator_catches_broken_direct_schedules(mutation, world):
         except (AssertionError, Race, Deadlock):
             failures += 1
     assert failures > 0
+
+
+@pytest.mark.parametrize("world", [3, 8])
+@pytest.mark.parametrize("seed,alternate", [(0, False), (1, True)])
+def test_sequence_parallel_training_step_back_to_back(world, seed, alternate):
+    """The four overlap calls of a sequence-parallel MLP training step, as the GPU block test runs
+    them, for two steps: all-gather + GEMM (bias), direct reduce-scatter (bias), the backward
+    gather with ``fill_own``, the direct reduce-scatter with the side re-gather; the gather and
+    direct regions shared between them, as layers of one shape share them."""
+    rows, hidden, ffn = 2, 3, 4
+    gen = torch.Generator().manual_seed(5000 + seed)
+    g = policy.Grid(rows, hidden)
+    ch_ag, ch_d = policy.channel_map(world, g, None), policy.channel_map(world, None, None, direct=True)
+    ch_ds = policy.channel_map(world, g, None, direct=True)
+    tmp_f = [_nan((world - 1) * rows, hidden) for _ in range(world)]
+    tmp_b = [_nan((world - 1) * rows, hidden) for _ in range(world)]
+    plans, buffers, kinds = [], [], []
+    for _ in range(2):
+        plans.append([S.all_gather_matmul_plan(r, world, g, ffn, ch_ag, bias=True, probe=True, alternate=alternate,
+                                               group=world) for r in range(world)])
+        buffers.append([{"a": _randn(rows, hidden, gen=gen), "b": _randn(hidden, ffn, gen=gen),
+                         "biasin": _randn(1, ffn, gen=gen), "out": _nan(world * rows, ffn)} for _ in range(world)])
+        plans.append([S.matmul_reduce_scatter_direct_plan(r, world, rows, hidden, ch_d, bias=True, probe=True,
+                                                          alternate=alternate) for r in range(world)])
+        buffers.append([{"a": _randn(world * rows, ffn, gen=gen), "b": _randn(ffn, hidden, gen=gen),
+                         "biasin": _randn(1, hidden, gen=gen), "out": _nan(rows, hidden), "tmp": tmp_f[r]}
+                        for r in range(world)])
+        plans.append([S.all_gather_matmul_plan(r, world, g, ffn, ch_ag, bias=False, fill_own=True, probe=True,
+                                               alternate=alternate, group=world) for r in range(world)])
+        buffers.append([{"a": _randn(rows, hidden, gen=gen), "b": _randn(hidden, ffn, gen=gen),
+                         "out": _nan(world * rows, ffn)} for _ in range(world)])
+        plans.append([S.matmul_reduce_scatter_direct_plan(r, world, rows, hidden, ch_ds, probe=True, side_gather=g,
+                                                          alternate=alternate) for r in range(world)])
+        buffers.append([{"a": _randn(world * rows, ffn, gen=gen), "b": _randn(ffn, hidden, gen=gen),
+                         "out": _nan(rows, hidden), "tmp": tmp_b[r], "x": _randn(rows, hidden, gen=gen)}
+                        for r in range(world)])
+        kinds += ["ag_fwd", "rs_fwd", "ag_bwd", "rs_bwd"]
+    regions = [{"gather": _nan(world * rows, hidden), "direct": _nan((world - 1) * rows, hidden)}
+               for _ in range(world)]
+    probes = simulate(plans, buffers, regions, seed=seed)
+    for call, kind in enumerate(kinds):
+        b = buffers[call]
+        for r in range(world):
+            if kind.startswith("ag"):
+                full = torch.cat([b[p]["a"] for p in range(world)])
+                ref = full @ b[r]["b"] + (b[r]["biasin"][0] if kind == "ag_fwd" else 0)
+                if kind == "ag_bwd":
+                    torch.testing.assert_close(probes[(call, r, "gather")], full, rtol=0, atol=0)
+            else:
+                ref = sum(b[p]["a"][r * rows:(r + 1) * rows] @ b[p]["b"] for p in range(world))
+                ref = ref + (b[r]["biasin"][0] if kind == "rs_fwd" else 0)
+                if kind == "rs_bwd":
+                    torch.testing.assert_close(probes[(call, r, "gather")], torch.cat([b[p]["x"] for p in range(world)]),
+                                               rtol=0, atol=0)
+            torch.testing.assert_close(probes[(call, r, "out")], ref, rtol=1e-12, atol=1e-12)
