@@ -54,19 +54,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import opfuse  # noqa: E402
 from opfuse.backend import dispatch  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
-from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
+from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 from opfuse.ops.base import TensorMeta  # noqa: E402
 
 CALLS, REPS, WARMUP = 10, 7, 3
 TARGETS = {("AG+GEMM", 8192): 1.05, ("GEMM+RS", 8192): 1.03, ("AG+GEMM", 2048): 1.10, ("GEMM+RS", 2048): 1.10}
 COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "host", "ours:graph", "ours:direct", "ours:eg", "ours:1s",
            "ours:2s"]
-
-
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _batch(fn):
@@ -84,16 +78,11 @@ def _batch(fn):
     return start.elapsed_time(end) * 1000.0 / CALLS, issue
 
 
-def _median(values):
-    values = sorted(values)
-    return values[len(values) // 2]
-
-
 def eager_us(fn) -> float:
     """GPU time per call of CALLS back-to-back eager calls (median of REPS batches, max over ranks)."""
     for _ in range(WARMUP):
         fn()
-    return _max_over_ranks(_median([_batch(fn)[0] for _ in range(REPS)]))
+    return max_over_ranks(median([_batch(fn)[0] for _ in range(REPS)]))
 
 
 def eager_interleaved(fns: dict, host_of: str) -> tuple[dict, float]:
@@ -111,8 +100,8 @@ def eager_interleaved(fns: dict, host_of: str) -> tuple[dict, float]:
             gpu[name].append(t)
             if name == host_of:
                 issue.append(h)
-    return ({name: _max_over_ranks(_median(v)) for name, v in gpu.items()},
-            _max_over_ranks(_median(issue)))
+    return ({name: max_over_ranks(median(v)) for name, v in gpu.items()},
+            max_over_ranks(median(issue)))
 
 
 def plan_summary() -> str:
@@ -132,12 +121,12 @@ def plan_summary() -> str:
 
 
 def graph_us(fn) -> float:
-    return _max_over_ranks(median(graph_replay_us(fn, CALLS, REPS, warmup=WARMUP)))
+    return max_over_ranks(median(graph_replay_us(fn, CALLS, REPS, warmup=WARMUP)))
 
 
 def rel_err(got, ref) -> float:
     got, ref = got.double(), ref.double()
-    return _max_over_ranks(((got - ref).norm() / ref.norm().clamp_min(1e-30)).item())
+    return max_over_ranks(((got - ref).norm() / ref.norm().clamp_min(1e-30)).item())
 
 
 def reserve(op: str, x, weight, group, **attrs):

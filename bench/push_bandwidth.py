@@ -29,16 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from opfuse.backend.symm_pool import SymmetricPool  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
-from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
+from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPS = 10, 7
 MODES = ("1s", "2s", "ps", "nccl")
 
-
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _pusher(mode: str, rank: int, world: int, shard: torch.Tensor, peers: list, streams: list):
@@ -83,7 +78,7 @@ def worker(rank: int, world: int, mibs: list, out_lines: list) -> None:
                     dist.all_gather_into_tensor(gathered, shard)
             else:
                 fn = _pusher(mode, rank, world, shard, peers, streams)
-            us = _max_over_ranks(median(graph_replay_us(fn, CALLS, REPS)))
+            us = max_over_ranks(median(graph_replay_us(fn, CALLS, REPS)))
             row[mode] = us
         # Correctness of what was timed: block p of this rank's region holds rank p's shard, as
         # NCCL's gather (timed last) does.
@@ -92,7 +87,7 @@ def worker(rank: int, world: int, mibs: list, out_lines: list) -> None:
         local = peers[rank]
         ok = all(torch.equal(local[p * rows:(p + 1) * rows], gathered[p * rows:(p + 1) * rows])
                  for p in range(world) if p != rank)
-        row["ok"] = _max_over_ranks(0.0 if ok else 1.0) == 0.0
+        row["ok"] = max_over_ranks(0.0 if ok else 1.0) == 0.0
         results.append(row)
     if rank == 0:
         head = ["world", "MiB"] + [f"{m} us" for m in MODES] + [f"{m} GB/s" for m in MODES] + ["ok"]

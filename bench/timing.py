@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["graph_replay_us", "median"]
+__all__ = ["graph_replay_us", "max_over_ranks", "median"]
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest ``value`` over the ranks of the default group (the slowest rank's time)."""
+    t = torch.tensor([value], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def median(values):
