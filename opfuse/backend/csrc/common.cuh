@@ -138,45 +138,26 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float2 warp_sum2(float2 v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v.x += __shfl_xor_sync(0xffffffffu, v.x, offset);
-    v.y += __shfl_xor_sync(0xffffffffu, v.y, offset);
-  }
-  return v;
+// Two sums at once (the RMSNorm backward reduces sum(h * h) and sum(g * h) together).
+__device__ __forceinline__ float2 warp_sum(float2 v) {
+  return make_float2(warp_sum(v.x), warp_sum(v.y));
 }
 
-// Sum over the block; every thread gets the result. ``scratch`` holds >= 33 floats; the function
-// ends with a barrier so scratch can be reused immediately.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Sum over the block of ``V`` = float or float2; every thread gets the result. ``scratch`` holds
+// >= 33 values; the function ends with a barrier so scratch can be reused immediately.
+template <typename V>
+__device__ __forceinline__ V block_sum(V v, V* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
   v = warp_sum(v);
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    float t = lane < warps ? scratch[lane] : 0.f;
+    V t = lane < warps ? scratch[lane] : V{};
     t = warp_sum(t);
     if (lane == 0) scratch[32] = t;
   }
   __syncthreads();
-  const float total = scratch[32];
-  __syncthreads();
-  return total;
-}
-
-__device__ __forceinline__ float2 block_sum2(float2 v, float2* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  v = warp_sum2(v);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    float2 t = lane < warps ? scratch[lane] : make_float2(0.f, 0.f);
-    t = warp_sum2(t);
-    if (lane == 0) scratch[32] = t;
-  }
-  __syncthreads();
-  const float2 total = scratch[32];
+  const V total = scratch[32];
   __syncthreads();
   return total;
 }

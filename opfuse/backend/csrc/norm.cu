@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_backward_kernel(const RMSNorm
         sums.y += gv[j][e] * hv[j][e];
       }
     }
-    sums = block_sum2(sums, scratch);
+    sums = block_sum(sums, scratch);
     const float rstd = rsqrtf(sums.x * inv_h + a.eps);
     const float coef = rstd * rstd * sums.y * inv_h;  // r^2 * mean(g * h)
 #pragma unroll
