@@ -35,9 +35,8 @@ import torch
 from ...config import config
 from .plan import Copy, Gemm
 
-__all__ = ["PlanGraphs", "estimate", "MODES", "HOST_US_PER_CALL", "MAX_GRAPHS", "MAX_CAPTURES", "MAX_SEEN"]
+__all__ = ["PlanGraphs", "estimate", "HOST_US_PER_CALL", "MAX_GRAPHS", "MAX_CAPTURES", "MAX_SEEN"]
 
-MODES = ("auto", "on", "off")
 #: Host time per torch call of an eager plan on the lent H100/H200 hosts (bench/overlap.py ``host``
 #: column over the plans' host calls: 7.2 us at world 4, 8.3 us at world 8; a bare launch is 6 us).
 HOST_US_PER_CALL = 8.0
