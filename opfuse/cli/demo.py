@@ -8,9 +8,9 @@ its shard, and compares its outputs and gradients with the single-process refere
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import opfuse
 from opfuse import ops
 
-from .launch import default_backend, run
+from .args import Parser, positive_int
+from .launch import default_backend, run_here_or_spawn, torchrun_backend, torchrun_world
 
 __all__ = ["build_block", "main_demo", "main_dump"]
 
@@ -34,6 +35,7 @@ class DemoOptions:
     dtype: str
     sequence_parallel: bool
     fmt: str = "python"
+    output: str | None = None
 
 
 def build_block(hidden: int, ffn: int, *, sequence_parallel: bool = False, group=None, dtype=None, device=None):
@@ -77,7 +79,9 @@ def _reference(full: dict) -> dict:
 
 
 def _setup(rank: int, world: int, opts: DemoOptions):
-    device = torch.device("cuda", rank) if opts.backend == "nccl" else torch.device("cpu")
+    # Both launchers select this process's GPU before calling the worker (under torchrun the
+    # rank is not the local device index).
+    device = torch.device("cuda", torch.cuda.current_device()) if opts.backend == "nccl" else torch.device("cpu")
     dtype = getattr(torch, opts.dtype)
     full = _full(opts)
     block = build_block(opts.hidden, opts.ffn, sequence_parallel=opts.sequence_parallel, dtype=dtype, device=device)
@@ -143,24 +147,43 @@ def _demo_worker(rank: int, world: int, opts: DemoOptions) -> None:
 def _dump_worker(rank: int, world: int, opts: DemoOptions) -> None:
     block, _, _, x, res = _setup(rank, world, opts)
     program = opfuse.compile(block, x, res)
-    if rank == 0:
-        print(f"# demo block on world={world} ({opts.backend}), rank 0's program")
-        print(program.dump(opts.fmt, graph="both"))
-        print(program.explain())
+    if rank != 0:
+        return
+    document = program.dump(opts.fmt, graph="both")
+    if opts.fmt in ("python", "text"):
+        document = f"# demo block on world={world} ({opts.backend}), rank 0's program\n{document}"
+    # dot and html must stay one clean document (piped into `dot` or a browser): the explain text
+    # goes to stderr for them, and whenever the document goes to a file.
+    notes = sys.stdout if opts.fmt in ("python", "text") and not opts.output else sys.stderr
+    if opts.output:
+        with open(opts.output, "w") as handle:
+            handle.write(document)
+        print(f"wrote {opts.output} ({opts.fmt}, world={world}, {opts.backend})", file=sys.stderr)
+    else:
+        sys.stdout.write(document)
+        sys.stdout.flush()
+    print(program.explain(), file=notes)
 
 
 def _parse(argv, prog: str) -> DemoOptions:
-    backend, world = default_backend()
-    parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--world", type=int, default=world, help=f"processes (default {world})")
+    joined = torchrun_world()
+    if joined is not None:  # torchrun made the processes: its world and its devices
+        backend, world = torchrun_backend(), joined
+        where = "torchrun's WORLD_SIZE"
+    else:
+        (backend, world), where = default_backend(), "processes to spawn"
+    parser = Parser(prog=prog)
+    parser.add_argument("--world", type=positive_int, default=world, help=f"{where} (default {world})")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=backend)
-    parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--hidden", type=int, default=None)
-    parser.add_argument("--ffn", type=int, default=None)
+    parser.add_argument("--tokens", type=positive_int, default=None)
+    parser.add_argument("--hidden", type=positive_int, default=None)
+    parser.add_argument("--ffn", type=positive_int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"], default=None)
     parser.add_argument("--sequence-parallel", action="store_true")
     if prog.endswith("dump"):
         parser.add_argument("--format", dest="fmt", choices=["python", "text", "dot", "html"], default="python")
+        parser.add_argument("-o", "--output", default=None, metavar="FILE",
+                            help="write the document to FILE instead of stdout")
     args = parser.parse_args(argv)
     gpu = args.backend == "nccl"
     defaults = dict(tokens=64 if gpu else 8, hidden=1024 if gpu else 64, ffn=4096 if gpu else 256,
@@ -171,17 +194,22 @@ def _parse(argv, prog: str) -> DemoOptions:
     for name in ("hidden", "ffn"):
         if values[name] % args.world:
             parser.error(f"--{name}={values[name]} must be divisible by --world={args.world}")
+    if args.backend == "nccl" and joined is None and torch.cuda.device_count() < args.world:
+        parser.error(f"--world={args.world} with --backend=nccl needs {args.world} GPUs, this host has "
+                     f"{torch.cuda.device_count()} (use --backend gloo)")
     return DemoOptions(world=args.world, backend=args.backend, sequence_parallel=args.sequence_parallel,
-                       fmt=getattr(args, "fmt", "python"), **values)
+                       fmt=getattr(args, "fmt", "python"), output=getattr(args, "output", None), **values)
 
 
 def main_demo(argv) -> int:
+    """``python -m opfuse demo [options]`` (spawns its processes, or joins torchrun's)."""
     opts = _parse(argv, "python -m opfuse demo")
-    run(_demo_worker, opts.world, opts, backend=opts.backend)
+    run_here_or_spawn(_demo_worker, opts.world, opts, backend=opts.backend)
     return 0
 
 
 def main_dump(argv) -> int:
+    """``python -m opfuse dump [--format F] [-o FILE] [options]``."""
     opts = _parse(argv, "python -m opfuse dump")
-    run(_dump_worker, opts.world, opts, backend=opts.backend)
+    run_here_or_spawn(_dump_worker, opts.world, opts, backend=opts.backend)
     return 0

@@ -16,6 +16,10 @@ from opfuse.backend.table import builtin_table
 
 
 def main_doctor(argv) -> int:
+    """``python -m opfuse doctor``: print what this machine offers opfuse."""
+    from .args import Parser
+
+    Parser(prog="python -m opfuse doctor", description=__doc__).parse_args(argv)
     print(f"opfuse {opfuse.__version__}  torch {torch.__version__}  python {os.sys.version.split()[0]}")
     if torch.cuda.is_available():
         names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}

@@ -4,6 +4,9 @@
 after ``init_process_group``; an exception in any rank fails the caller with that rank's
 traceback (:class:`LaunchError`). ``fn`` must be importable (module level): processes are
 spawned. Used by ``python -m opfuse demo/dump``, the benchmarks and the distributed tests.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the processes already exist:
+:func:`run_here_or_spawn` joins torchrun's group in this process instead of spawning its own.
 NCCL runs keep NVLink multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``)
 unless the caller's environment sets those variables.
 """
@@ -69,6 +72,8 @@ def default_backend() -> tuple[str, int]:
 
 
 def run(fn, world: int, *args, backend: str = "gloo", timeout: float = 300.0) -> None:
+    """Spawn ``world`` processes, each running ``fn(rank, world, *args)`` in a ``backend`` group;
+    raises :class:`LaunchError` when a rank fails or does not finish within ``timeout`` seconds."""
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise LaunchError(f"world={world} needs {world} GPUs for NCCL, this host has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
@@ -93,3 +98,56 @@ def run(fn, world: int, *args, backend: str = "gloo", timeout: float = 300.0) ->
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise LaunchError(f"ranks exited with codes {bad}")
+
+
+# torchrun ---------------------------------------------------------------------------------------
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def torchrun_world() -> int | None:
+    """``WORLD_SIZE`` when this process was started by ``torchrun`` (its rank variables are set),
+    else ``None``."""
+    if all(name in os.environ for name in _TORCHRUN_VARS):
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def torchrun_backend() -> str:
+    """NCCL when every local rank of this torchrun job has its own GPU, else gloo on the CPU."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+        return "nccl"
+    return "gloo"
+
+
+def run_in_torchrun(fn, *args, backend: str) -> None:
+    """Run ``fn(rank, world, *args)`` in this process, in the group torchrun's environment
+    describes (``MASTER_ADDR``/``MASTER_PORT``), and tear the group down afterwards."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend == "nccl":
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
+    try:
+        fn(rank, world, *args)
+        dist.barrier()  # nobody tears down while a peer still talks to it
+    finally:
+        dist.destroy_process_group()
+
+
+def run_here_or_spawn(fn, world: int, *args, backend: str = "gloo", timeout: float = 300.0) -> None:
+    """:func:`run_in_torchrun` when started by torchrun, else :func:`run` (spawn ``world``
+    processes). Under torchrun, ``world`` must equal torchrun's ``WORLD_SIZE``."""
+    joined = torchrun_world()
+    if joined is None:
+        run(fn, world, *args, backend=backend, timeout=timeout)
+        return
+    if world != joined:
+        raise LaunchError(f"--world={world} but torchrun started {joined} processes (WORLD_SIZE={joined}); "
+                          f"leave --world out under torchrun")
+    run_in_torchrun(fn, *args, backend=backend)
