@@ -1,7 +1,8 @@
 """All-reduce + residual add + RMSNorm: opfuse's kernels against NCCL, torch.compile and torch
 symmetric memory, in one run (ratios are only meaningful within a run).
 
-    PYTHONPATH=. python3 bench/allreduce_norm.py --world 2 4
+    PYTHONPATH=. python3 bench/allreduce_norm.py --world 2 4 [--json FILE] [--plot FILE.png]
+    python3 bench/allreduce_norm.py --from-json FILE --plot FILE.png   # redraw, no GPU needed
 
 Method (as ../shared/ANCHORS.md): CUDA-graph replays of 40 back-to-back calls, median of 7
 replays, max over ranks; bf16; hidden 8192; inputs reset (untimed) before each replay so in-place
@@ -20,7 +21,6 @@ baselines stay finite. Columns:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
+import common  # noqa: E402  (bench/common.py)
 from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPLAYS, EPS = 40, 7, 1e-6
@@ -124,6 +125,8 @@ def worker(rank, world, opts, out_path):
                 row["addnorm_eager"] = graph_time_us(lambda: F.rms_norm(x + res, (hidden,), weight, EPS))
                 row["addnorm_compiled"] = graph_time_us(lambda: compiled_add_norm(x, res, weight))
             rows.append(row)
+            if rank == 0:
+                common.progress(f"world {world}: hidden {hidden}, {tokens} tokens done")
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(rows, handle)
@@ -152,32 +155,49 @@ def table(world, rows) -> str:
     return "\n".join(lines)
 
 
+def ratio_series(results) -> dict:
+    """The chart: opfuse / (NCCL + compiled add+norm) per world and hidden size, against tokens."""
+    series = {}
+    for world, rows in results.items():
+        for r in rows:
+            label = f"world {world}, hidden {r['hidden']}: opfuse / NCCL+compiled"
+            series.setdefault(label, []).append((r["tokens"], r["ours"] / r["nccl_compiled"]))
+    return series
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser("allreduce_norm", __doc__)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--hidden", type=int, nargs="+", default=[8192])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048, 8192])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--json", default=None, help="also write all rows here")
     args = parser.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    results = {}
-    for world in args.world:
-        if torch.cuda.device_count() < world:
-            print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-            out_path = handle.name
-        run(worker, world, {"hidden": args.hidden, "tokens": args.tokens, "dtype": args.dtype}, out_path,
-            backend="nccl", timeout=900)
-        with open(out_path) as handle:
-            results[world] = json.load(handle)
-        os.unlink(out_path)
-        print(table(world, results[world]), flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(results, handle, indent=1)
+    if args.from_json:
+        results = common.load_json(args.from_json)
+        for world, rows in results.items():
+            print(table(world, rows), flush=True)
+    else:
+        if common.skip_without_gpus("allreduce_norm", min(args.world)):
+            return 0
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        results = {}
+        for world in args.world:
+            if torch.cuda.device_count() < world:
+                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
+                continue
+            common.progress(f"world {world}: {len(args.hidden) * len(args.tokens)} cases")
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+                out_path = handle.name
+            run(worker, world, {"hidden": args.hidden, "tokens": args.tokens, "dtype": args.dtype}, out_path,
+                backend="nccl", timeout=900)
+            with open(out_path) as handle:
+                results[str(world)] = json.load(handle)
+            os.unlink(out_path)
+            print(table(world, results[str(world)]), flush=True)
+    common.finish(args, results, series=ratio_series(results), xlabel="tokens",
+                  ylabel="time ratio (< 1: opfuse faster)",
+                  title="all-reduce + bias + residual + RMSNorm: opfuse / (NCCL all-reduce + compiled add+norm)")
     return 0
 
 

@@ -36,7 +36,8 @@ a barrier; max over ranks (CALLS = 20 decode / 3 train, REPS = 7 / 5). NCCL_NVLS
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1. torch.compile uses static shapes (one compile per size; the sp
 compiles bypass Inductor's caches so the async-TP pass runs and can be counted): compiling is most
 of the ~3-4 minutes of a full run. ``--skip compile`` / ``--no-train-8192`` shorten it,
-``--act swiglu`` runs the SwiGLU block, ``--json FILE`` keeps every row.
+``--act swiglu`` runs the SwiGLU block, ``--json FILE`` keeps every row, ``--plot FILE.png`` draws
+opfuse / torch.nn against tokens, ``--from-json FILE`` prints and plots a saved run without GPUs.
 
 Targets (issue 8): decode, graphed: opfuse <= 0.7x torch.nn+NCCL graphed and <= 0.85x
 torch.compile graphed; train: >= 1.15x faster than torch.nn+NCCL eager and no slower than
@@ -45,7 +46,6 @@ torch.compile (async TP).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -64,6 +64,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402  (bench/common.py)
 from opfuse import ops  # noqa: E402
 from timing import graph_replay_us  # noqa: E402  (bench/timing.py)
 from opfuse.cli.launch import run  # noqa: E402
@@ -428,8 +429,7 @@ def worker(rank, world, opts, out_path):
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
             if rank == 0:
-                print(f"  world {world} {row['case']} T={tokens}: done ({time.perf_counter() - t_start:.0f} s)",
-                      flush=True)
+                common.progress(f"world {world} {row['case']} T={tokens}: done")
         block = eager_nn = compiled = None  # free before the next mode
         torch._dynamo.reset()
         if DEVICE == "cuda":
@@ -504,45 +504,66 @@ def tables(world, result, opts) -> tuple[str, list]:
     return "\n".join(out), summary
 
 
+def ratio_series(results) -> dict:
+    """The chart: opfuse / torch.nn per world and case against tokens (decode: both as CUDA graphs;
+    train: eager forward + backward)."""
+    series = {}
+    for world, result in results.items():
+        for r in result["rows"]:
+            ours, base = ("opfuse:graph", "nn:graph") if r["case"] == "decode" else ("opfuse", "nn")
+            value = ratio(r.get(ours), r.get(base))
+            if value is not None:
+                series.setdefault(f"world {world} {r['case']}: {ours} / {base}", []).append((r["tokens"], value))
+    return series
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser("block", __doc__)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--quick", action="store_true", help="small sizes (hidden 1024, ffn 4096): a smoke test")
     parser.add_argument("--cpu", action="store_true", help="gloo + CPU dry run of the code paths (no timings)")
     parser.add_argument("--act", choices=["gelu", "swiglu"], default="gelu")
     parser.add_argument("--no-train-8192", action="store_true", help="drop the 8192-token training case")
     parser.add_argument("--skip", nargs="*", default=[], help="variants to skip, e.g. compile nn:graph")
-    parser.add_argument("--json", default=None, help="also write all rows here")
     args = parser.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, act=args.act, skip=args.skip,
-                device="cpu" if args.cpu else "cuda")
-    if args.no_train_8192:
-        opts["train"] = [t for t in opts["train"] if t != 8192]
     results, summary, started = {}, [], time.perf_counter()
-    for world in args.world:
-        if not args.cpu and torch.cuda.device_count() < world:
-            print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-            out_path = handle.name
-        run(worker, world, opts, out_path, backend="gloo" if args.cpu else "nccl", timeout=900)
-        with open(out_path) as handle:
-            results[world] = json.load(handle)
-        os.unlink(out_path)
-        text, rows = tables(world, results[world], opts)
-        summary += rows
-        print(text, flush=True)
+    if args.from_json:
+        saved = common.load_json(args.from_json)
+        opts, results = saved["opts"], saved["results"]
+        for world, result in results.items():
+            text, rows = tables(world, result, opts)
+            summary += rows
+            print(text, flush=True)
+    else:
+        if not args.cpu and common.skip_without_gpus("block", min(args.world)):
+            return 0
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, act=args.act, skip=args.skip,
+                    device="cpu" if args.cpu else "cuda")
+        if args.no_train_8192:
+            opts["train"] = [t for t in opts["train"] if t != 8192]
+        for world in args.world:
+            if not args.cpu and torch.cuda.device_count() < world:
+                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+                out_path = handle.name
+            run(worker, world, opts, out_path, backend="gloo" if args.cpu else "nccl", timeout=900)
+            with open(out_path) as handle:
+                results[str(world)] = json.load(handle)
+            os.unlink(out_path)
+            text, rows = tables(world, results[str(world)], opts)
+            summary += rows
+            print(text, flush=True)
     if args.cpu:
         print("\n(--cpu: a dry run of the code paths on gloo; the timings below mean nothing)")
     print(f"\nsummary (targets of issue 8; ratios within one run; {time.perf_counter() - started:.0f} s in all)")
     print("| world | case | ratio | value | target | met |\n|---|---|---|---|---|---|")
     for world, case, what, value, target, met in summary:
         print(f"| {world} | {case} | {what} | {fmt(value, 2)} | {target} | {'-' if met is None else ('yes' if met else 'NO')} |")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"opts": opts, "results": results}, handle, indent=1)
+    common.finish(args, {"opts": opts, "results": results}, series=ratio_series(results), xlabel="tokens",
+                  ylabel="time ratio (< 1: opfuse faster)", title="tensor-parallel MLP block: opfuse / torch.nn + NCCL")
     return 0
 
 

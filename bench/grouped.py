@@ -1,7 +1,7 @@
 """Grouped GEMM (MoE) benchmark: opfuse GroupedLinear vs torch._grouped_mm, a loop of mm over host
 group sizes, and a dense GEMM of equal FLOPs, measured in one run on one GPU.
 
-    PYTHONPATH=. python3 bench/grouped.py [--reps 5] [--calls 10] [--no-backward]
+    PYTHONPATH=. python3 bench/grouped.py [--reps 5] [--calls 10] [--no-backward] [--json FILE] [--plot FILE.png]
 
 Shapes: the ANCHORS.md one (32 experts, 32768 routed tokens, K=7168, N=2048, bf16) and a
 decode-like one (32 experts, 256 tokens: 8 per expert on average). Routing is random (seeded),
@@ -14,17 +14,21 @@ summary against the targets.
 
 from __future__ import annotations
 
-import argparse
 import math
+import os
 import statistics
 import sys
 import time
 
 import torch
 
-import opfuse
-from opfuse import ops
-from opfuse.backend import dispatch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402  (bench/common.py)
+import opfuse  # noqa: E402
+from opfuse import ops  # noqa: E402
+from opfuse.backend import dispatch  # noqa: E402
 
 IMPLS = ["triton_tma", "torch_grouped_mm", "triton"]
 
@@ -170,22 +174,40 @@ def summary(results) -> None:
               f"{vs_dense:8.2f}x {dense_target:>7s}")
 
 
+def ratio_series(results) -> dict:
+    """The chart: opfuse's throughput over torch._grouped_mm's and the dense GEMM's, against tokens."""
+    series = {}
+    for res in results:
+        ours = next(us for label, us in res["rows"].items() if label.startswith("ours"))
+        tokens = sum(res["sizes"])
+        series.setdefault("torch._grouped_mm time / opfuse time", []).append((tokens, res["rows"]["torch._grouped_mm"] / ours))
+        series.setdefault("dense GEMM time / opfuse time", []).append((tokens, res["rows"]["dense GEMM, equal FLOPs"] / ours))
+    return series
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = common.parser("grouped", __doc__)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--no-backward", action="store_true", help="skip the fwd+bwd comparison")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/grouped.py needs a CUDA GPU")
-        return 1
     begin = time.perf_counter()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    results = [bench_shape("large", 32768, 32, 7168, 2048, args), bench_shape("decode", 256, 32, 7168, 2048, args)]
+    if args.from_json:
+        results = common.load_json(args.from_json)
+    else:
+        if common.skip_without_gpus("grouped", 1):
+            return 0
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        results = []
+        for name, tokens in (("large", 32768), ("decode", 256)):
+            results.append(bench_shape(name, tokens, 32, 7168, 2048, args))
+            common.progress(f"{name} ({tokens} tokens) done")
     for res in results:
         report(res)
     summary(results)
     print(f"(total {time.perf_counter() - begin:.0f} s)")
+    common.finish(args, results, series=ratio_series(results), xlabel="routed tokens",
+                  ylabel="throughput ratio (> 1: opfuse faster)", title="grouped GEMM (32 experts, K=7168, N=2048)")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Host (CPU) issue cost of each primitive an eager overlap call makes, on one GPU.
 
-    PYTHONPATH=. python3 bench/host_primitives.py
+    PYTHONPATH=. python3 bench/host_primitives.py [--json FILE] [--plot FILE.png]
 
 An eager ``p2p_overlap`` call issues one torch call per plan instruction; on the 4x / 8x H200
 hosts the measured issue time was ~11 us per instruction, against ~1 us of Python per
@@ -20,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402  (bench/common.py)
 
 CALLS, REPS = 200, 7
 
@@ -36,7 +39,8 @@ def host_us(fn, calls: int = CALLS) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main() -> None:
+def measure() -> list:
+    """``[[primitive, host us per call, note], ...]`` on GPU 0 (a one-rank NCCL group)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -62,7 +66,8 @@ def main() -> None:
     def add(name, fn, note=""):
         fn()
         torch.cuda.synchronize()
-        rows.append((name, host_us(fn), note))
+        rows.append([name, host_us(fn), note])
+        common.progress(f"{name} done")
 
     add("mm(out=) bf16 64x512x512", lambda: torch.mm(a, b, out=out))
     add("addmm(bias, out=) (cuBLASLt epilogue)", lambda: torch.addmm(bias, a, b, out=out))
@@ -82,12 +87,27 @@ def main() -> None:
     def empty_kernel():
         torch.cuda._sleep(0)
     add("torch.cuda._sleep(0) (bare launch)", empty_kernel)
+    dist.destroy_process_group()
+    return rows
+
+
+def main() -> int:
+    parser = common.parser("host_primitives", __doc__)
+    args = parser.parse_args()
+    if args.from_json:
+        rows = common.load_json(args.from_json)
+    else:
+        if common.skip_without_gpus("host_primitives", 1):
+            return 0
+        rows = measure()
     print("| primitive | host us/call | note |")
     print("|---|---|---|")
     for name, us, note in rows:
         print(f"| {name} | {us:.2f} | {note} |")
-    dist.destroy_process_group()
+    common.finish(args, rows, bars={name: us for name, us, _ in rows}, ylabel="host us per call",
+                  title="host issue cost per torch primitive (one GPU)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

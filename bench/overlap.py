@@ -2,7 +2,8 @@
 NCCL-then-GEMM and torch symmetric memory's fused ops, in one run (ratios only mean something
 within a run).
 
-    PYTHONPATH=. python3 bench/overlap.py --world 2 4
+    PYTHONPATH=. python3 bench/overlap.py --world 2 4 [--json FILE] [--plot FILE.png]
+    python3 bench/overlap.py --from-json FILE --plot FILE.png   # redraw, no GPU needed
 
 Cases (as ../shared/ANCHORS.md, "Comm + GEMM overlap"): bf16, M in {2048, 8192} tokens (all
 ranks), K = 8192 hidden, N = 28672 / world.
@@ -38,7 +39,6 @@ nccl+gemm and torch everywhere.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -54,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import opfuse  # noqa: E402
 from opfuse.backend import dispatch  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
+import common  # noqa: E402  (bench/common.py)
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 from opfuse.ops.base import TensorMeta  # noqa: E402
 
@@ -222,6 +223,8 @@ def worker(rank, world, cfg, out_path):
         for op in ("AG+GEMM", "GEMM+RS"):
             rows.append(bench_case(rank, world, op, m, cfg["k"], cfg["ffn"] // world, cfg["chunks"]))
             torch.cuda.empty_cache()
+            if rank == 0:
+                common.progress(f"world {world}: M={m} {op} done")
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(rows, handle)
@@ -255,37 +258,49 @@ def table(rows, chunks) -> str:
     return "\n".join(lines + notes)
 
 
+def ratio_series(rows) -> dict:
+    """The chart: opfuse / GEMM alone per world and op, against M."""
+    series = {}
+    for r in rows:
+        series.setdefault(f"world {r['world']} {r['op']}: opfuse / GEMM alone", []).append((r["M"], r["ours"] / r["gemm"]))
+    return series
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.parser("overlap", __doc__)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--m", type=int, nargs="+", default=[2048, 8192], help="tokens over all ranks")
     parser.add_argument("--k", type=int, default=8192, help="hidden size")
     parser.add_argument("--ffn", type=int, default=28672, help="FFN size over all ranks (N = ffn / world)")
     parser.add_argument("--chunks", type=int, nargs="*", default=[1, 2, 4],
                         help="extra OPFUSE_OVERLAP_CHUNKS settings timed for ours (tuning information)")
-    parser.add_argument("--json", default=None, help="also write all rows here")
     args = parser.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    rows = []
-    for world in args.world:
-        if torch.cuda.device_count() < world:
-            print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs", flush=True)
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-            out_path = handle.name
-        cfg = {"ms": args.m, "k": args.k, "ffn": args.ffn, "chunks": args.chunks}
-        run(worker, world, cfg, out_path, backend="nccl", timeout=600)
-        with open(out_path) as handle:
-            rows += json.load(handle)
-        os.unlink(out_path)
-        print(f"world {world}: done", flush=True)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
+    if args.from_json:
+        rows = common.load_json(args.from_json)
+        chunks = sorted({int(k[6:]) for r in rows for k in r if k.startswith("ours:c")})
+    else:
+        if common.skip_without_gpus("overlap", min(args.world)):
+            return 0
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        rows, chunks = [], args.chunks
+        for world in args.world:
+            if torch.cuda.device_count() < world:
+                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs", flush=True)
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+                out_path = handle.name
+            cfg = {"ms": args.m, "k": args.k, "ffn": args.ffn, "chunks": args.chunks}
+            run(worker, world, cfg, out_path, backend="nccl", timeout=600)
+            with open(out_path) as handle:
+                rows += json.load(handle)
+            os.unlink(out_path)
+            common.progress(f"world {world}: done")
     print(f"\nComm + GEMM overlap, bf16, K={args.k}, N={args.ffn}/world; microseconds per call (eager, "
           f"batches of {CALLS}, median of {REPS}, max over ranks; ours:graph = CUDA graph)")
-    print(table(rows, args.chunks))
+    print(table(rows, chunks))
+    common.finish(args, rows, series=ratio_series(rows), xlabel="M (tokens over all ranks)",
+                  ylabel="time ratio (1 = GEMM alone)", title="comm + GEMM overlap: opfuse / the GEMM alone")
     return 0
 
 

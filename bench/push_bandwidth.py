@@ -1,7 +1,7 @@
 """Copy-engine push bandwidth into peers' symmetric memory: how the all-gather schedules of
 :mod:`opfuse.backend.overlap` should issue their pushes.
 
-    PYTHONPATH=. python3 bench/push_bandwidth.py --world 2 4
+    PYTHONPATH=. python3 bench/push_bandwidth.py --world 2 4 [--json FILE] [--plot FILE.png]
 
 Every rank pushes its shard (``--mib`` MiB each) into every peer's region at the same time, as
 the all-gather + GEMM schedule does; CUDA graphs of CALLS pushes-of-everything (no launch cost),
@@ -17,9 +17,10 @@ median of REPS replays, max over ranks. Modes:
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -27,14 +28,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402  (bench/common.py)
 from opfuse.backend.symm_pool import SymmetricPool  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPS = 10, 7
 MODES = ("1s", "2s", "ps", "nccl")
-
-
 
 def _pusher(mode: str, rank: int, world: int, shard: torch.Tensor, peers: list, streams: list):
     """``fn()`` pushing ``shard`` into block ``rank`` of every peer's region in ``mode``."""
@@ -54,7 +54,7 @@ def _pusher(mode: str, rank: int, world: int, shard: torch.Tensor, peers: list, 
     return fn
 
 
-def worker(rank: int, world: int, mibs: list, out_lines: list) -> None:
+def worker(rank: int, world: int, mibs: list, out_path: str) -> None:
     torch.cuda.set_device(rank)
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     pool = SymmetricPool.get(dist.group.WORLD, torch.device("cuda", rank))
@@ -89,29 +89,62 @@ def worker(rank: int, world: int, mibs: list, out_lines: list) -> None:
                  for p in range(world) if p != rank)
         row["ok"] = max_over_ranks(0.0 if ok else 1.0) == 0.0
         results.append(row)
+        if rank == 0:
+            common.progress(f"world {world}: {mib} MiB done")
     if rank == 0:
-        head = ["world", "MiB"] + [f"{m} us" for m in MODES] + [f"{m} GB/s" for m in MODES] + ["ok"]
-        out_lines.append("| " + " | ".join(head) + " |")
-        out_lines.append("|" + "---|" * len(head))
-        for row in results:
-            moved = (world - 1) * row["MiB"] * 2**20
-            cells = [str(row["world"]), str(row["MiB"])] + [f"{row[m]:.1f}" for m in MODES] + \
-                [f"{moved / row[m] / 1e3:.0f}" for m in MODES] + ["yes" if row["ok"] else "NO"]
-            out_lines.append("| " + " | ".join(cells) + " |")
-        print("\n".join(out_lines), flush=True)
+        with open(out_path, "w") as handle:
+            json.dump(results, handle)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def gbs(row, mode) -> float:
+    """One rank's egress in GB/s: ``(world - 1) * shard / time``."""
+    return (row["world"] - 1) * row["MiB"] * 2**20 / row[mode] / 1e3
+
+
+def table(results) -> str:
+    head = ["world", "MiB"] + [f"{m} us" for m in MODES] + [f"{m} GB/s" for m in MODES] + ["ok"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results:
+        cells = [str(row["world"]), str(row["MiB"])] + [f"{row[m]:.1f}" for m in MODES] + \
+            [f"{gbs(row, m):.0f}" for m in MODES] + ["yes" if row["ok"] else "NO"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = common.parser("push_bandwidth", __doc__)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mib", type=int, nargs="+", default=[1, 4, 8, 32])
     args = parser.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    for world in args.world:
-        print(f"Push bandwidth, world {world}, shard sizes {args.mib} MiB (us per all-gather; GB/s = one rank's egress)")
-        run(worker, world, args.mib, [], backend="nccl", timeout=600)
+    if args.from_json:
+        results = common.load_json(args.from_json)
+    else:
+        if common.skip_without_gpus("push_bandwidth", min(args.world)):
+            return 0
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        results = []
+        for world in args.world:
+            if torch.cuda.device_count() < world:
+                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
+                continue
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+                out_path = handle.name
+            run(worker, world, args.mib, out_path, backend="nccl", timeout=600)
+            results += common.load_json(out_path)
+            os.unlink(out_path)
+    print(f"Push bandwidth, shard sizes {sorted({r['MiB'] for r in results})} MiB "
+          f"(us per all-gather; GB/s = one rank's egress)")
+    print(table(results), flush=True)
+    series = {}
+    for row in results:
+        for mode in MODES[:-1]:  # every mode against the last one, NCCL
+            series.setdefault(f"world {row['world']} {mode}: {mode} / nccl", []).append(
+                (row["MiB"], row[mode] / row["nccl"]))
+    common.finish(args, results, series=series, xlabel="shard MiB", ylabel="time ratio (1 = NCCL all-gather)",
+                  title="copy-engine pushes into peers vs NCCL all-gather")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
