@@ -2,20 +2,27 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# The CPU wheel of this torch lies on the CI/dev machines; installing it first keeps pip from
-# pulling a multi-GB CUDA build to satisfy `torch>=2.11`.
-TORCH_PIN ?= torch==2.13.0
+# The CPU build of torch is installed first, so pip does not pull a multi-GB CUDA build to satisfy
+# `torch>=2.11`: from wherever pip already looks (the CI/dev machines keep this wheel on disk),
+# else from PyTorch's CPU index. Set TORCH_PIN= (empty) to keep pip's default choice.
+TORCH_VERSION ?= 2.13.0
+TORCH_PIN ?= torch==$(TORCH_VERSION)+cpu
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NVCC ?= nvcc
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all venv test test-unit test-dist test-gpu demo dump build check-cuda clean
+.PHONY: all venv test test-unit test-dist test-gpu demo dump doctor build check-cuda clean
 
 all: test
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
+	@if [ -n "$(TORCH_PIN)" ] && ! $(PY) -c "import torch" 2>/dev/null; then \
+		$(PY) -m pip install -q "$(TORCH_PIN)" 2>/dev/null || \
+		{ echo "installing $(TORCH_PIN) from $(TORCH_CPU_INDEX)"; \
+		  $(PY) -m pip install -q "$(TORCH_PIN)" --extra-index-url "$(TORCH_CPU_INDEX)"; }; \
+	fi
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
@@ -39,6 +46,9 @@ demo: venv
 dump: venv
 	$(PY) -m opfuse dump
 
+doctor: venv
+	$(PY) -m opfuse doctor
+
 # Build the CUDA extension ahead of first use (GPU hosts; uses the torch in $(PYTHON)).
 build:
 	PYTHONPATH=. $(PYTHON) -m opfuse.backend.extension --build
@@ -46,10 +56,11 @@ build:
 # Compile every CUDA source without a GPU (runs in CI when nvcc is present; skipped otherwise).
 check-cuda: venv
 	@if command -v $(NVCC) >/dev/null 2>&1; then \
+		$(PY) -c "import pybind11" 2>/dev/null || $(PY) -m pip install -q -e ".[cuda]"; \
 		$(PY) tools/check_cuda.py --nvcc $$(command -v $(NVCC)); \
 	else \
 		echo "check-cuda: nvcc not found, skipped"; \
 	fi
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache tools/browser/node_modules
