@@ -58,6 +58,10 @@ class Config:
     #: (``OPFUSE_OVERLAP_EAGER_GRAPHS``): ``auto`` = when the call is predicted to be bound by its
     #: launches, ``on``, ``off`` (opfuse/backend/overlap/eager_graph.py).
     overlap_eager_graphs: str = "auto"
+    #: How much opfuse logs through ``logging`` (``OPFUSE_LOG``): ``warning`` (quiet), ``info`` (the
+    #: first-use nvcc build, pool growth, fallbacks to slower implementations, recompiles) or
+    #: ``debug`` (also cache hits and every implementation choice); see opfuse/log.py.
+    log: str = "warning"
 
     def __setattr__(self, name, value):
         global _version
@@ -94,9 +98,10 @@ _ENV_NAMES = {
     "twoshot_max_bytes": "TWOSHOT_MAX_BYTES",
     "overlap_chunks": "OVERLAP_CHUNKS",
     "overlap_eager_graphs": "OVERLAP_EAGER_GRAPHS",
+    "log": "LOG",
 }
 #: Settings restricted to a set of values.
-_CHOICES = {"overlap_eager_graphs": ("auto", "on", "off")}
+_CHOICES = {"overlap_eager_graphs": ("auto", "on", "off"), "log": ("warning", "info", "debug")}
 
 _version = 0
 config = Config()

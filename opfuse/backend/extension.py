@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import tempfile
 
+from .. import log
 from ..config import config
 
 __all__ = ["ExtensionUnavailable", "load", "status", "build", "sources", "find_nvcc"]
@@ -78,7 +79,11 @@ def _digest() -> str:
 
 
 def _includes() -> list[str]:
-    import pybind11
+    try:
+        import pybind11
+    except ImportError:
+        raise ExtensionUnavailable("the CUDA extension build needs pybind11: pip install 'opfuse[cuda]' "
+                                   "(or pip install pybind11)") from None
 
     return [f"-I{CSRC}", f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
 
@@ -153,7 +158,9 @@ def load():
             with open(os.path.dirname(path) + ".lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # one rank builds, the others wait and reuse
                 if not os.path.exists(path):
-                    build(os.path.dirname(path))
+                    log.extension_build(path, lambda: build(os.path.dirname(path)))
+        else:
+            log.extension_cached(path)
         _loaded = _import(path)
     except ExtensionUnavailable as error:
         _failure = str(error)
