@@ -1,4 +1,5 @@
-"""Rendering program graphs: runnable Python, a text table, Graphviz dot, and self-contained HTML.
+"""Rendering program graphs: runnable Python, a text table and Graphviz dot (the interactive HTML
+viewer lives in :mod:`opfuse.debug.html`).
 
 ``python`` output is valid Python (a ``forward(self, ...)`` function over the program's
 submodules) with one line per node and a comment giving the value's dtype/shape, its sharding,
@@ -7,15 +8,13 @@ and for fused nodes the rule that made them (``file:line``) and the implementati
 
 from __future__ import annotations
 
-import html
 import operator
 
-import networkx as nx
 from torch import fx
 
 from ..ops.base import TensorMeta
 
-__all__ = ["render", "render_python", "render_text", "render_dot", "render_html", "FORMATS"]
+__all__ = ["render", "render_python", "render_text", "render_dot", "python_line", "node_kind", "meta_text", "FORMATS"]
 
 FORMATS = ("python", "text", "dot", "html")
 
@@ -26,6 +25,26 @@ def _meta_text(meta) -> str:
     if isinstance(meta, tuple):
         return "(" + ", ".join(_meta_text(m) for m in meta) + ")"
     return "?"
+
+
+def meta_text(node: fx.Node) -> str:
+    """dtype/shape/device of the value ``node`` produces; for the output node, of what it returns."""
+    if node.op == "output":
+        outs = node.args[0]
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        return _meta_text(tuple(o.meta.get("opfuse_meta") if isinstance(o, fx.Node) else None for o in outs))
+    return _meta_text(node.meta.get("opfuse_meta"))
+
+
+def node_kind(gm: fx.GraphModule, node: fx.Node) -> str:
+    """What a node is: the op's kind (``AllReduceAddRMSNorm``), ``getitem [i]``, ``placeholder``,
+    ``output``."""
+    op = _op(gm, node)
+    if op is not None:
+        return getattr(op, "kind", type(op).__name__)
+    if node.op == "call_function" and node.target is operator.getitem:
+        return f"getitem [{node.args[1]}]"
+    return node.op
 
 
 def _op(gm: fx.GraphModule, node: fx.Node):
@@ -62,6 +81,31 @@ def _fused_comment(node: fx.Node) -> str:
     return f"rule {rule} at {node.meta.get('opfuse_source')}; impl={impl}; covers {covered}"
 
 
+def python_line(gm: fx.GraphModule, node: fx.Node) -> str:
+    """The line ``render_python`` prints for ``node`` (without indentation): the call, then a
+    comment with the value's meta, its sharding, and the rule / implementation of fused nodes."""
+    if node.op == "placeholder":
+        return f"# {node.name}: {_meta_text(node.meta.get('opfuse_meta'))} {_sharding(node)}".rstrip()
+    if node.op == "output":
+        return f"return {_arg_text(node.args[0])}"
+    args = ", ".join(_arg_text(a) for a in node.args)
+    if node.op == "call_module":
+        target = node.target
+        call = f"self.{target}" if target.isidentifier() else f"getattr(self, {target!r})"
+        comment = _fused_comment(node) or _describe(gm, node)
+        if node.meta.get("opfuse_rule"):
+            comment = f"{_describe(gm, node)} <- {comment}"
+        text = f"{node.name} = {call}({args})"
+    elif node.op == "call_function" and node.target is operator.getitem:
+        text = f"{node.name} = {_arg_text(node.args[0])}[{node.args[1]!r}]"
+        comment = ""
+    else:
+        text = f"{node.name} = {node.target}({args})"
+        comment = ""
+    detail = f"{_meta_text(node.meta.get('opfuse_meta'))} {_sharding(node)}".strip()
+    return f"{text}  # {detail}" + (f"; {comment}" if comment else "")
+
+
 def render_python(gm: fx.GraphModule, title: str = "") -> str:
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     lines = []
@@ -70,29 +114,7 @@ def render_python(gm: fx.GraphModule, title: str = "") -> str:
     lines.append("import operator  # noqa: F401  (getitem nodes)")
     lines.append("")
     lines.append(f"def forward(self, {', '.join(placeholders)}):")
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            lines.append(f"    # {node.name}: {_meta_text(node.meta.get('opfuse_meta'))} {_sharding(node)}".rstrip())
-            continue
-        if node.op == "output":
-            lines.append(f"    return {_arg_text(node.args[0])}")
-            continue
-        args = ", ".join(_arg_text(a) for a in node.args)
-        if node.op == "call_module":
-            target = node.target
-            call = f"self.{target}" if target.isidentifier() else f"getattr(self, {target!r})"
-            comment = _fused_comment(node) or _describe(gm, node)
-            if node.meta.get("opfuse_rule"):
-                comment = f"{_describe(gm, node)} <- {comment}"
-            text = f"{node.name} = {call}({args})"
-        elif node.op == "call_function" and node.target is operator.getitem:
-            text = f"{node.name} = {_arg_text(node.args[0])}[{node.args[1]!r}]"
-            comment = ""
-        else:
-            text = f"{node.name} = {node.target}({args})"
-            comment = ""
-        detail = f"{_meta_text(node.meta.get('opfuse_meta'))} {_sharding(node)}".strip()
-        lines.append(f"    {text}  # {detail}" + (f"; {comment}" if comment else ""))
+    lines += ["    " + python_line(gm, node) for node in gm.graph.nodes]
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +148,7 @@ def _dot_body(gm: fx.GraphModule, prefix: str) -> list[str]:
             kind = getattr(op, "kind", type(op).__name__)
         elif node.op == "call_function" and node.target is operator.getitem:
             kind = f"[{node.args[1]}]"
-        label = f"{node.name}\\n{kind}\\n{_meta_text(node.meta.get('opfuse_meta'))}"
+        label = f"{node.name}\\n{kind}\\n{meta_text(node)}"
         style = ""
         if node.meta.get("opfuse_rule"):
             label += f"\\nrule {node.meta['opfuse_rule']}\\nimpl {node.meta.get('opfuse_impl', '?')}"
@@ -158,57 +180,6 @@ def render_dot(gm: fx.GraphModule, title: str = "", before: fx.GraphModule | Non
     return "\n".join(lines) + "\n"
 
 
-def _svg(gm: fx.GraphModule) -> str:
-    """A layered drawing of the graph (no Graphviz needed)."""
-    graph = nx.DiGraph()
-    for node in gm.graph.nodes:
-        graph.add_node(node.name)
-        for src in node.all_input_nodes:
-            graph.add_edge(src.name, node.name)
-    layers = list(nx.topological_generations(graph))
-    box_w, box_h, gap_x, gap_y = 230, 46, 20, 34
-    width = max(len(layer) for layer in layers) * (box_w + gap_x) + gap_x
-    height = len(layers) * (box_h + gap_y) + gap_y
-    position = {}
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for row, layer in enumerate(layers):
-        for col, name in enumerate(sorted(layer)):
-            position[name] = (gap_x + col * (box_w + gap_x), gap_y + row * (box_h + gap_y))
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" font-size="11">']
-    for a, b in graph.edges:
-        (x1, y1), (x2, y2) = position[a], position[b]
-        parts.append(f'<line x1="{x1 + box_w / 2}" y1="{y1 + box_h}" x2="{x2 + box_w / 2}" y2="{y2}" stroke="#666" marker-end="url(#arrow)"/>')
-    parts.insert(1, '<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="8" refY="4" orient="auto">'
-                    '<path d="M0,0 L8,4 L0,8 z" fill="#666"/></marker></defs>')
-    for name, (x, y) in position.items():
-        node = nodes[name]
-        op = _op(gm, node)
-        kind = getattr(op, "kind", node.op) if op is not None else ("getitem" if node.op == "call_function" else node.op)
-        fill = "#cde8ff" if node.meta.get("opfuse_rule") else ("#ffe3c2" if getattr(op, "is_collective", False) else "#f4f4f4")
-        parts.append(f'<rect x="{x}" y="{y}" width="{box_w}" height="{box_h}" rx="6" fill="{fill}" stroke="#333"/>')
-        parts.append(f'<text x="{x + 6}" y="{y + 16}">{html.escape(name)}</text>')
-        parts.append(f'<text x="{x + 6}" y="{y + 32}">{html.escape(kind)} {html.escape(_meta_text(node.meta.get("opfuse_meta")))[:28]}</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
-
-
-def render_html(gm: fx.GraphModule, title: str = "", before: fx.GraphModule | None = None,
-                fusions=()) -> str:
-    sections = [f"<h1>{html.escape(title or 'opfuse program')}</h1>"]
-    if fusions:
-        rows = "".join(
-            f"<tr><td>{html.escape(f.fused_node)}</td><td>{html.escape(f.rule)}</td>"
-            f"<td>{html.escape(', '.join(f.ops))}</td><td>{html.escape(str(f.impl))}</td>"
-            f"<td>{html.escape(f.source)}</td></tr>" for f in fusions)
-        sections.append("<h2>Fusions</h2><table border=1 cellpadding=4><tr><th>node</th><th>rule</th><th>ops</th>"
-                        f"<th>impl</th><th>defined at</th></tr>{rows}</table>")
-    graphs = ([("Before fusion", before)] if before is not None else []) + [("After fusion" if before is not None else "Graph", gm)]
-    for heading, module in graphs:
-        sections.append(f"<h2>{heading}</h2>{_svg(module)}<pre>{html.escape(render_python(module))}</pre>")
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>"
-            f"{html.escape(title or 'opfuse program')}</title></head><body>" + "\n".join(sections) + "</body></html>\n")
-
-
 def render(fmt: str, gm: fx.GraphModule, title: str = "", before: fx.GraphModule | None = None, fusions=()) -> str:
     if fmt == "python":
         return render_python(gm, title)
@@ -217,5 +188,7 @@ def render(fmt: str, gm: fx.GraphModule, title: str = "", before: fx.GraphModule
     if fmt == "dot":
         return render_dot(gm, title, before)
     if fmt == "html":
+        from .html import render_html  # its own module: layout, vendored script, viewer
+
         return render_html(gm, title, before, fusions)
     raise ValueError(f"dump: format {fmt!r}; accepted: {', '.join(FORMATS)}")
