@@ -112,7 +112,10 @@ def plot_lines(path: str, series: dict, *, title: str, xlabel: str, ylabel: str,
     plt = _pyplot()
     if plt is None:
         return
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
+    sizes = sorted({x for points in series.values() for x, y in points if y is not None})
     for label, points in series.items():
         points = sorted((x, y) for x, y in points if y is not None)
         if points:
@@ -120,6 +123,9 @@ def plot_lines(path: str, series: dict, *, title: str, xlabel: str, ylabel: str,
     if baseline is not None:
         ax.axhline(baseline, color="#888", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)  # the measured sizes, written out (not as powers of two)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)

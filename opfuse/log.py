@@ -58,6 +58,22 @@ class _RankFilter(logging.Filter):
         return True
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record (redirections and test
+    capture replace it after the handler was made)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # StreamHandler.__init__ assigns it; the property always answers
+        pass
+
+
 def _sync() -> None:
     """Apply ``config.log`` when it changed: the level of the ``opfuse`` logger, and our stderr
     handler while the level is below warning (the default adds nothing, as a library should)."""
@@ -69,7 +85,7 @@ def _sync() -> None:
     level = LEVELS[wanted]
     logger.setLevel(level)
     if level < logging.WARNING and _handler is None:
-        _handler = logging.StreamHandler(sys.stderr)
+        _handler = _StderrHandler()
         _handler.addFilter(_RankFilter())
         _handler.setFormatter(logging.Formatter("opfuse[rank %(rank)s] %(levelname)s %(name)s: %(message)s"))
         logger.addHandler(_handler)

@@ -185,6 +185,9 @@ def _parse(argv, prog: str) -> DemoOptions:
         parser.add_argument("-o", "--output", default=None, metavar="FILE",
                             help="write the document to FILE instead of stdout")
     args = parser.parse_args(argv)
+    if joined is not None and args.world != joined:
+        parser.error(f"--world={args.world} but torchrun started {joined} processes (WORLD_SIZE={joined}); "
+                     f"leave --world out under torchrun")
     gpu = args.backend == "nccl"
     defaults = dict(tokens=64 if gpu else 8, hidden=1024 if gpu else 64, ffn=4096 if gpu else 256,
                     dtype="bfloat16" if gpu else "float32")

@@ -1,18 +1,31 @@
-"""The README commands' entry points: ``python -m opfuse demo`` and ``dump`` (2 gloo processes)."""
+"""The README commands' entry points: ``python -m opfuse demo`` and ``dump`` (2 gloo processes),
+under torchrun too; their output files, ``--version``, one-line errors, and ``bench``."""
 
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "bench")
 
 
-def run_cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "opfuse", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+def env():
+    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "opfuse", *args], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_line_error(result, code=2):
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    return lines[0]
 
 
 @pytest.mark.dist
@@ -25,6 +38,25 @@ def test_demo_reports_check_passed():
 
 
 @pytest.mark.dist
+def test_demo_under_torchrun():
+    # torchrun ships with torch; the module form works where the script is not on PATH.
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    probe = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        pytest.skip(f"torchrun is not usable here: {probe.stderr.strip()[-200:]}")
+    result = subprocess.run(command + ["--standalone", "--nproc-per-node", "2", "-m", "opfuse", "demo"], cwd=ROOT,
+                            env=env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The two torchrun processes are the group (world 2), nobody spawns more, rank 0 reports once.
+    assert result.stdout.count("result: check PASSED") == 1, result.stdout
+    assert "world=2 (gloo, cpu)" in result.stdout
+    mismatch = subprocess.run(command + ["--standalone", "--nproc-per-node", "2", "-m", "opfuse", "demo", "--world", "3"],
+                              cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    assert mismatch.returncode != 0 and "torchrun started 2 processes" in mismatch.stderr
+
+
+@pytest.mark.dist
 def test_dump_shows_collectives_and_fusions():
     result = run_cli("dump", "--sequence-parallel")
     assert result.returncode == 0, result.stderr
@@ -34,10 +66,61 @@ def test_dump_shows_collectives_and_fusions():
     assert "rule all_gather_linear at" in out and "rule linear_reduce_scatter at" in out
 
 
-def test_doctor_and_help():
+@pytest.mark.dist
+def test_dump_html_and_dot_are_clean_documents(tmp_path):
+    page = run_cli("dump", "--format", "html")
+    assert page.returncode == 0, page.stderr
+    assert page.stdout.startswith("<!doctype html>") and page.stdout.endswith("</html>\n")
+    assert "fusions:" in page.stderr  # the explain text goes to stderr, not into the page
+    dot = run_cli("dump", "--format", "dot")
+    assert dot.returncode == 0, dot.stderr
+    assert dot.stdout.startswith("digraph opfuse {") and dot.stdout.endswith("}\n")
+    assert "output ?" not in dot.stdout and "\\n?" not in dot.stdout
+    if shutil.which("dot"):
+        svg = subprocess.run(["dot", "-Tsvg"], input=dot.stdout, capture_output=True, text=True, timeout=60)
+        assert svg.returncode == 0 and "<svg" in svg.stdout, svg.stderr
+    target = tmp_path / "demo.html"
+    written = run_cli("dump", "--format", "html", "-o", str(target))
+    assert written.returncode == 0 and written.stdout == "", written.stdout[:200]
+    assert target.read_text() == page.stdout and f"wrote {target}" in written.stderr
+
+
+def test_version_help_and_one_line_errors():
+    import opfuse
+
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith(f"opfuse {opfuse.__version__} (torch ")
+    assert run_cli("--help").returncode == 0
+    assert "unknown command 'frobnicate'" in one_line_error(run_cli("frobnicate"))
+    assert "--world: 0 is not a positive integer" in one_line_error(run_cli("dump", "--world", "0"))
+    assert "--format: invalid choice: 'svg'" in one_line_error(run_cli("dump", "--format", "svg"))
+    assert "--hidden=30 must be divisible by --world=4" in one_line_error(
+        run_cli("demo", "--world", "4", "--hidden", "30"))
+    assert "needs 2 GPUs" in one_line_error(run_cli("demo", "--backend", "nccl"))
+
+
+def test_doctor():
     result = run_cli("doctor")
     assert result.returncode == 0, result.stderr
     assert "rules (in the order tried)" in result.stdout and "allreduce_add_rmsnorm" in result.stdout
-    assert run_cli("--help").returncode == 0
-    bad = run_cli("frobnicate")
-    assert bad.returncode == 2 and "unknown command" in bad.stderr
+    assert "Failed to initialize NumPy" not in result.stderr  # numpy is a declared dependency
+
+
+def test_bench_lists_only_benchmarks_and_skips_without_gpus():
+    sys.path.insert(0, BENCH)
+    try:
+        from common import BENCHMARKS
+    finally:
+        sys.path.remove(BENCH)
+    listing = run_cli("bench")
+    assert listing.returncode == 0
+    listed = [line.split()[0] for line in listing.stdout.splitlines()[1:]]
+    assert listed == list(BENCHMARKS) and "timing" not in listed and "common" not in listed
+    assert "unknown benchmark 'timing'" in one_line_error(run_cli("bench", "timing"))
+    for name, (gpus, _) in BENCHMARKS.items():
+        if gpus == 0:
+            continue
+        result = run_cli("bench", name)
+        assert result.returncode == 0, (name, result.stderr)
+        assert result.stdout.strip() == f"no GPU: {name} needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}; skipped"
+        assert "Traceback" not in result.stderr

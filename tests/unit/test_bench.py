@@ -1,0 +1,80 @@
+"""The benchmarks' common behaviour on a CPU host: --json, --plot (matplotlib optional, one line
+without it), --from-json (tables and chart from recorded numbers), progress on stderr; and the
+README chart's data (docs/measurements/allreduce_v3_w2w4.json) matches the recorded table."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECORDED = os.path.join(ROOT, "docs", "measurements", "allreduce_v3_w2w4.json")
+
+
+def bench(*args, extra_path=None, timeout=300):
+    path = os.pathsep.join(p for p in (extra_path, ROOT) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_host_overhead_json_plot_and_from_json(tmp_path):
+    data, chart = tmp_path / "run.json", tmp_path / "run.png"
+    run = bench("bench/host_overhead.py", "--calls", "20", "--json", str(data), "--plot", str(chart))
+    assert run.returncode == 0, run.stderr
+    assert "unfused program done" in run.stderr  # progress goes to stderr, tables to stdout
+    saved = json.loads(data.read_text())
+    assert saved["device"] == "cpu" and [r["path"] for r in saved["rows"]] == ["unfused program", "fused program"]
+    assert chart.exists() == has_matplotlib()
+    again = bench("bench/host_overhead.py", "--from-json", str(data))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == run.stdout  # the same tables from the saved numbers
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path):
+    blocker = tmp_path / "block" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib blocked for this test')\n")
+    chart = tmp_path / "chart.png"
+    run = bench("bench/allreduce_norm.py", "--from-json", RECORDED, "--plot", str(chart),
+                extra_path=str(tmp_path / "block"))
+    assert run.returncode == 0 and not chart.exists()
+    assert run.stderr.strip().splitlines() == [
+        "--plot needs matplotlib (pip install matplotlib, or pip install 'opfuse[plot]'); no chart drawn"]
+
+
+def test_recorded_allreduce_chart_matches_the_published_table(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import allreduce_norm
+        from allreduce_table_to_json import parse
+    finally:
+        del sys.path[:2]
+    with open(os.path.join(ROOT, "docs", "measurements", "allreduce_v3_w2w4.txt")) as handle:
+        parsed = parse(handle.read())
+    with open(RECORDED) as handle:
+        recorded = json.load(handle)
+    assert parsed == recorded  # the JSON is the table, nothing added
+    series = allreduce_norm.ratio_series(recorded)
+    w2 = dict(series["world 2, hidden 8192: opfuse / NCCL+compiled"])
+    w4 = dict(series["world 4, hidden 8192: opfuse / NCCL+compiled"])
+    # README's table: opfuse / compiled 0.61, 0.45, 0.87 at world 2; 0.51, 0.79, 0.88 at world 4.
+    assert [round(w2[t], 2) for t in (1, 128, 8192)] == [0.61, 0.45, 0.87]
+    assert [round(w4[t], 2) for t in (1, 512, 8192)] == [0.51, 0.79, 0.88]
+    if not has_matplotlib():
+        pytest.skip("matplotlib not installed: the chart itself is not drawn")
+    chart = tmp_path / "allreduce.png"
+    run = bench("bench/allreduce_norm.py", "--from-json", RECORDED, "--plot", str(chart))
+    assert run.returncode == 0, run.stderr
+    assert "| 8192 | 131072 KiB | 477.8 | 663.2 | 643.0 |" in run.stdout
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,88 @@
+"""opfuse.log: quiet by default, OPFUSE_LOG=info|debug prints why a call was slow (the nvcc
+build, pool growth, fallbacks, recompiles), bad values are rejected with the accepted ones."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import opfuse
+from opfuse import log
+from opfuse.config import reload_from_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def emit_everything():
+    log.extension_build("/cache/ext/abc/_opfuse_cuda.so", lambda: "built")
+    log.extension_cached("/cache/ext/abc/_opfuse_cuda.so")
+    log.pool_growth("0", 512, 1024, 4096, "reserve allreduce_add_norm")
+    log.fallback("allreduce_add_norm", "reference", [("cuda_oneshot", "no CUDA device")])
+    log.fallback("grouped_linear", "triton", [])
+    log.recompile("Sequential(RMSNorm, Linear)", "new input signature float32[4, 8]")
+
+
+def lines_at(level: str, capsys) -> list[str]:
+    with opfuse.config.override(log=level):
+        emit_everything()
+    return capsys.readouterr().err.splitlines()
+
+
+def test_quiet_by_default(capsys):
+    assert opfuse.config.log == "warning"
+    assert lines_at("warning", capsys) == []
+    assert log.logger.propagate  # an application's own handlers still see opfuse's warnings
+
+
+def test_info_shows_what_costs_time(capsys):
+    lines = lines_at("info", capsys)
+    assert lines == [
+        "opfuse[rank -] INFO opfuse.build: building the CUDA extension with nvcc (first use on this host; cached "
+        "afterwards): /cache/ext/abc/_opfuse_cuda.so",
+        lines[1],
+        "opfuse[rank -] INFO opfuse.pool: symmetric pool of group 0 grew by 512 MiB to 1024 MiB (limit 4096 MiB): "
+        "reserve allreduce_add_norm",
+        "opfuse[rank -] INFO opfuse.dispatch: allreduce_add_norm: running reference; skipped cuda_oneshot "
+        "(no CUDA device)",
+        "opfuse[rank -] INFO opfuse.compile: compiling Sequential(RMSNorm, Linear): new input signature float32[4, 8]",
+    ]
+    assert lines[1].startswith("opfuse[rank -] INFO opfuse.build: built the CUDA extension in ")
+
+
+def test_debug_adds_cache_hits_and_first_choices(capsys):
+    lines = "\n".join(lines_at("debug", capsys))
+    assert "DEBUG opfuse.build: CUDA extension cache hit: /cache/ext/abc/_opfuse_cuda.so" in lines
+    assert "DEBUG opfuse.dispatch: grouped_linear: running triton (first choice)" in lines
+    # Back to quiet: our handler is gone, the logger propagates again.
+    assert lines_at("warning", capsys) == [] and log.logger.propagate
+
+
+def test_failed_build_is_a_warning_even_when_quiet(caplog):
+    def broken():
+        raise RuntimeError("nvcc failed on norm.cu\nlong compiler output")
+
+    with caplog.at_level(logging.WARNING, logger="opfuse"), pytest.raises(RuntimeError):
+        log.extension_build("/x.so", broken)
+    assert [r.getMessage() for r in caplog.records][-1].endswith("s: nvcc failed on norm.cu")
+
+
+def test_setting_is_validated():
+    with pytest.raises(ValueError, match=r"OPFUSE_LOG='loud': expected one of warning/info/debug"):
+        reload_from_env({"OPFUSE_LOG": "loud"})
+    with pytest.raises(ValueError, match=r"opfuse.config.log='verbose'; accepted: 'warning', 'info', 'debug'"):
+        opfuse.config.log = "verbose"
+    reload_from_env({"OPFUSE_LOG": "DEBUG"})
+    try:
+        assert opfuse.config.log == "debug"
+    finally:
+        reload_from_env()
+
+
+def test_env_variable_reaches_a_fresh_process():
+    code = "import opfuse.log as l; l.recompile('block', 'settings changed')"
+    env = dict(os.environ, PYTHONPATH=ROOT, OPFUSE_LOG="info")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "opfuse[rank -] INFO opfuse.compile: compiling block: settings changed" in result.stderr
