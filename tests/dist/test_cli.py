@@ -37,14 +37,20 @@ def test_demo_reports_check_passed():
         in result.stdout
 
 
-@pytest.mark.dist
-def test_demo_under_torchrun():
-    # torchrun ships with torch; the module form works where the script is not on PATH.
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    command = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+def torchrun() -> list[str]:
+    """The torchrun command (it ships with torch; the module form works where the script is not
+    on PATH); skips the test when neither runs."""
+    script = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    command = [script] if script else [sys.executable, "-m", "torch.distributed.run"]
     probe = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=120)
     if probe.returncode != 0:
         pytest.skip(f"torchrun is not usable here: {probe.stderr.strip()[-200:]}")
+    return command
+
+
+@pytest.mark.dist
+def test_demo_under_torchrun():
+    command = torchrun()
     result = subprocess.run(command + ["--standalone", "--nproc-per-node", "2", "-m", "opfuse", "demo"], cwd=ROOT,
                             env=env(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -54,6 +60,16 @@ def test_demo_under_torchrun():
     mismatch = subprocess.run(command + ["--standalone", "--nproc-per-node", "2", "-m", "opfuse", "demo", "--world", "3"],
                               cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert mismatch.returncode != 0 and "torchrun started 2 processes" in mismatch.stderr
+
+
+@pytest.mark.dist
+def test_porting_example_under_torchrun():
+    """examples/port_mlp.py: a plain gated MLP ported to ops.Sequential, trained one step, and its
+    weights gathered back into the plain model (README, "Using opfuse in an existing model")."""
+    result = subprocess.run(torchrun() + ["--standalone", "--nproc-per-node", "2", "examples/port_mlp.py"], cwd=ROOT,
+                            env=env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "port_mlp: world=2 (cpu)" in result.stdout and "port_mlp: PASSED" in result.stdout
 
 
 @pytest.mark.dist
