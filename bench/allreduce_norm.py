@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.cli.launch import run  # noqa: E402
 import common  # noqa: E402  (bench/common.py)
 from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
 
@@ -172,29 +170,22 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512, 2048, 8192])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
-    if args.from_json:
-        results = common.load_json(args.from_json)
-        for world, rows in results.items():
-            print(table(world, rows), flush=True)
-    else:
-        if common.skip_without_gpus("allreduce_norm", min(args.world)):
-            return 0
+
+    def measure():
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        results = {}
-        for world in args.world:
-            if torch.cuda.device_count() < world:
-                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
-                continue
+        measured = {}
+        for world in common.worlds(args.world):
             common.progress(f"world {world}: {len(args.hidden) * len(args.tokens)} cases")
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-                out_path = handle.name
-            run(worker, world, {"hidden": args.hidden, "tokens": args.tokens, "dtype": args.dtype}, out_path,
-                backend="nccl", timeout=900)
-            with open(out_path) as handle:
-                results[str(world)] = json.load(handle)
-            os.unlink(out_path)
-            print(table(world, results[str(world)]), flush=True)
+            opts = {"hidden": args.hidden, "tokens": args.tokens, "dtype": args.dtype}
+            measured[str(world)] = common.run_ranks(worker, world, opts)
+        return measured
+
+    results = common.results(args, "allreduce_norm", min(args.world), measure)
+    if results is None:
+        return 0
+    for world, rows in results.items():
+        print(table(world, rows), flush=True)
     common.finish(args, results, series=ratio_series(results), xlabel="tokens",
                   ylabel="time ratio (< 1: opfuse faster)",
                   title="all-reduce + bias + residual + RMSNorm: opfuse / (NCCL all-reduce + compiled add+norm)")

@@ -52,7 +52,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 
@@ -67,7 +66,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (bench/common.py)
 from opfuse import ops  # noqa: E402
 from timing import graph_replay_us  # noqa: E402  (bench/timing.py)
-from opfuse.cli.launch import run  # noqa: E402
 from opfuse.ops import collectives  # noqa: E402
 
 EPS = 1e-6
@@ -543,16 +541,8 @@ def main() -> int:
                     device="cpu" if args.cpu else "cuda")
         if args.no_train_8192:
             opts["train"] = [t for t in opts["train"] if t != 8192]
-        for world in args.world:
-            if not args.cpu and torch.cuda.device_count() < world:
-                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
-                continue
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-                out_path = handle.name
-            run(worker, world, opts, out_path, backend="gloo" if args.cpu else "nccl", timeout=900)
-            with open(out_path) as handle:
-                results[str(world)] = json.load(handle)
-            os.unlink(out_path)
+        for world in args.world if args.cpu else common.worlds(args.world):
+            results[str(world)] = common.run_ranks(worker, world, opts, backend="gloo" if args.cpu else "nccl")
             text, rows = tables(world, results[str(world)], opts)
             summary += rows
             print(text, flush=True)

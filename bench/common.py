@@ -6,12 +6,10 @@ A benchmark's ``main()`` follows one shape::
     parser = common.parser("allreduce_norm", __doc__)
     ...                                   # its own flags
     args = parser.parse_args()
-    data = common.load_json(args.from_json) if args.from_json else None
+    data = common.results(args, "allreduce_norm", min(args.world), measure)
     if data is None:
-        if common.skip_without_gpus("allreduce_norm", min(args.world)):
-            return 0                      # "no GPU: allreduce_norm needs 2 CUDA GPUs; skipped"
-        data = ...run it...               # common.progress("...") after each case (stderr)
-    ...print its tables from data...
+        return 0                          # "no GPU: allreduce_norm needs 2 CUDA GPUs; skipped"
+    ...print its tables from data...      # measure() calls common.progress("...") after each case
     common.finish(args, data, series=..., title=...)   # --json, --plot
 
 ``--from-json FILE`` re-reads what ``--json FILE`` wrote (no GPU needed): the tables are printed
@@ -27,8 +25,8 @@ import os
 import sys
 import time
 
-__all__ = ["BENCHMARKS", "parser", "skip_without_gpus", "progress", "load_json", "finish", "plot_lines",
-           "plot_bars"]
+__all__ = ["BENCHMARKS", "parser", "results", "skip_without_gpus", "worlds", "run_ranks", "progress", "load_json",
+           "finish", "plot_lines", "plot_bars"]
 
 #: The benchmarks ``python -m opfuse bench`` runs: file name (bench/NAME.py) -> (CUDA GPUs needed,
 #: what it measures). The other files of bench/ are helpers.
@@ -68,6 +66,43 @@ def skip_without_gpus(name: str, needed: int) -> bool:
     print(f"no GPU: {name} needs {what} (this host has {have}); skipped" if have else
           f"no GPU: {name} needs {what}; skipped", flush=True)
     return True
+
+
+def results(args, name: str, gpus: int, measure):
+    """What a benchmark reports: the file ``--from-json`` names, else ``measure()``'s result;
+    None (after the one-line notice) on a host with fewer than ``gpus`` GPUs."""
+    if args.from_json:
+        return load_json(args.from_json)
+    if skip_without_gpus(name, gpus):
+        return None
+    return measure()
+
+
+def worlds(requested) -> list[int]:
+    """The world sizes of ``requested`` this host has GPUs for (the others: one line each)."""
+    import torch
+
+    have = torch.cuda.device_count()
+    for world in requested:
+        if world > have:
+            print(f"world {world}: skipped, {have} GPUs", flush=True)
+    return [world for world in requested if world <= have]
+
+
+def run_ranks(worker, world: int, *args, backend: str = "nccl", timeout: float = 900.0):
+    """Run ``worker(rank, world, *args, out_path)`` on ``world`` spawned ranks and return the
+    JSON that rank 0 wrote to ``out_path``."""
+    import tempfile
+
+    from opfuse.cli.launch import run
+
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
+        out_path = handle.name
+    try:
+        run(worker, world, *args, out_path, backend=backend, timeout=timeout)
+        return load_json(out_path)
+    finally:
+        os.unlink(out_path)
 
 
 def progress(message: str) -> None:

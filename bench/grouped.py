@@ -180,8 +180,9 @@ def ratio_series(results) -> dict:
     for res in results:
         ours = next(us for label, us in res["rows"].items() if label.startswith("ours"))
         tokens = sum(res["sizes"])
-        series.setdefault("torch._grouped_mm time / opfuse time", []).append((tokens, res["rows"]["torch._grouped_mm"] / ours))
-        series.setdefault("dense GEMM time / opfuse time", []).append((tokens, res["rows"]["dense GEMM, equal FLOPs"] / ours))
+        for label, base in (("torch._grouped_mm time / opfuse time", "torch._grouped_mm"),
+                            ("dense GEMM time / opfuse time", "dense GEMM, equal FLOPs")):
+            series.setdefault(label, []).append((tokens, res["rows"][base] / ours))
     return series
 
 
@@ -192,16 +193,18 @@ def main(argv=None) -> int:
     parser.add_argument("--no-backward", action="store_true", help="skip the fwd+bwd comparison")
     args = parser.parse_args(argv)
     begin = time.perf_counter()
-    if args.from_json:
-        results = common.load_json(args.from_json)
-    else:
-        if common.skip_without_gpus("grouped", 1):
-            return 0
+
+    def measure():
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-        results = []
+        shapes = []
         for name, tokens in (("large", 32768), ("decode", 256)):
-            results.append(bench_shape(name, tokens, 32, 7168, 2048, args))
+            shapes.append(bench_shape(name, tokens, 32, 7168, 2048, args))
             common.progress(f"{name} ({tokens} tokens) done")
+        return shapes
+
+    results = common.results(args, "grouped", 1, measure)
+    if results is None:
+        return 0
     for res in results:
         report(res)
     summary(results)

@@ -94,12 +94,9 @@ def measure() -> list:
 def main() -> int:
     parser = common.parser("host_primitives", __doc__)
     args = parser.parse_args()
-    if args.from_json:
-        rows = common.load_json(args.from_json)
-    else:
-        if common.skip_without_gpus("host_primitives", 1):
-            return 0
-        rows = measure()
+    rows = common.results(args, "host_primitives", 1, measure)
+    if rows is None:
+        return 0
     print("| primitive | host us/call | note |")
     print("|---|---|---|")
     for name, us, note in rows:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -53,7 +52,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opfuse  # noqa: E402
 from opfuse.backend import dispatch  # noqa: E402
-from opfuse.cli.launch import run  # noqa: E402
 import common  # noqa: E402  (bench/common.py)
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 from opfuse.ops.base import TensorMeta  # noqa: E402
@@ -262,7 +260,8 @@ def ratio_series(rows) -> dict:
     """The chart: opfuse / GEMM alone per world and op, against M."""
     series = {}
     for r in rows:
-        series.setdefault(f"world {r['world']} {r['op']}: opfuse / GEMM alone", []).append((r["M"], r["ours"] / r["gemm"]))
+        label = f"world {r['world']} {r['op']}: opfuse / GEMM alone"
+        series.setdefault(label, []).append((r["M"], r["ours"] / r["gemm"]))
     return series
 
 
@@ -275,27 +274,21 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, nargs="*", default=[1, 2, 4],
                         help="extra OPFUSE_OVERLAP_CHUNKS settings timed for ours (tuning information)")
     args = parser.parse_args()
-    if args.from_json:
-        rows = common.load_json(args.from_json)
-        chunks = sorted({int(k[6:]) for r in rows for k in r if k.startswith("ours:c")})
-    else:
-        if common.skip_without_gpus("overlap", min(args.world)):
-            return 0
+
+    def measure():
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        rows, chunks = [], args.chunks
-        for world in args.world:
-            if torch.cuda.device_count() < world:
-                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs", flush=True)
-                continue
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-                out_path = handle.name
+        measured = []
+        for world in common.worlds(args.world):
             cfg = {"ms": args.m, "k": args.k, "ffn": args.ffn, "chunks": args.chunks}
-            run(worker, world, cfg, out_path, backend="nccl", timeout=600)
-            with open(out_path) as handle:
-                rows += json.load(handle)
-            os.unlink(out_path)
+            measured += common.run_ranks(worker, world, cfg, timeout=600)
             common.progress(f"world {world}: done")
+        return measured
+
+    rows = common.results(args, "overlap", min(args.world), measure)
+    if rows is None:
+        return 0
+    chunks = sorted({int(k[6:]) for r in rows for k in r if k.startswith("ours:c")})
     print(f"\nComm + GEMM overlap, bf16, K={args.k}, N={args.ffn}/world; microseconds per call (eager, "
           f"batches of {CALLS}, median of {REPS}, max over ranks; ours:graph = CUDA graph)")
     print(table(rows, chunks))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
 from opfuse.backend.symm_pool import SymmetricPool  # noqa: E402
-from opfuse.cli.launch import run  # noqa: E402
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPS = 10, 7
@@ -116,23 +114,18 @@ def main() -> int:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mib", type=int, nargs="+", default=[1, 4, 8, 32])
     args = parser.parse_args()
-    if args.from_json:
-        results = common.load_json(args.from_json)
-    else:
-        if common.skip_without_gpus("push_bandwidth", min(args.world)):
-            return 0
+
+    def measure():
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        results = []
-        for world in args.world:
-            if torch.cuda.device_count() < world:
-                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
-                continue
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-                out_path = handle.name
-            run(worker, world, args.mib, out_path, backend="nccl", timeout=600)
-            results += common.load_json(out_path)
-            os.unlink(out_path)
+        rows = []
+        for world in common.worlds(args.world):
+            rows += common.run_ranks(worker, world, args.mib, timeout=600)
+        return rows
+
+    results = common.results(args, "push_bandwidth", min(args.world), measure)
+    if results is None:
+        return 0
     print(f"Push bandwidth, shard sizes {sorted({r['MiB'] for r in results})} MiB "
           f"(us per all-gather; GB/s = one rank's egress)")
     print(table(results), flush=True)

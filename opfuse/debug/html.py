@@ -1,10 +1,10 @@
 """``Program.dump("html")``: one self-contained, offline HTML page that draws a program's graphs
 (before and after fusion side by side) with a real graph layout.
 
-Layout: Graphviz (``dot``, when installed; ``OPFUSE_DOT=/path/to/dot`` or ``none``) lays the graph out and routes its edges as splines
-around the nodes; without it the page carries the vendored dagre library
-(``vendor/dagre.min.js``, MIT) and lays the graph out in the browser, with node boxes sized from
-the text the browser measures. Either way the page has no external reference.
+Layout: Graphviz (``dot``, when installed; ``OPFUSE_DOT=/path/to/dot``, or ``none`` to skip it)
+lays the graph out and routes its edges as splines around the nodes; without it the page carries
+the vendored dagre library (``vendor/dagre.min.js``, MIT) and lays the graph out in the browser,
+with node boxes sized from the text the browser measures. Either way the page has no external reference.
 
 The viewer script (``viewer.js``, ``viewer.css`` beside this file) draws boxes and edges, ends
 every edge at its input port on the target's top side (argument order, left to right), shows a

@@ -57,8 +57,8 @@ def test_demo_under_torchrun():
     # The two torchrun processes are the group (world 2), nobody spawns more, rank 0 reports once.
     assert result.stdout.count("result: check PASSED") == 1, result.stdout
     assert "world=2 (gloo, cpu)" in result.stdout
-    mismatch = subprocess.run(command + ["--standalone", "--nproc-per-node", "2", "-m", "opfuse", "demo", "--world", "3"],
-                              cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    three = ["--standalone", "--nproc-per-node", "2", "-m", "opfuse", "demo", "--world", "3"]
+    mismatch = subprocess.run(command + three, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
     assert mismatch.returncode != 0 and "torchrun started 2 processes" in mismatch.stderr
 
 

@@ -78,3 +78,20 @@ def test_recorded_allreduce_chart_matches_the_published_table(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "| 8192 | 131072 KiB | 477.8 | 663.2 | 643.0 |" in run.stdout
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.dist
+def test_block_cpu_dry_run_spawns_ranks_and_reports(tmp_path):
+    """bench/block.py --cpu: two gloo ranks through common.run_ranks, progress per case, --json
+    and --plot, and --from-json printing the same tables again."""
+    data, chart = tmp_path / "block.json", tmp_path / "block.png"
+    run = bench("bench/block.py", "--world", "2", "--cpu", "--skip", "compile", "--json", str(data), "--plot", str(chart))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "world 2 decode T=1: done" in run.stderr and "world 2 train-sp T=8: done" in run.stderr
+    saved = json.loads(data.read_text())
+    assert [r["case"] for r in saved["results"]["2"]["rows"]] == ["decode", "decode", "train-tp", "train-sp"]
+    assert chart.exists() == has_matplotlib()
+    again = bench("bench/block.py", "--from-json", str(data))
+    assert again.returncode == 0, again.stderr
+    table = [line for line in run.stdout.splitlines() if line.startswith("| 4 |")]  # decode, 4 tokens
+    assert table and all(line in again.stdout for line in table)
