@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 
 import opfuse
 from opfuse import log
@@ -25,9 +26,12 @@ def emit_everything():
 
 
 def lines_at(level: str, capsys) -> list[str]:
+    """What opfuse printed at ``level``, with the rank prefix written as ``opfuse[rank R]`` (other
+    tests of this process may have initialised a process group)."""
     with opfuse.config.override(log=level):
         emit_everything()
-    return capsys.readouterr().err.splitlines()
+    rank = str(dist.get_rank()) if dist.is_initialized() else "-"
+    return capsys.readouterr().err.replace(f"opfuse[rank {rank}]", "opfuse[rank R]").splitlines()
 
 
 def test_quiet_by_default(capsys):
@@ -39,16 +43,16 @@ def test_quiet_by_default(capsys):
 def test_info_shows_what_costs_time(capsys):
     lines = lines_at("info", capsys)
     assert lines == [
-        "opfuse[rank -] INFO opfuse.build: building the CUDA extension with nvcc (first use on this host; cached "
+        "opfuse[rank R] INFO opfuse.build: building the CUDA extension with nvcc (first use on this host; cached "
         "afterwards): /cache/ext/abc/_opfuse_cuda.so",
         lines[1],
-        "opfuse[rank -] INFO opfuse.pool: symmetric pool of group 0 grew by 512 MiB to 1024 MiB (limit 4096 MiB): "
+        "opfuse[rank R] INFO opfuse.pool: symmetric pool of group 0 grew by 512 MiB to 1024 MiB (limit 4096 MiB): "
         "reserve allreduce_add_norm",
-        "opfuse[rank -] INFO opfuse.dispatch: allreduce_add_norm: running reference; skipped cuda_oneshot "
+        "opfuse[rank R] INFO opfuse.dispatch: allreduce_add_norm: running reference; skipped cuda_oneshot "
         "(no CUDA device)",
-        "opfuse[rank -] INFO opfuse.compile: compiling Sequential(RMSNorm, Linear): new input signature float32[4, 8]",
+        "opfuse[rank R] INFO opfuse.compile: compiling Sequential(RMSNorm, Linear): new input signature float32[4, 8]",
     ]
-    assert lines[1].startswith("opfuse[rank -] INFO opfuse.build: built the CUDA extension in ")
+    assert lines[1].startswith("opfuse[rank R] INFO opfuse.build: built the CUDA extension in ")
 
 
 def test_debug_adds_cache_hits_and_first_choices(capsys):
