@@ -37,8 +37,12 @@ def main_doctor(argv) -> int:
     else:
         print("nvcc: not found (the CUDA extension cannot be built here)")
     from opfuse.backend import extension
+    from opfuse.debug.html import find_dot
 
     print(f"extension: {extension.status()}")
+    dot = find_dot()
+    print(f"graphviz: {dot} (lays out dump('html'))" if dot else
+          "graphviz: not found (dump('html') lays itself out with the vendored dagre)")
     for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
         print(f"{var}={os.environ.get(var, '(unset)')}")
     print("settings:")
