@@ -7,7 +7,8 @@ the vendored dagre library (``vendor/dagre.min.js``, MIT) and lays the graph out
 with node boxes sized from the text the browser measures. Either way the page has no external reference.
 
 The viewer script (``viewer.js``, ``viewer.css`` beside this file) draws boxes and edges, ends
-every edge at its input port on the target's top side (argument order, left to right), shows a
+every edge at an input port on the target's top side (ports ordered by their producers' position
+so edges need not cross, each numbered with the argument it feeds), shows a
 node's Python line, value, sharding, rule (``file:line``) and implementation on hover or click,
 highlights its producers and consumers, and pans (drag) and zooms (wheel; double-click fits).
 """

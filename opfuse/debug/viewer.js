@@ -57,14 +57,28 @@
 
   function fmt(p) { return p[0].toFixed(2) + "," + p[1].toFixed(2); }
 
+  // Ports of a node with several inputs sit left to right in the order of their producers' x
+  // (so the edges need not cross), each labelled with its argument position: -> {edge index: slot}.
+  function portSlots(graph, layout) {
+    var slots = {}, into = {};
+    graph.edges.forEach(function (e, i) { (into[e.dst] = into[e.dst] || []).push(i); });
+    Object.keys(into).forEach(function (dst) {
+      into[dst].sort(function (a, b) {
+        var ea = graph.edges[a], eb = graph.edges[b];
+        return (layout.nodes[ea.src].x - layout.nodes[eb.src].x) || (ea.port - eb.port);
+      }).forEach(function (edgeIndex, slot) { slots[edgeIndex] = slot; });
+    });
+    return slots;
+  }
+
   // The SVG path of one edge; an edge into a node with several inputs ends at its port.
-  function edgePath(edge, route, target, ports) {
+  function edgePath(slot, route, target, ports) {
     var d, end;
     if (route.bezier) {  // Graphviz: cubic Bezier pieces, then the arrow's tip
       var pts = route.bezier.map(function (p) { return p.slice(); });
       end = (route.tip || pts[pts.length - 1]).slice();
       if (ports > 1) {
-        var port = portPoint(target, edge.port, ports), dx = port[0] - end[0];
+        var port = portPoint(target, slot, ports), dx = port[0] - end[0];
         pts[pts.length - 1][0] += dx;
         pts[pts.length - 2][0] += dx;
         end = port;
@@ -75,7 +89,7 @@
       return d;
     }
     var p = route.points.map(function (q) { return q.slice(); });  // dagre: a polyline, smoothed
-    if (ports > 1) p[p.length - 1] = portPoint(target, edge.port, ports);
+    if (ports > 1) p[p.length - 1] = portPoint(target, slot, ports);
     d = "M" + fmt(p[0]);
     if (p.length === 2) return d + "L" + fmt(p[1]);
     for (var k = 1; k < p.length - 1; k++) {
@@ -93,11 +107,12 @@
                                markerHeight: 8, markerUnits: "userSpaceOnUse", orient: "auto"}, defs);
     el("path", {d: "M0,0 L10,5 L0,10 z", fill: "#777"}, marker);
     var scene = el("g", {"class": "scene"}, svg);
-    var byId = {};
-    graph.nodes.forEach(function (n) { byId[n.id] = n; n.inputs = []; n.users = []; });
+    var byId = {}, slots = portSlots(graph, layout);
+    graph.nodes.forEach(function (n) { byId[n.id] = n; n.inputs = []; n.users = []; n.argAtSlot = []; });
     var edgeEls = graph.edges.map(function (e, i) {
       var target = layout.nodes[e.dst];
-      var path = el("path", {"class": "edge", d: edgePath(e, layout.edges[i], target, byId[e.dst].ports),
+      byId[e.dst].argAtSlot[slots[i]] = e.port;
+      var path = el("path", {"class": "edge", d: edgePath(slots[i], layout.edges[i], target, byId[e.dst].ports),
                              "marker-end": "url(#arrow-" + index + ")", "data-src": e.src, "data-dst": e.dst,
                              "data-port": e.port}, scene);
       byId[e.dst].inputs.push(e.src);
@@ -118,7 +133,7 @@
         var at = portPoint(box, p, n.ports);
         el("circle", {"class": "port", cx: at[0], cy: at[1], r: 2.5}, g);
         var label = el("text", {"class": "port", x: at[0], y: top + 9, "text-anchor": "middle"}, g);
-        label.textContent = String(p);
+        label.textContent = String(n.argAtSlot[p]);  // the argument this port feeds
       }
       g.addEventListener("mouseenter", function () { if (!pinned) focus(index, n.id); });
       g.addEventListener("mouseleave", function () { if (!pinned) focus(index, null); });

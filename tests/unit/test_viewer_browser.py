@@ -1,6 +1,7 @@
 """The graph viewer in a real headless Chromium (tools/browser): for the demo block's page
 (``python -m opfuse dump --format html -o FILE``), every edge's two ends touch the boxes of its
-source and target, no edge passes through a box, no text overflows its box, the page logs no
+source and target (at the port numbered with its argument where the target has several inputs),
+no edge passes through a box, no text overflows its box, the page logs no
 console error and fetches nothing, and clicking a node shows its details and highlights its
 producers and consumers. Checked with the dagre layout (always) and with Graphviz (when
 installed). Saves a screenshot (``OPFUSE_SCREENSHOT_DIR=docs/img`` writes the README's).
@@ -76,6 +77,9 @@ def test_viewer_draws_the_graph_right(browser_ready, layout, tmp_path):
         assert edge["start"] <= 2.0, f"{where} starts {edge['start']:.1f} px from its source box"
         assert edge["end"] <= 2.0, f"{where} ends {edge['end']:.1f} px from its target box"
         assert edge["through"] == [], f"{where} passes through {edge['through']}"
+        if edge["port_dx"] is not None:  # into a node with several inputs: the port of its argument
+            assert edge["port_dx"] <= 2.0, f"{where} ends {edge['port_dx']:.1f} px beside its port"
+    assert sum(edge["port_dx"] is not None for edge in got["edges"]) >= 8  # 2 ports x 2 nodes x 2 graphs
     assert got["overflow"] == [], got["overflow"][:3]
     # Clicking the fused node: its details, and its 2 producers and 2 consumers highlighted.
     details = got["details"]

@@ -1,7 +1,8 @@
 // Opens an opfuse HTML dump in headless Chromium and measures what a person would see:
 //   node check_viewer.js PAGE.html [SCREENSHOT.png] [--click NODE_ID]
 // Prints one JSON object: console errors, every edge's end distances to its source and target
-// boxes, edges passing through other boxes, text overflowing its box, and node/edge counts.
+// boxes (and, into a node with several inputs, to the port labelled with its argument), edges
+// passing through other boxes, text overflowing its box, and node/edge counts.
 // Chromium: $CHROMIUM, else /usr/bin/chromium, else the one packaged in @sparticuz/chromium.
 "use strict";
 const fs = require("fs");
@@ -52,8 +53,13 @@ function measure() {
         const p = at(s);
         for (const [id, r] of Object.entries(rects)) if (strictlyInside(p, r, 1.5)) through.add(id);
       }
+      // A node with several inputs numbers its ports by argument: the edge must end at its own.
+      const label = [...view.nodeEls[dst].querySelectorAll("text.port")]
+        .find((t) => t.textContent === e.getAttribute("data-port"));
+      let port = null;
+      if (label) { const b = label.getBoundingClientRect(); port = Math.abs((b.left + b.right) / 2 - end.x); }
       out.edges.push({graph: view.graph.title, src, dst, start: dist(start, rects[src]), end: dist(end, rects[dst]),
-                      through: [...through]});
+                      through: [...through], port_dx: port});
     }
   }
   return out;
