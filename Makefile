@@ -8,7 +8,7 @@ TORCH_PIN ?= torch==2.13.0
 NVCC ?= nvcc
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all venv test test-unit test-dist test-gpu demo dump build check-cuda clean
+.PHONY: all venv test test-unit test-dist test-gpu demo dump build check-cuda check-imports clean
 
 all: test
 
@@ -21,7 +21,7 @@ $(VENV)/.stamp: pyproject.toml
 
 venv: $(VENV)/.stamp
 
-test: venv check-cuda
+test: venv check-cuda check-imports
 	$(PY) -m pytest -q tests
 
 test-unit: venv
@@ -41,7 +41,7 @@ dump: venv
 
 # Build the CUDA extension ahead of first use (GPU hosts; uses the torch in $(PYTHON)).
 build:
-	PYTHONPATH=. $(PYTHON) -m opfuse.backend.extension --build
+	PYTHONPATH=. $(PYTHON) -m opfuse.backend.runtime.extension --build
 
 # Compile every CUDA source without a GPU (runs in CI when nvcc is present; skipped otherwise).
 check-cuda: venv
@@ -50,6 +50,10 @@ check-cuda: venv
 	else \
 		echo "check-cuda: nvcc not found, skipped"; \
 	fi
+
+# No import cycles inside the package, deferred imports included.
+check-imports: venv
+	$(PY) tools/import_cycles.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

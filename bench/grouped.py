@@ -24,7 +24,8 @@ import torch
 
 import opfuse
 from opfuse import ops
-from opfuse.backend import dispatch
+from opfuse.backend import implementations
+from opfuse.backend.registry import CallSpec
 
 IMPLS = ["triton_tma", "torch_grouped_mm", "triton"]
 
@@ -54,7 +55,7 @@ def routing(tokens: int, experts: int, seed: int) -> list[int]:
 
 def spec(x, counts, w):
     meta = opfuse.ops.TensorMeta
-    return dispatch.CallSpec("grouped_linear", {"x": meta.of(x), "group_sizes": meta.of(counts),
+    return CallSpec("grouped_linear", {"x": meta.of(x), "group_sizes": meta.of(counts),
                                                  "weight": meta.of(w), "bias": None}, {"fsdp": False})
 
 
@@ -101,7 +102,7 @@ def bench_shape(name, tokens, experts, k, n, args) -> dict:
         rows["dense GEMM, equal FLOPs"] = timed(lambda: torch.mm(x, dense_w.t()), args.reps, args.calls)
         rows[f"ours (GroupedLinear -> {chosen})"] = timed(lambda: block(x, counts), args.reps, args.calls)
         for impl in IMPLS:
-            entry = dispatch.get("grouped_linear", impl)
+            entry = implementations.get("grouped_linear", impl)
             reason = entry.check(spec(x, counts, w))
             if reason:
                 print(f"  [{name}] {impl}: not capable here ({reason})")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from opfuse.backend.symm_pool import SymmetricPool  # noqa: E402
+from opfuse.backend.runtime.symm_pool import open_pool  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 
@@ -57,7 +57,7 @@ def _pusher(mode: str, rank: int, world: int, shard: torch.Tensor, peers: list, 
 def worker(rank: int, world: int, mibs: list, out_lines: list) -> None:
     torch.cuda.set_device(rank)
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    pool = SymmetricPool.get(dist.group.WORLD, torch.device("cuda", rank))
+    pool = open_pool(dist.group.WORLD, torch.device("cuda", rank))
     if pool is None:
         raise RuntimeError("no symmetric pool on this host")
     cols = 4096

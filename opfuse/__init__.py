@@ -9,7 +9,7 @@ all-reduce -> add -> RMSNorm into single implementations, and caches the result 
 from . import ops, passes
 from .config import config  # the settings object (shadows the module name on purpose)
 from .fuser import Program, compile
-from .fuser.graphed import graphed
+from .graphs import graphed
 from .ops.collectives import sync_sequence_parallel_grads
 
 __version__ = "0.1.0"

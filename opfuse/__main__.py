@@ -12,7 +12,7 @@ commands:
   demo     tensor-parallel MLP block (2 gloo processes, or all local GPUs over NCCL), forward and
            backward, checked against the unsharded float64 reference
   dump     the demo block's graph before and after fusion (--format python|text|dot|html)
-  doctor   what this machine offers opfuse: torch, CUDA, nvcc, extension, settings, rules, dispatch
+  doctor   what this machine offers opfuse: torch, CUDA, nvcc, extension, settings, rules, implementations
   bench    run a benchmark from bench/ (python -m opfuse bench NAME [args]); no NAME lists them
 """
 

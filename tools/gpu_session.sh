@@ -26,7 +26,7 @@ step() {  # step NAME TIMEOUT CMD...
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'triton', triton.__version__)" >> "$OUT/gpus.txt" 2>&1
-step build 300 python3 -m opfuse.backend.extension --build
+step build 300 python3 -m opfuse.backend.runtime.extension --build
 case "$stage" in
   single)
     step kernels 400 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py "$@"
