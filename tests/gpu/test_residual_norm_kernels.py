@@ -26,11 +26,11 @@ def ext():
 
 def code(dtype):
     """The kernels' dtype code, from the module itself."""
-    return ext().DTYPES[str(dtype).replace("torch.", "")]
+    return extension.load("residual_norm").DTYPES[str(dtype).replace("torch.", "")]
 
 
 def norm_code(norm):
-    return ext().NORMS[norm]
+    return extension.load("residual_norm").NORMS[norm]
 
 
 def rel(a, b):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ...config import config
 from ...ops import group as groups
+from .device import is_capturing
 
 __all__ = ["SymmetricPool", "Region", "open_pool", "lookup"]
 
