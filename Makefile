@@ -11,7 +11,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NVCC ?= nvcc
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all venv test test-unit test-dist test-gpu demo dump doctor build check-cuda clean
+.PHONY: all venv test test-unit test-dist test-gpu demo dump doctor build check-cuda check-imports clean
 
 all: test
 
@@ -28,7 +28,7 @@ $(VENV)/.stamp: pyproject.toml
 
 venv: $(VENV)/.stamp
 
-test: venv check-cuda
+test: venv check-cuda check-imports
 	$(PY) -m pytest -q tests
 
 test-unit: venv
@@ -51,7 +51,7 @@ doctor: venv
 
 # Build the CUDA extension ahead of first use (GPU hosts; uses the torch in $(PYTHON)).
 build:
-	PYTHONPATH=. $(PYTHON) -m opfuse.backend.extension --build
+	PYTHONPATH=. $(PYTHON) -m opfuse.backend.runtime.extension --build
 
 # Compile every CUDA source without a GPU (runs in CI when nvcc is present; skipped otherwise).
 check-cuda: venv
@@ -61,6 +61,10 @@ check-cuda: venv
 	else \
 		echo "check-cuda: nvcc not found, skipped"; \
 	fi
+
+# No import cycles inside the package, deferred imports included.
+check-imports: venv
+	$(PY) tools/import_cycles.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache tools/browser/node_modules

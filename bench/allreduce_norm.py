@@ -104,7 +104,7 @@ def worker(rank, world, opts, out_path):
                         # Forced one-shot / two-shot run past their automatic limits, to locate the
                         # crossovers. The timing stays inside the override: programs are cached per
                         # settings.
-                        with opfuse.config.override(force_impl=f"allreduce_add_norm={impl}",
+                        with opfuse.config.override(force_impl=f"allreduce_add_rmsnorm={impl}",
                                                     oneshot_max_bytes=32 << 20, twoshot_max_bytes=256 << 20):
                             forced = rms_block(hidden, dtype)
                             forced(x, res)

@@ -292,14 +292,14 @@ class AsyncTP:
 
 def worker(rank, world, opts, out_path):
     import opfuse
-    from opfuse.fuser import graphed as graphed_module
+    from opfuse.graphs import graphed as graphed_fn
 
     global DEVICE
     DEVICE = opts["device"]
     replay = "cuda_graph" if DEVICE == "cuda" else "eager"
 
     def graphed(*args):
-        return graphed_module.graphed(*args, replay=replay)
+        return graphed_fn(*args, replay=replay)
 
     warnings.filterwarnings("ignore")
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):

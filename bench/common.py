@@ -38,6 +38,7 @@ BENCHMARKS = {
     "push_bandwidth": (2, "copy-engine push bandwidth into peers vs NCCL all-gather"),
     "host_primitives": (1, "host issue cost of each torch primitive an eager overlap plan calls"),
     "host_overhead": (0, "host overhead of a compiled Sequential call over its ops (runs on CPU)"),
+    "overlap_hostcost": (0, "Python cost of an eager overlap call, per plan, measured on CPU"),
 }
 
 _STARTED = time.perf_counter()
@@ -115,15 +116,17 @@ def load_json(path: str):
         return json.load(handle)
 
 
-def finish(args, data, *, series=None, bars=None, title: str = "", xlabel: str = "", ylabel: str = "") -> None:
-    """Write ``--json`` and draw ``--plot`` (lines from ``series`` or bars from ``bars``)."""
+def finish(args, data, *, series=None, bars=None, title: str = "", xlabel: str = "", ylabel: str = "",
+           baseline: float | None = 1.0) -> None:
+    """Write ``--json`` and draw ``--plot`` (lines from ``series``, with a dashed line at ``baseline``,
+    or bars from ``bars``)."""
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(data, handle, indent=1)
         progress(f"wrote {args.json}")
     if args.plot:
         if series is not None:
-            plot_lines(args.plot, series, title=title, xlabel=xlabel, ylabel=ylabel)
+            plot_lines(args.plot, series, title=title, xlabel=xlabel, ylabel=ylabel, baseline=baseline)
         else:
             plot_bars(args.plot, bars or {}, title=title, xlabel=ylabel)
 

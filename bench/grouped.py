@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (bench/common.py)
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.backend import dispatch  # noqa: E402
+from opfuse.backend import implementations  # noqa: E402
+from opfuse.backend.registry import CallSpec  # noqa: E402
 
 IMPLS = ["triton_tma", "torch_grouped_mm", "triton"]
 
@@ -58,7 +59,7 @@ def routing(tokens: int, experts: int, seed: int) -> list[int]:
 
 def spec(x, counts, w):
     meta = opfuse.ops.TensorMeta
-    return dispatch.CallSpec("grouped_linear", {"x": meta.of(x), "group_sizes": meta.of(counts),
+    return CallSpec("grouped_linear", {"x": meta.of(x), "group_sizes": meta.of(counts),
                                                  "weight": meta.of(w), "bias": None}, {"fsdp": False})
 
 
@@ -105,7 +106,7 @@ def bench_shape(name, tokens, experts, k, n, args) -> dict:
         rows["dense GEMM, equal FLOPs"] = timed(lambda: torch.mm(x, dense_w.t()), args.reps, args.calls)
         rows[f"ours (GroupedLinear -> {chosen})"] = timed(lambda: block(x, counts), args.reps, args.calls)
         for impl in IMPLS:
-            entry = dispatch.get("grouped_linear", impl)
+            entry = implementations.get("grouped_linear", impl)
             reason = entry.check(spec(x, counts, w))
             if reason:
                 print(f"  [{name}] {impl}: not capable here ({reason})")

@@ -4,7 +4,7 @@
 
 An eager ``p2p_overlap`` call issues one torch call per plan instruction; on the 4x / 8x H200
 hosts the measured issue time was ~11 us per instruction, against ~1 us of Python per
-instruction on a CPU without CUDA (``python -m opfuse.backend.overlap.hostcost``). This times each
+instruction on a CPU without CUDA (``bench/overlap_hostcost.py``). This times each
 primitive alone (microseconds of host time per call, median of 7 batches of CALLS calls, the GPU
 kept far from saturated: tiny operands, a sync between batches), to show where that goes.
 Symmetric-memory signals need a group: a one-rank NCCL group, every signal to itself.

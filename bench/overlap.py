@@ -21,13 +21,10 @@ nccl+gemm, torch and ours are interleaved, so drift within a case does not bias 
   torch       torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter
   ours        opfuse p2p_overlap forward (what a compiled program calls), eager
   host        Python issue time of one eager ``ours`` call (host-bound when close to ``ours``)
-  plan        what the policy picked (rank 0): schedule, GEMMs per call, ``2s`` = two GEMM streams,
-              ``eg`` = eager calls replay a graph of the plan (OPFUSE_OVERLAP_EAGER_GRAPHS=auto chose it)
+  plan        what the policy picked (rank 0): schedule, GEMMs per call, ``2s`` = two GEMM streams
   ours:graph  the same, CUDA graph of CALLS calls (no Python launch overhead)
-  ours:direct eager, every instruction issued (OPFUSE_OVERLAP_EAGER_GRAPHS=off)
-  ours:eg     eager, each call replays a graph of its plan (=on: copies the per-call buffers in/out)
-  ours:1s     eager, chunk GEMMs forced onto one stream (policy.ALTERNATE_GEMM_STREAMS = False)
-  ours:2s     eager, chunk GEMMs forced to alternate between two streams (= True)
+  ours:1s     eager, chunk GEMMs forced onto one stream (OPFUSE_OVERLAP_ALTERNATE_STREAMS=off)
+  ours:2s     eager, chunk GEMMs forced to alternate between two streams (=on)
   ours:cN     eager with OPFUSE_OVERLAP_CHUNKS=N (tuning information: for GEMM+RS, 1 = the direct
               schedule, N >= 2 = the ring with N sub-chunks; for AG+GEMM, 1 = one GEMM per shard
               (no grouping), N >= 2 = N row sub-chunks per shard)
@@ -51,15 +48,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opfuse  # noqa: E402
-from opfuse.backend import dispatch  # noqa: E402
 import common  # noqa: E402  (bench/common.py)
+from opfuse.backend import implementations  # noqa: E402
+from opfuse.backend.registry import CallSpec  # noqa: E402
+from opfuse.backend.runtime.symm_pool import open_pool  # noqa: E402
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 from opfuse.ops.base import TensorMeta  # noqa: E402
 
 CALLS, REPS, WARMUP = 10, 7, 3
 TARGETS = {("AG+GEMM", 8192): 1.05, ("GEMM+RS", 8192): 1.03, ("AG+GEMM", 2048): 1.10, ("GEMM+RS", 2048): 1.10}
-COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "host", "ours:graph", "ours:direct", "ours:eg", "ours:1s",
-           "ours:2s"]
+COLUMNS = ["gemm", "coll", "nccl+gemm", "torch", "ours", "host", "ours:graph", "ours:1s", "ours:2s"]
 
 
 def _batch(fn):
@@ -105,8 +103,8 @@ def eager_interleaved(fns: dict, host_of: str) -> tuple[dict, float]:
 
 def plan_summary() -> str:
     """Rank 0's most recently bound overlap plan: schedule, GEMMs per call, streams."""
-    from opfuse.backend.overlap import plan as P
-    from opfuse.backend.overlap import resources
+    from opfuse.backend.collective_linear import plan as P
+    from opfuse.backend.collective_linear import resources
 
     ctx = resources._CONTEXTS.get((dist.group.WORLD.group_name, torch.cuda.current_device()))
     if ctx is None or not ctx.plans:
@@ -115,8 +113,7 @@ def plan_summary() -> str:
     kind = "direct" if "direct" in plan.shapes else "ring" if "ring" in plan.shapes else "gather"
     gemms = sum(1 for i in plan.instructions if isinstance(i, P.Gemm))
     two = any(i.stream == P.AUX for i in plan.instructions)
-    eager_graph = " eg" if list(ctx.plans.values())[-1].graphs.auto else ""
-    return f"{kind} {gemms}g {'2s' if two else '1s'}{eager_graph}"
+    return f"{kind} {gemms}g {'2s' if two else '1s'}"
 
 
 def graph_us(fn) -> float:
@@ -129,17 +126,21 @@ def rel_err(got, ref) -> float:
 
 
 def reserve(op: str, x, weight, group, **attrs):
-    """What compiling a program does before the first call: the capability check (collective),
-    which reserves the symmetric regions; fails loudly if the overlap cannot run here."""
-    spec = dispatch.CallSpec(op=op, inputs={"x": TensorMeta.of(x), "weight": TensorMeta.of(weight), "bias": None},
-                             attrs=attrs, group_name=group.group_name, world_size=dist.get_world_size(group))
-    reason = dispatch.get(op, "p2p_overlap").check(spec)
+    """What compiling a program does before the first call: open the group's pool (collective),
+    check, and prepare (reserve the symmetric regions, bind the plans); fails loudly if the overlap
+    cannot run here."""
+    spec = CallSpec(op=op, inputs={"x": TensorMeta.of(x), "weight": TensorMeta.of(weight), "bias": None},
+                    attrs=attrs, group_name=group.group_name, world_size=dist.get_world_size(group))
+    open_pool(group, x.device)
+    chosen = implementations.get(op, "p2p_overlap")
+    reason = chosen.check(spec)
     if reason is not None:
         raise RuntimeError(f"p2p_overlap cannot run {op} here: {reason}")
+    chosen.prepare(spec)
 
 
 def bench_case(rank, world, op, m, k, n, chunk_settings):
-    from opfuse.backend.overlap import impl, policy
+    from opfuse.backend.collective_linear import p2p as impl
 
     pg = dist.group.WORLD
     name = pg.group_name
@@ -193,15 +194,9 @@ def bench_case(rank, world, op, m, k, n, chunk_settings):
         times, row["host"] = eager_interleaved(fns, host_of="ours")
         row.update(times)
         row["ours:graph"] = graph_us(ours)
-        for column, setting in (("ours:direct", "off"), ("ours:eg", "on")):
-            with opfuse.config.override(overlap_eager_graphs=setting):
+        for column, forced in (("ours:1s", "off"), ("ours:2s", "on")):
+            with opfuse.config.override(overlap_alternate_streams=forced):
                 row[column] = eager_us(ours)
-        for column, forced in (("ours:1s", False), ("ours:2s", True)):
-            policy.ALTERNATE_GEMM_STREAMS = forced
-            try:
-                row[column] = eager_us(ours)
-            finally:
-                policy.ALTERNATE_GEMM_STREAMS = None
         for setting in chunk_settings:
             with opfuse.config.override(overlap_chunks=setting):
                 reserve("all_gather_linear" if op == "AG+GEMM" else "linear_reduce_scatter", x, w, pg,

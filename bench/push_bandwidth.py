@@ -28,11 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
-from opfuse.backend.symm_pool import SymmetricPool  # noqa: E402
+from opfuse.backend.runtime.symm_pool import open_pool  # noqa: E402
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPS = 10, 7
 MODES = ("1s", "2s", "ps", "nccl")
+
 
 def _pusher(mode: str, rank: int, world: int, shard: torch.Tensor, peers: list, streams: list):
     """``fn()`` pushing ``shard`` into block ``rank`` of every peer's region in ``mode``."""
@@ -55,7 +56,7 @@ def _pusher(mode: str, rank: int, world: int, shard: torch.Tensor, peers: list, 
 def worker(rank: int, world: int, mibs: list, out_path: str) -> None:
     torch.cuda.set_device(rank)
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    pool = SymmetricPool.get(dist.group.WORLD, torch.device("cuda", rank))
+    pool = open_pool(dist.group.WORLD, torch.device("cuda", rank))
     if pool is None:
         raise RuntimeError("no symmetric pool on this host")
     cols = 4096

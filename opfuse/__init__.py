@@ -10,7 +10,7 @@ from . import ops, passes
 from .checkpoint import load_unsharded_state_dict, unsharded_state_dict
 from .config import config  # the settings object (shadows the module name on purpose)
 from .fuser import Program, compile
-from .fuser.graphed import graphed
+from .graphs import graphed
 from .ops.collectives import sync_sequence_parallel_grads
 
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ commands:
            torchrun, torchrun's processes), forward and backward, checked against the unsharded
            float64 reference
   dump     the demo block's graph before and after fusion (--format python|text|dot|html, -o FILE)
-  doctor   what this machine offers opfuse: torch, CUDA, nvcc, extension, settings, rules, dispatch
+  doctor   what this machine offers opfuse: torch, CUDA, nvcc, extension, settings, rules, implementations
   bench    run a benchmark from bench/ (python -m opfuse bench NAME [args]); no NAME lists them
 """
 

@@ -26,8 +26,10 @@ class Config:
     fuse: bool = True
     #: Rule names never applied (``OPFUSE_DISABLE_RULES=name1,name2``).
     disabled_rules: tuple[str, ...] = ()
-    #: Force implementations: ``"FusedOp=impl,..."`` or a bare impl name tried for every op
-    #: (``OPFUSE_FORCE_IMPL``). A forced impl that is not capable is an error, not a fallback.
+    #: Force implementations: ``"fused_op=impl,..."`` (fused-op names as in ``doctor``, e.g.
+    #: ``allreduce_add_rmsnorm=cuda_twoshot``) or a bare implementation name, used for every fused
+    #: op that has one (``OPFUSE_FORCE_IMPL``). A forced implementation that is not capable is an
+    #: error, not a fallback.
     force_impl: str = ""
     #: Directory that receives the graph after every pass of every compiled program
     #: (``OPFUSE_DUMP``); empty disables dumping.
@@ -54,10 +56,12 @@ class Config:
     #: all-gather: shards grouped into GEMMs of ~2 waves); 1 = direct reduce-scatter and one GEMM per
     #: gathered shard; n >= 2 = ring with n sub-chunks.
     overlap_chunks: int = 0
-    #: Eager comm+GEMM overlap calls replayed from a CUDA graph of their plan
-    #: (``OPFUSE_OVERLAP_EAGER_GRAPHS``): ``auto`` = when the call is predicted to be bound by its
-    #: launches, ``on``, ``off`` (opfuse/backend/overlap/eager_graph.py).
-    overlap_eager_graphs: str = "auto"
+    #: A second GEMM stream in the comm+GEMM pipelines (``OPFUSE_OVERLAP_ALTERNATE_STREAMS``):
+    #: ``auto`` = where a chunk GEMM's last wave is idle enough to be worth it, ``on``, ``off``.
+    overlap_alternate_streams: str = "auto"
+    #: How long a peer-memory wait (overlap signals) may spin before it fails, in milliseconds
+    #: (``OPFUSE_PEER_TIMEOUT_MS``); 0 waits forever.
+    peer_timeout_ms: int = 0
     #: How much opfuse logs through ``logging`` (``OPFUSE_LOG``): ``warning`` (quiet), ``info`` (the
     #: first-use nvcc build, pool growth, fallbacks to slower implementations, recompiles) or
     #: ``debug`` (also cache hits and every implementation choice); see opfuse/log.py.
@@ -97,11 +101,12 @@ _ENV_NAMES = {
     "oneshot_max_bytes": "ONESHOT_MAX_BYTES",
     "twoshot_max_bytes": "TWOSHOT_MAX_BYTES",
     "overlap_chunks": "OVERLAP_CHUNKS",
-    "overlap_eager_graphs": "OVERLAP_EAGER_GRAPHS",
+    "overlap_alternate_streams": "OVERLAP_ALTERNATE_STREAMS",
+    "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",
 }
 #: Settings restricted to a set of values.
-_CHOICES = {"overlap_eager_graphs": ("auto", "on", "off"), "log": ("warning", "info", "debug")}
+_CHOICES = {"overlap_alternate_streams": ("auto", "on", "off"), "log": ("warning", "info", "debug")}
 
 _version = 0
 config = Config()

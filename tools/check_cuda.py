@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compile and link every CUDA/C++ source of the extension without a GPU (``make check-cuda``).
+"""Compile and link every family's CUDA/C++ sources without a GPU (``make check-cuda``).
 
 Prints the per-kernel register/spill report (ptxas -v) when ``--resources`` is given.
 """
@@ -12,21 +12,22 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from opfuse.backend import extension  # noqa: E402
+from opfuse.backend.runtime import extension  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nvcc", default=None)
     parser.add_argument("--resources", action="store_true", help="print ptxas register/spill usage")
-    parser.add_argument("--out", default=None, help="keep the built module in this directory")
+    parser.add_argument("--out", default=None, help="keep the built modules in this directory")
     args = parser.parse_args()
     extra = ["-Xptxas", "-v"] if args.resources else []
-    start = time.time()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = extension.build(args.out or tmp, nvcc=args.nvcc, extra_flags=extra)
-        print(f"check-cuda: built {os.path.basename(path)} from {len(extension.sources())} sources "
-              f"in {time.time() - start:.0f}s")
+    for family in extension.families():
+        start = time.time()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = extension.build(family, args.out or tmp, nvcc=args.nvcc, extra_flags=extra)
+            print(f"check-cuda: built {os.path.basename(path)} from {len(extension.sources(family))} sources "
+                  f"in {time.time() - start:.0f}s")
     return 0
 
 

@@ -2,6 +2,8 @@
 # The one command sent to a lent GPU machine: build the extension, run the GPU tests and the
 # benchmarks of a stage, keep every log under $OUT, and print a short summary last.
 #
+#   tools/gpu_session.sh validate  # 1-2 GPUs: every GPU test (world 2 where 2 GPUs), no benchmarks
+#   tools/gpu_session.sh validate-multi  # the same without the grouped-GEMM tests
 #   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
 #   tools/gpu_session.sh multi-tests   # 2-4 GPUs: NCCL tests at world 2 and 4
 #   tools/gpu_session.sh multi-bench   # 2-4 GPUs: allreduce+norm and overlap benchmarks
@@ -26,8 +28,21 @@ step() {  # step NAME TIMEOUT CMD...
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'triton', triton.__version__)" >> "$OUT/gpus.txt" 2>&1
-step build 300 python3 -m opfuse.backend.extension --build
+step build 300 python3 -m opfuse.backend.runtime.extension --build
 case "$stage" in
+  validate-multi)
+    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
+    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step overlap_tests 200 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
+    step graphed_tests 200 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    ;;
+  validate)
+    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
+    step grouped_tests 240 python3 -m pytest -x -q tests/gpu/test_grouped.py "$@"
+    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step overlap_tests 200 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
+    step graphed_tests 200 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    ;;
   single)
     step kernels 400 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py "$@"
     step fused_single 300 python3 -m pytest -x -q tests/gpu/test_fused_single_gpu.py "$@"

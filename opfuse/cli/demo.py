@@ -1,7 +1,7 @@
 """``python -m opfuse demo``: a tensor-parallel MLP block, forward and backward, checked against
 the unsharded float64 reference; ``python -m opfuse dump`` prints its graphs before/after fusion.
 
-The block (DESIGN.md): RMSNorm -> column Linear -> GELU -> row Linear -> + residual -> RMSNorm,
+The block: RMSNorm -> column Linear -> GELU -> row Linear -> + residual -> RMSNorm,
 returned as ``(y, new_residual)``. Every rank builds the same full weights from one seed, loads
 its shard, and compares its outputs and gradients with the single-process reference.
 """

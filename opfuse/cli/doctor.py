@@ -1,18 +1,18 @@
 """``python -m opfuse doctor``: what this machine offers opfuse (torch, CUDA, nvcc, the extension,
-symmetric memory), the settings in effect, the rules and the dispatch table."""
+symmetric memory), the settings in effect, the rules and the implementation table."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import subprocess
 
 import torch
 
 import opfuse
-from opfuse.backend.dispatch import implementations
-from opfuse.backend.table import builtin_table
+from opfuse.backend import implementations
+from opfuse.backend.runtime import extension
+from opfuse.debug.html import find_dot
 
 
 def main_doctor(argv) -> int:
@@ -30,16 +30,14 @@ def main_doctor(argv) -> int:
             print(f"nccl: unavailable ({error})")
     else:
         print("cuda: not available (reference implementations on CPU)")
-    nvcc = shutil.which(os.environ.get("NVCC", "nvcc"))
+    nvcc = extension.find_nvcc()
     if nvcc:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
         print(f"nvcc: {nvcc} ({version})")
     else:
         print("nvcc: not found (the CUDA extension cannot be built here)")
-    from opfuse.backend import extension
-    from opfuse.debug.html import find_dot
-
-    print(f"extension: {extension.status()}")
+    for family in extension.families():
+        print(f"extension {family}: {extension.status(family)}")
     dot = find_dot()
     print(f"graphviz: {dot} (lays out dump('html'))" if dot else
           "graphviz: not found (dump('html') lays itself out with the vendored dagre)")
@@ -51,7 +49,7 @@ def main_doctor(argv) -> int:
     print("rules (in the order tried):")
     for rule in opfuse.passes.rules():
         print(f"  {rule.priority:>3}  {rule.name:<28} {rule.pattern.describe()}  [{rule.source}]")
-    print("dispatch table (implementations in the order tried):")
-    for op in builtin_table():
-        print(f"  {op:<24} {', '.join(i.name for i in implementations(op)) or '(none)'}")
+    print("implementation table (in the order tried):")
+    for op, names in implementations.names().items():
+        print(f"  {op:<24} {', '.join(names)}")
     return 0

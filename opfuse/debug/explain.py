@@ -13,7 +13,7 @@ import dataclasses
 
 from ..config import config
 from ..passes.matcher import NearMiss, near_misses
-from ..passes.rule import get_registry
+from ..passes.registry import get_registry
 
 __all__ = ["Explanation", "explain_program", "format_explanation"]
 

@@ -23,7 +23,7 @@ import subprocess
 
 from torch import fx
 
-from .dump import _describe, _op, _sharding, meta_text, node_kind, python_line, render_python
+from .nodes import _describe, _op, _sharding, meta_text, node_kind, python_line, render_python
 
 __all__ = ["render_html", "graph_data", "graphviz_layout", "find_dot"]
 

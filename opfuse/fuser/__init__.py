@@ -1,6 +1,7 @@
-"""Lowering ``ops.Sequential`` to torch.fx, the compile cache, and the ``Program`` object."""
+"""Compiling blocks: ``Sequential`` (the compiled block), lowering to torch.fx, the compile cache, and
+the ``Program`` object."""
 
-from .compile import compile
 from .program import Program
+from .sequential import Sequential, compile
 
-__all__ = ["compile", "Program"]
+__all__ = ["compile", "Program", "Sequential"]

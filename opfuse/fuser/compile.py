@@ -1,4 +1,5 @@
-"""``opfuse.compile``: lower, run the pass pipeline, and cache programs per input signature."""
+"""Compiling a block: lower, run the pass pipeline, and cache programs per input signature
+(the public entry point is :func:`opfuse.fuser.sequential.compile`)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,18 @@ from torch import fx
 
 from ..config import config, version
 from ..debug.dump import render_python, render_text
-from ..ops.base import BasicOp, TensorMeta, structure_version
-from ..ops.sequential import Sequential
+from ..ops.base import TensorMeta, structure_version
 from ..passes.pipeline import PassContext, run_pipeline
-from ..passes.rule import generation
+from ..passes.registry import generation
 from .lower import lower
 from .program import Program
 
-__all__ = ["compile", "cached_program", "build_program", "signature"]
+__all__ = ["cached_program", "build_program", "signature"]
 
 _program_ids = itertools.count()
 
 
-def signature(seq: Sequential, inputs) -> tuple:
+def signature(seq, inputs) -> tuple:
     """Everything a compiled program depends on besides the block's structure."""
     shapes = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in inputs)
     return shapes, seq.requires_grad_key(), torch.is_grad_enabled(), version(), generation(), structure_version()
@@ -43,7 +43,7 @@ def _rank_tag() -> str:
     return ""
 
 
-def build_program(seq: Sequential, inputs) -> Program:
+def build_program(seq, inputs) -> Program:
     metas = [TensorMeta.of(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     gm = lower(seq, metas)
     ctx = PassContext()
@@ -65,39 +65,17 @@ def build_program(seq: Sequential, inputs) -> Program:
                 handle.write(render_text(module, title))
 
     run_pipeline(gm, ctx, after_pass)
-    program = Program(seq, gm, ctx.unfused, ctx.fusions, metas, ctx.snapshots)
+    program = Program(seq, gm, ctx.unfused, ctx.fusions, metas)
     if dump_dir is not None:
         with open(os.path.join(dump_dir, "explain.txt"), "w") as handle:
             handle.write(program.explain())
     return program
 
 
-def cached_program(seq: Sequential, inputs) -> Program:
+def cached_program(seq, inputs) -> Program:
     key = signature(seq, inputs)
     program = seq._programs.get(key)
     if program is None:
         program = build_program(seq, inputs)
         seq._programs[key] = program
     return program
-
-
-def compile(module, *example_inputs) -> Program:  # noqa: A001 - mirrors torch.compile
-    """Compile ``module`` (an ``ops.Sequential`` or a single op) for ``example_inputs``.
-
-    Returns the same cached :class:`Program` that ``module(*example_inputs)`` runs.
-
-    Examples
-    --------
-    >>> program = opfuse.compile(block, x, residual)       # doctest: +SKIP
-    >>> [f.rule for f in program.fusions]                  # doctest: +SKIP
-    ['allreduce_add_rmsnorm']
-    >>> print(program.dump("python"))                      # doctest: +SKIP
-    """
-    if isinstance(module, BasicOp) and not isinstance(module, Sequential):
-        module = Sequential(module)
-    if not isinstance(module, Sequential):
-        raise TypeError(
-            f"opfuse.compile: expected an opfuse.ops.Sequential or an opfuse op, got {type(module).__name__}"
-        )
-    module.check_inputs(example_inputs)
-    return cached_program(module, example_inputs)

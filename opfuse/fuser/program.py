@@ -27,13 +27,12 @@ class Program:
     """
 
     def __init__(self, module, graph_module: fx.GraphModule, unfused: fx.GraphModule, fusions: list,
-                 input_metas: Sequence[TensorMeta], snapshots: list):
+                 input_metas: Sequence[TensorMeta]):
         self.module = module
         self.graph_module = graph_module
         self.unfused_graph_module = unfused
         self.fusions = fusions
         self.input_metas = tuple(input_metas)
-        self.snapshots = snapshots
         self._single = getattr(module, "num_extra_outputs", 0) == 0
 
     def __call__(self, *inputs):

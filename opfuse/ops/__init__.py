@@ -1,16 +1,17 @@
-"""Fusible ops: each an ``nn.Module`` with a pure-torch reference forward and backward.
+"""Fusible ops: each an ``nn.Module`` with a pure-torch reference forward and backward, and a rule
+for how it transforms a tensor-parallel layout.
 
-Compose them with :class:`Sequential`; opfuse lowers, partitions and fuses the chain.
+Compose them with :class:`Sequential` (defined with the compiler, :mod:`opfuse.fuser.sequential`,
+and named here); opfuse lowers, partitions and fuses the chain.
 """
 
 from .activation import GELU, SwiGLU
-from .base import BasicOp, OpInputError, TensorMeta
+from .base import BasicOp, OpInputError, PartitionError, TensorMeta
 from .collectives import AllGather, AllReduce, GradAllReduce, ReduceScatter, SplitFeatures
 from .extra import AddExtraInput, Identity, MakeExtraOutput
 from .grouped import BasicGroupedLinear, GroupedLinear
 from .linear import BasicLinear, Bias, Linear
 from .norm import LayerNorm, RMSNorm
-from .sequential import Sequential
 from .sharding import Sharding
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Linear",
     "MakeExtraOutput",
     "OpInputError",
+    "PartitionError",
     "RMSNorm",
     "ReduceScatter",
     "Sequential",
@@ -37,3 +39,13 @@ __all__ = [
     "SwiGLU",
     "TensorMeta",
 ]
+
+
+def __getattr__(name):
+    # Sequential compiles itself, so it lives above the ops (in the fuser); importing it lazily
+    # keeps this package free of the compiler.
+    if name == "Sequential":
+        from ..fuser.sequential import Sequential
+
+        return Sequential
+    raise AttributeError(f"module 'opfuse.ops' has no attribute {name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from .base import BasicOp, OpInputError, TensorMeta
+from .sharding import Sharding, reject_partial
 
 __all__ = ["GELU", "SwiGLU"]
 
@@ -25,6 +26,11 @@ class GELU(BasicOp):
     def forward(self, x):
         return F.gelu(x, approximate=self.approximate)
 
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Elementwise; not linear, so never on a partial sum."""
+        reject_partial(self, x)
+        return x
+
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         self._require_float(x)
         return x
@@ -41,6 +47,12 @@ class SwiGLU(BasicOp):
     def forward(self, x):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Per rank on feature-sharded values (each rank's shard is ``[gate_r; up_r]``); never on
+        a partial sum."""
+        reject_partial(self, x)
+        return x
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         self._require_float(x)

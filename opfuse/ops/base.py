@@ -16,7 +16,8 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
-__all__ = ["BasicOp", "OpInputError", "TensorMeta", "check_meta_equal", "dtype_name", "structure_version"]
+__all__ = ["BasicOp", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal", "dtype_name",
+           "structure_version"]
 
 _structure_version = 0
 
@@ -29,6 +30,10 @@ def structure_version() -> int:
 
 class OpInputError(ValueError):
     """An op received inputs of the wrong count, shape, dtype or device."""
+
+
+class PartitionError(OpInputError):
+    """A sharding combination the partition rules do not allow."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -112,7 +117,8 @@ class BasicOp(Described, nn.Module):
     """Base class of fusible ops.
 
     Subclasses set the class attributes below, implement ``forward(x, *extra_inputs)`` as the
-    pure-torch reference, and implement :meth:`infer_meta`.
+    pure-torch reference, :meth:`infer_meta`, and, unless they only ever see replicated values,
+    :meth:`propagate_sharding` (composite ops: ``expand``).
     """
 
     #: Extra inputs consumed from ``Sequential``'s extra arguments, left to right.
@@ -138,6 +144,28 @@ class BasicOp(Described, nn.Module):
         """Output metadata for inputs with metadata ``x`` (main) and ``extra``; raise
         :class:`OpInputError` naming this op and the expected value when inputs are invalid."""
         raise NotImplementedError(f"{type(self).__name__}.infer_meta")
+
+    def propagate_sharding(self, x, *extra):
+        """The layout (:class:`~opfuse.ops.sharding.Sharding`) of the output for inputs laid out
+        as ``x`` (main) and ``extra``; raise :class:`PartitionError` naming this op for layouts it
+        cannot work on.
+
+        The default accepts replicated inputs only: an op that does not say how it treats a
+        sharded value must not silently pass one through (a feature-mixing op on a
+        feature-sharded value would compute garbage).
+        """
+        if x.replicated and all(e.replicated for e in extra):
+            return x
+        layouts = ", ".join(s.describe() for s in (x, *extra))
+        raise PartitionError(
+            f"{self.describe()}: declares no sharding rule and its input is not replicated ({layouts}); "
+            f"implement {type(self).__name__}.propagate_sharding(x, *extra) to say how the op treats sharded "
+            f"values, or place it where values are replicated")
+
+    def natural_input_sharding(self, x: TensorMeta):
+        """The layout this op expects of a block input it consumes first, or ``None`` (no
+        preference). The block's input layout comes from the first op that states one."""
+        return None
 
     # Helpers for subclasses -------------------------------------------------------------
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from . import group as groups
-from .base import BasicOp, OpInputError, TensorMeta
+from .base import BasicOp, OpInputError, PartitionError, TensorMeta
+from .sharding import REPLICATED, Sharding
 
 __all__ = [
     "AllReduce",
@@ -206,6 +207,10 @@ class AllReduce(_CollectiveOp):
     def forward(self, x):
         return all_reduce(x, self.group)
 
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """A partial sum becomes whole; the token layout stays."""
+        return Sharding(tokens=True, group=x.group) if x.tokens else REPLICATED
+
 
 class GradAllReduce(_CollectiveOp):
     """Identity forward; sums the gradient over ``group`` in backward.
@@ -217,12 +222,26 @@ class GradAllReduce(_CollectiveOp):
     def forward(self, x):
         return grad_all_reduce(x, self.group)
 
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Identity forward: the layout is unchanged."""
+        return x
+
 
 class AllGather(_CollectiveOp):
     """Concatenate every rank's tokens along dim 0. Backward: reduce-scatter."""
 
     def forward(self, x):
         return all_gather(x, self.group)
+
+    def natural_input_sharding(self, x: TensorMeta) -> Sharding:
+        return Sharding(tokens=True, group=self.group)
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Tokens become whole; a feature sharding stays."""
+        if x.partial:
+            raise PartitionError(f"{self.describe()}: its input is a partial sum; reduce-scatter it instead of "
+                                 f"gathering it")
+        return Sharding(features=x.features, group=x.group) if x.features else REPLICATED
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
@@ -234,6 +253,10 @@ class ReduceScatter(_CollectiveOp):
 
     def forward(self, x):
         return reduce_scatter(x, self.group)
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Sums over ranks and splits the tokens."""
+        return Sharding(tokens=True, group=self.group)
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
@@ -252,6 +275,10 @@ class SplitFeatures(_CollectiveOp):
 
     def forward(self, x):
         return split_features(x, self.group)
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Keeps this rank's slice of the features."""
+        return Sharding(tokens=x.tokens, features=True, group=self.group)
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)

@@ -8,7 +8,8 @@ outputs in op order.
 
 from __future__ import annotations
 
-from .base import BasicOp, TensorMeta, check_meta_equal
+from .base import BasicOp, PartitionError, TensorMeta, check_meta_equal
+from .sharding import Sharding, reject_partial
 
 __all__ = ["AddExtraInput", "MakeExtraOutput", "Identity"]
 
@@ -21,6 +22,15 @@ class AddExtraInput(BasicOp):
 
     def forward(self, x, extra):
         return x + extra
+
+    def propagate_sharding(self, x: Sharding, *extra: Sharding) -> Sharding:
+        """Elementwise: the extra input must be laid out like ``x`` (a block's extra inputs take the
+        layout of the value they meet)."""
+        reject_partial(self, x)
+        if extra and extra[0] != x:
+            raise PartitionError(f"{self.describe()}: the extra input is {extra[0].describe()} but the value it is "
+                                 f"added to is {x.describe()}")
+        return x
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         (other,) = extra
@@ -41,6 +51,9 @@ class MakeExtraOutput(BasicOp):
     def forward(self, x):
         return x
 
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        return x
+
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         return x
 
@@ -49,6 +62,9 @@ class Identity(BasicOp):
     """``y = x``."""
 
     def forward(self, x):
+        return x
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
         return x
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:

@@ -24,8 +24,8 @@ from torch import nn
 
 from . import collectives as coll
 from . import group as groups
-from .base import BasicOp, OpInputError, TensorMeta, dtype_name
-from .sharding import REPLICATED, Sharding
+from .base import BasicOp, OpInputError, PartitionError, TensorMeta, dtype_name
+from .sharding import REPLICATED, Sharding, reject_partial
 
 __all__ = ["GroupedLinear", "BasicGroupedLinear", "grouped_linear_reference", "check_group_sizes_meta"]
 
@@ -159,6 +159,14 @@ class BasicGroupedLinear(BasicOp):
 
     def forward(self, x, group_sizes):
         return grouped_linear_reference(x, group_sizes, self.full_weight(), self.full_bias())
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Rows are independent: any token layout; every input feature, reduced."""
+        if x.features:
+            raise PartitionError(f"{self.describe()}: its input is sharded on features; a grouped GEMM needs all "
+                                 f"{self.in_features} input features per token")
+        reject_partial(self, x)
+        return x
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         return _infer_meta(self, x, extra, self.num_groups, self.out_features)
@@ -334,12 +342,12 @@ class GroupedLinear(BasicOp):
         token-sharded over the expert group (each rank holds the rows of its experts).
         """
         if sharding.features:
-            raise _partition_error(
+            raise PartitionError(
                 f"{self.describe()}: its input is sharded on features (the output of a column-parallel "
                 f"Linear); a grouped GEMM needs all {self.in_features} input features per token: gather "
                 f"them first or use a row-parallel layer before it")
         if sharding.partial:
-            raise _partition_error(
+            raise PartitionError(
                 f"{self.describe()}: its input is a partial sum (a row-parallel GEMM before its "
                 f"reduction); put an AllReduce/ReduceScatter before the grouped GEMM")
         out = sharding
@@ -357,9 +365,3 @@ class GroupedLinear(BasicOp):
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         # Validate under this op's own name (the user's layer), with the local group count.
         return _infer_meta(self, x, extra, self.local_num_groups, self.out_features)
-
-
-def _partition_error(message: str) -> Exception:
-    from ..passes.partition import PartitionError  # passes depend on ops, not the reverse
-
-    return PartitionError(message)

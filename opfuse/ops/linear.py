@@ -1,5 +1,6 @@
 """Linear layers: the local GEMM (:class:`BasicLinear`), :class:`Bias`, and the tensor-parallel
-composite :class:`Linear` that the partition pass expands into them plus collectives."""
+composite :class:`Linear` that the partition pass expands into them plus collectives (the rules
+of :func:`~opfuse.ops.sharding.plan_gemm`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import collectives as coll
 from . import group as groups
-from .base import BasicOp, OpInputError, TensorMeta
-from .sharding import REPLICATED, Sharding
+from .base import BasicOp, OpInputError, PartitionError, TensorMeta
+from .sharding import REPLICATED, Sharding, plan_gemm, reject_partial
 
 __all__ = ["BasicLinear", "Bias", "Linear"]
 
@@ -67,6 +69,21 @@ class BasicLinear(BasicOp):
     def forward(self, x):
         return F.linear(x, self.weight)
 
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """``"in"`` (a K-shard of a row-parallel weight): a partial sum; ``"out"`` (an N-shard of a
+        column-parallel weight): sharded features; a local GEMM keeps the token layout and needs
+        whole, reduced features."""
+        reject_partial(self, x)
+        if self.weight_sharding == "in":
+            return Sharding(tokens=x.tokens, partial=True, group=x.group)
+        if self.weight_sharding == "out":
+            return Sharding(tokens=x.tokens, features=True, group=x.group)
+        if x.features:
+            raise PartitionError(
+                f"{self.describe()}: its input is sharded on features but this local GEMM's weight holds all "
+                f"{self.in_features} input features; use Linear(parallel='row') after a column-parallel layer")
+        return x
+
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         self._require_float(x)
         self._require_features(x, self.in_features)
@@ -92,6 +109,12 @@ class Bias(BasicOp):
 
     def forward(self, x):
         return x + self.bias
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Elementwise over features (the parameter is this rank's slice of a column-parallel
+        bias when the features are sharded); a partial sum would add the bias once per rank."""
+        reject_partial(self, x)
+        return x
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         self._require_float(x)
@@ -185,10 +208,11 @@ class Linear(BasicOp):
     def local_out_features(self) -> int:
         return self.weight.shape[0]
 
-    def natural_input_sharding(self, x: TensorMeta | None = None) -> Sharding:
-        """The layout this layer expects of its input when nothing upstream says otherwise."""
+    def natural_input_sharding(self, x: TensorMeta | None = None) -> Sharding | None:
+        """The layout this layer expects of its input when nothing upstream says otherwise
+        (``None`` for a layer that is not parallel: it takes what it is given)."""
         if self.parallel is None:
-            return REPLICATED
+            return None
         if self.parallel == "column":
             return Sharding(tokens=self.sequence_parallel, group=self.group)
         # Row: a column-parallel activation (sharded features) unless the caller passes the
@@ -197,12 +221,41 @@ class Linear(BasicOp):
             return REPLICATED
         return Sharding(features=True, group=self.group)
 
-    def expand(self, input_sharding: Sharding) -> tuple[list[BasicOp], Sharding]:
-        """Basic ops equivalent to this layer for an input laid out as ``input_sharding``, and
-        the layout of the result (see :func:`opfuse.passes.partition.plan_linear`)."""
-        from ..passes.partition import plan_linear  # the partition rules live in passes
-
-        return plan_linear(self, input_sharding)
+    def expand(self, sharding: Sharding) -> tuple[list[BasicOp], Sharding]:
+        """Basic ops equivalent to this layer for an input laid out as ``sharding`` (collectives
+        from :func:`~opfuse.ops.sharding.plan_gemm`, the local GEMM, the bias), and the layout of
+        the result."""
+        group = self.group
+        if self.parallel is None:
+            if sharding.features:
+                raise PartitionError(
+                    f"{self.describe()}: its input is sharded on features but the layer is not parallel; use "
+                    f"parallel='row'")
+            reject_partial(self, sharding)
+            ops: list[BasicOp] = [BasicLinear(self.in_features, self.out_features, weight=self.weight)]
+            if self.bias is not None:
+                ops.append(Bias(self.out_features, bias=self.bias))
+            return ops, sharding
+        if not sharding.replicated and not groups.same_group(sharding.group, group):
+            raise PartitionError(
+                f"{self.describe()}: its input is sharded over process group {groups.group_name(sharding.group)!r} "
+                f"but the layer is parallel over {groups.group_name(group)!r}")
+        pre, reduce, (tokens, features) = plan_gemm(
+            sharding, rhs_k=self.parallel == "row", rhs_n=self.parallel == "column",
+            sequence_parallel=self.sequence_parallel, who=self.describe())
+        collectives = {"all_gather": coll.AllGather, "split_features": coll.SplitFeatures,
+                       "grad_all_reduce": coll.GradAllReduce}
+        ops = [collectives[kind](group) for kind in pre]
+        ops.append(BasicLinear(self.local_in_features, self.local_out_features, weight=self.weight,
+                               weight_sharding="in" if self.parallel == "row" else "out"))
+        if reduce == "all_reduce":
+            ops.append(coll.AllReduce(group))
+        elif reduce == "reduce_scatter":
+            ops.append(coll.ReduceScatter(group))
+        if self.bias is not None:
+            ops.append(Bias(self.bias.shape[0], bias=self.bias))
+        out = Sharding(tokens=tokens, features=features, group=group) if (tokens or features) else REPLICATED
+        return ops, out
 
     def load_unsharded(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's shard of the full ``weight [out, in]`` (and ``bias [out]``)."""
@@ -236,7 +289,7 @@ class Linear(BasicOp):
 
     def forward(self, x):
         meta = TensorMeta.of(x)
-        ops, _ = self._expansion(self.natural_input_sharding(meta))
+        ops, _ = self._expansion(self.natural_input_sharding(meta) or REPLICATED)
         for op in ops:
             x = op(x)
         return x
@@ -247,7 +300,9 @@ class Linear(BasicOp):
         return self._expansions[sharding]
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
-        ops, _ = self._expansion(self.natural_input_sharding(x))
+        """Metadata for an input in the layer's natural layout (lowering uses :meth:`expand` with
+        the actual layout instead)."""
+        ops, _ = self._expansion(self.natural_input_sharding(x) or REPLICATED)
         for op in ops:
             x = op.infer_meta(x)
         return x

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BasicOp, TensorMeta
+from .base import BasicOp, PartitionError, TensorMeta
+from .sharding import Sharding, reject_partial
 
 __all__ = ["RMSNorm", "LayerNorm", "rms_norm_reference", "layer_norm_reference", "compute_dtype"]
 
@@ -62,6 +63,15 @@ class _Norm(BasicOp):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps:g}"
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Per token: any token layout; the statistics need every feature, reduced."""
+        if x.features:
+            raise PartitionError(
+                f"{self.describe()}: its input is sharded on features (the output of a column-parallel Linear); "
+                f"a norm needs the full hidden dim")
+        reject_partial(self, x)
+        return x
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         self._require_float(x)

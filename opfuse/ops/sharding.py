@@ -1,7 +1,19 @@
-"""How a value is laid out over a process group.
+"""How a value is laid out over a process group, and the partition rules of a sharded GEMM.
 
-The partition pass annotates every graph value with a :class:`Sharding` and inserts the
-collectives that the sharded-GEMM rules (``opfuse.passes.partition``) require.
+Every graph value carries a :class:`Sharding`; each basic op says how it transforms one
+(``BasicOp.propagate_sharding``), and composite ops expand into basic ops plus the collectives the
+rules of :func:`plan_gemm` require. The partition pass calls them.
+
+The rules for a sharded GEMM ``LHS [M, K] x RHS [K, N]`` (``RHS`` is the weight, stored
+``[N, K]``; batch dims of the activation go with M and keep their partitioning):
+
+1. RHS sharded on both K and N: an error (no 1-D tensor-parallel layout does that).
+2. LHS sharded on M (sequence parallel) and the GEMM sharded: all-gather LHS along M.
+3. K of LHS follows K of RHS: RHS K-sharded and LHS not -> take this rank's slice of LHS's
+   features; LHS K-sharded and RHS not -> an error.
+4. RHS N-sharded and LHS replicated: the gradient of LHS is a partial sum -> ``GradAllReduce``.
+5. K sharded: the output is a partial sum -> all-reduce it, or reduce-scatter it along M when
+   the layer is sequence parallel (M and K sharded). A row-parallel bias follows the reduction.
 """
 
 from __future__ import annotations
@@ -9,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Sharding", "REPLICATED"]
+from .base import PartitionError
+
+__all__ = ["Sharding", "REPLICATED", "PartitionError", "plan_gemm", "reject_partial"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,3 +52,46 @@ class Sharding:
 
 
 REPLICATED = Sharding()
+
+
+def reject_partial(op, x: Sharding, what: str = "input") -> None:
+    """Raise :class:`PartitionError` when ``x`` is a partial sum (a row-parallel GEMM's output
+    before its reduction): only linear ops of one operand may consume one."""
+    if x.partial:
+        raise PartitionError(
+            f"{op.describe()}: its {what} is a partial sum (a row-parallel GEMM output before its reduction); put "
+            f"the op after the AllReduce/ReduceScatter")
+
+
+def plan_gemm(lhs: Sharding, rhs_k: bool, rhs_n: bool, sequence_parallel: bool, who: str = "GEMM"):
+    """Apply the sharded-GEMM rules (module docstring). Returns ``(pre, reduce, out)``: collective
+    kinds applied to LHS before the GEMM (``"all_gather"``, ``"split_features"``,
+    ``"grad_all_reduce"``), the reduction of the output (``None``, ``"all_reduce"``,
+    ``"reduce_scatter"``), and the output sharding flags ``(tokens, features)``."""
+    if rhs_k and rhs_n:
+        raise PartitionError(
+            f"{who}: the weight is sharded on both K (in_features) and N (out_features); 1-D tensor "
+            f"parallelism shards one of them (parallel='row' for K, 'column' for N)"
+        )
+    if lhs.partial:
+        raise PartitionError(f"{who}: its input is a partial sum; reduce it (AllReduce) before the GEMM")
+    sharded = rhs_k or rhs_n
+    pre = []
+    tokens = lhs.tokens
+    if lhs.tokens and sharded:
+        pre.append("all_gather")
+        tokens = False
+    if lhs.features and not rhs_k:
+        raise PartitionError(
+            f"{who}: its input is sharded on features (K) but the weight is not sharded on K; "
+            f"use parallel='row' for a layer that follows a column-parallel one"
+        )
+    if rhs_k and not lhs.features:
+        pre.append("split_features")
+    if rhs_n and not lhs.tokens:
+        pre.append("grad_all_reduce")
+    reduce = None
+    if rhs_k:
+        reduce = "reduce_scatter" if sequence_parallel else "all_reduce"
+        tokens = sequence_parallel
+    return pre, reduce, (tokens, rhs_n)

@@ -1,14 +1,16 @@
-"""Pass pipeline, rule machinery, built-in and partition rules.
+"""The pass pipeline and the rule machinery.
 
 Public API for users adding fusions: :class:`OpSpec`, :class:`Pattern`, :class:`Rule`,
 :class:`Replacement`, :func:`predicate`, :func:`register_rule`, :func:`remove_rule`,
-:func:`disabled_rules`, :func:`rules`.
+:func:`disabled_rules`, :func:`rules` (and the reusable predicates in :mod:`.predicates`).
 """
 
-from .partition import PartitionError, plan_gemm
+from ..ops.base import PartitionError
+from ..ops.sharding import plan_gemm
 from .pattern import OpSpec, Pattern, PatternError, Predicate, predicate
 from .pipeline import PIPELINE
-from .rule import Match, MatchedOp, Replacement, Rule, disabled_rules, register_rule, remove_rule, rules
+from .registry import disabled_rules, register_rule, remove_rule, rules
+from .rule import Match, MatchedOp, Replacement, Rule
 
 __all__ = [
     "Match",

@@ -9,7 +9,7 @@ from torch import fx
 from ..config import config
 from .matcher import find_matches, graph_to_networkx
 from .rewrite import replace_match, snake_case
-from .rule import get_registry
+from .registry import get_registry
 
 __all__ = ["FusionRecord", "fuse"]
 

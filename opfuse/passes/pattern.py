@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import networkx as nx
 
@@ -233,8 +233,3 @@ class Pattern:
                 return " -> ".join(self.spec(n).describe() for n in order)
         body = ", ".join(f"{a}->{b}[{i}]" for a, b, i in self.edges)
         return f"{{{', '.join(s.describe() for s in self.specs)}; {body}}}"
-
-
-def iter_kinds(pattern: Pattern) -> Iterable[str]:
-    for spec in pattern.specs:
-        yield from spec.kinds

@@ -26,8 +26,6 @@ class Pass:
 @dataclasses.dataclass
 class PassContext:
     fusions: list = dataclasses.field(default_factory=list)
-    #: (pass name, graph module snapshot text) after each pass, for dumps.
-    snapshots: list = dataclasses.field(default_factory=list)
     #: A copy of the graph after partitioning, before fusion ("the unfused graph").
     unfused: fx.GraphModule | None = None
 

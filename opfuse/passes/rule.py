@@ -1,15 +1,8 @@
-"""Fusion rules: a pattern, predicates, a replacement builder, a priority, and where it was defined.
+"""Fusion rules as data: a pattern, predicates, a replacement builder, a priority, and where the rule
+was defined; and :class:`RuleRegistry`, an ordered collection of them.
 
-Users add fusions without editing opfuse::
-
-    from opfuse.passes import OpSpec, Pattern, Replacement, register_rule
-
-    @register_rule(name="bias_gelu", pattern=Pattern.chain(OpSpec("bias", "Bias"), OpSpec("act", "GELU")))
-    def build_bias_gelu(match):
-        return Replacement(MyBiasGelu(match["bias"].op.bias), args=[match.input("bias")])
-
-Rules are applied highest priority first; :func:`disabled_rules` switches rules off in a scope
-(tests), ``OPFUSE_DISABLE_RULES`` does so globally.
+This is machinery only: it knows no rule and no fused op. The built-in rules are listed in
+:mod:`.builtin_rules`; the process-wide registry users add to is :mod:`.registry`.
 """
 
 from __future__ import annotations
@@ -24,20 +17,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from torch import fx, nn
 
 from ..config import config
+from ..ops.base import Described
 from .pattern import Pattern, PatternError, Predicate, _as_predicates
 
-__all__ = [
-    "Rule",
-    "MatchedOp",
-    "Match",
-    "Replacement",
-    "RuleRegistry",
-    "get_registry",
-    "register_rule",
-    "remove_rule",
-    "disabled_rules",
-    "rules",
-]
+__all__ = ["Rule", "MatchedOp", "Match", "Replacement", "RuleRegistry", "known_kinds", "caller_location"]
 
 
 @dataclasses.dataclass
@@ -110,22 +93,22 @@ class Replacement:
 
 
 def known_kinds() -> set[str]:
-    """Kinds a pattern can name: every BasicOp and FusedOp subclass defined so far, plus fx's
-    ``placeholder``/``output``/``getitem``."""
-    from ..backend.fused.base import FusedOp
-    from ..ops.base import BasicOp
-
+    """Kinds a pattern can name: the kind of every op class defined so far (basic ops: the class
+    name; fused ops: their ``name``), plus fx's ``placeholder``/``output``/``getitem``."""
     kinds = {"placeholder", "output", "getitem"}
-    stack = [BasicOp, FusedOp]
+    stack = [Described]
     while stack:
         cls = stack.pop()
         for sub in cls.__subclasses__():
-            kinds.add(sub.__name__)
+            name = getattr(sub, "name", None)
+            kinds.add(name if isinstance(name, str) and name else sub.__name__)
             stack.append(sub)
     return kinds
 
 
-def _caller_location(depth: int) -> str:
+def caller_location(depth: int) -> str:
+    """``file:line`` of the caller ``depth`` frames up (relative to the working directory when
+    below it)."""
     frame = inspect.currentframe()
     try:
         for _ in range(depth + 1):
@@ -184,7 +167,7 @@ class Rule:
             raise PatternError(f"Rule {self.name!r}: priority={self.priority!r}; expected an int")
         self.where = _as_predicates(self.where, f"Rule {self.name!r}")
         if not self.source:
-            self.source = _caller_location(2)
+            self.source = caller_location(2)
         self._variants = self.pattern.variants()
 
     @property
@@ -199,11 +182,13 @@ class Rule:
 
 
 class RuleRegistry:
-    """Ordered collection of rules. The built-in list is registered when the registry is made."""
+    """An ordered collection of rules; ``generation`` changes whenever the active set may have
+    changed (compile caches key on it)."""
 
     def __init__(self, initial: Sequence[Rule] = ()):
         self._rules: dict[str, Rule] = {}
         self._disabled: list[str] = []
+        self.generation = 0
         for rule in initial:
             self.add(rule)
 
@@ -216,17 +201,20 @@ class RuleRegistry:
                 f"{self._rules[rule.name].source}); pass replace=True or remove_rule({rule.name!r})"
             )
         self._rules[rule.name] = rule
-        _bump()
+        self.generation += 1
         return rule
 
     def remove(self, name: str) -> Rule:
         if name not in self._rules:
             raise KeyError(f"remove_rule: no rule named {name!r}; known: {sorted(self._rules)}")
-        _bump()
+        self.generation += 1
         return self._rules.pop(name)
 
     def get(self, name: str) -> Rule:
         return self._rules[name]
+
+    def names(self) -> list[str]:
+        return list(self._rules)
 
     def all(self) -> list[Rule]:
         """Every rule, highest priority first (ties: registration order)."""
@@ -252,87 +240,10 @@ class RuleRegistry:
         if unknown:
             raise KeyError(f"disabled_rules: unknown rule(s) {unknown}; known: {sorted(self._rules)}")
         self._disabled.extend(names)
-        _bump()
+        self.generation += 1
         try:
             yield
         finally:
             for name in names:
                 self._disabled.remove(name)
-            _bump()
-
-
-_generation = 0
-
-
-def _bump() -> None:
-    global _generation
-    _generation += 1
-
-
-def generation() -> int:
-    """Changes whenever the set of active rules may have changed (compile caches key on it)."""
-    if _REGISTRY is None:
-        get_registry()  # registering the built-in rules bumps the counter: do it before keying on it
-    return _generation
-
-
-def _make_registry() -> RuleRegistry:
-    from .rules_builtin import BUILTIN_RULES  # the explicit, readable list
-
-    return RuleRegistry(BUILTIN_RULES)
-
-
-_REGISTRY: RuleRegistry | None = None
-
-
-def get_registry() -> RuleRegistry:
-    """The process-wide rule registry (built-in rules registered on first use)."""
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = _make_registry()
-    return _REGISTRY
-
-
-_registry = get_registry
-
-
-def register_rule(rule: Rule | None = None, *, name: str | None = None, pattern: Pattern | None = None,
-                  build: Callable[[Match], Replacement] | None = None, priority: int = 0,
-                  where: Sequence[Any] = (), description: str = "", replace: bool = False):
-    """Register a fusion rule (a :class:`Rule`, or its fields as keywords).
-
-    Without ``build`` it returns a decorator for the builder function. Returns the registered
-    :class:`Rule`.
-    """
-    if rule is not None:
-        if any(v is not None for v in (name, pattern, build)):
-            raise PatternError("register_rule: pass either a Rule or its fields, not both")
-        return _registry().add(rule, replace=replace)
-    if name is None or pattern is None:
-        raise PatternError("register_rule: name= and pattern= are required")
-    source = _caller_location(1)
-
-    def finish(builder: Callable[[Match], Replacement]) -> Rule:
-        made = Rule(name=name, pattern=pattern, build=builder, priority=priority, where=where,
-                    description=description or (builder.__doc__ or "").strip().split("\n")[0],
-                    source=source)
-        return _registry().add(made, replace=replace)
-
-    if build is None:
-        return finish
-    return finish(build)
-
-
-def remove_rule(name: str) -> Rule:
-    """Unregister the rule called ``name`` and return it."""
-    return _registry().remove(name)
-
-
-def disabled_rules(*names: str):
-    """Context manager: rules ``names`` do not fire inside the block."""
-    return _registry().disabled(*names)
-
-
-def rules() -> list[Rule]:
-    """All registered rules, in the order they are tried."""
-    return _registry().all()
+            self.generation += 1

@@ -1,16 +1,33 @@
-"""Choosing an implementation for every fused op from the backend dispatch table."""
+"""Choosing an implementation for every fused op, in program order (the same on every rank).
+
+Before the first check that involves a process group on a CUDA device, the group's symmetric
+pool is opened (collective, once per group and device), so the implementations' checks can stay
+pure. The chosen implementation's ``prepare`` runs right after its check (see
+:func:`opfuse.backend.registry.choose`).
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
-from ..backend.fused.base import FusedOp
+from ..backend import implementations
+from ..backend.registry import FusedOp, choose, parse_forced
+from ..backend.runtime import symm_pool
+from ..config import config
+from ..ops import group as groups
 
 __all__ = ["select_implementations"]
 
 
+def _open_peer_memory(spec) -> None:
+    if spec.group_name and spec.world_size > 1 and spec.device.type == "cuda" and torch.cuda.is_available():
+        symm_pool.open_pool(groups.from_name(spec.group_name), spec.device)
+
+
 def select_implementations(gm: fx.GraphModule, ctx) -> None:
     records = {r.fused_node: r for r in ctx.fusions}
+    forced = parse_forced(config.force_impl)
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
@@ -18,7 +35,15 @@ def select_implementations(gm: fx.GraphModule, ctx) -> None:
         if not isinstance(op, FusedOp):
             continue
         metas = [a.meta.get("opfuse_meta") if isinstance(a, fx.Node) else None for a in node.args]
-        choice = op.select_implementation(metas)
+        spec = op.call_spec(metas)
+        _open_peer_memory(spec)
+        impls = implementations.for_op(op.name)
+        want = forced.get(op.name, forced.get(None))
+        if want is not None and op.name not in forced and want not in {i.name for i in impls}:
+            want = None  # a bare forced name applies to the ops that have an implementation of that name
+        choice = choose(spec, impls, want)
+        op.implementation = choice.impl
+        op.skipped = choice.skipped
         node.meta["opfuse_impl"] = choice.name
         record = records.get(node.name)
         if record is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..backend.fused.base import FusedOp
+from ..backend.registry import FusedOp
 from ..config import config
 
 __all__ = ["verify", "VerifyError"]
@@ -27,7 +27,7 @@ def verify(gm: fx.GraphModule, ctx) -> None:
         op = gm.get_submodule(node.target)
         if getattr(op, "is_composite", False):
             raise VerifyError(f"{node.name}: composite op {op.kind} was not expanded by the partition pass")
-        if isinstance(op, FusedOp) and op.impl is None:
+        if isinstance(op, FusedOp) and op.implementation is None:
             raise VerifyError(f"{node.name}: fused op {op.kind} has no implementation selected")
         if "opfuse_meta" not in node.meta:
             raise VerifyError(f"{node.name}: no tensor metadata (a rule dropped node.meta)")

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(GPUS < 1, reason="needs CUDA")
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
-from opfuse.fuser.graphed import GraphSignatureError, graphed  # noqa: E402
+from opfuse.graphs.graphed import GraphSignatureError, graphed  # noqa: E402
 
 FP32, BF16 = torch.float32, torch.bfloat16
 TOL = {FP32: 1e-5, BF16: 1.6e-2}
@@ -227,7 +227,7 @@ def assert_same_on_all_ranks(t, what):
 def poison_overlap_regions():
     """NaN into every overlap region (not the Lamport regions of the all-reduce kernels, whose
     flags are protocol state), between calls, after every rank finished."""
-    from opfuse.backend.symm_pool import _POOLS
+    from opfuse.backend.runtime.symm_pool import _POOLS
 
     torch.cuda.synchronize()
     dist.barrier()
@@ -330,9 +330,7 @@ def check_training(rank, world, *, sp, dtype, tokens, expect):
 
 
 def all_checks(rank, world):
-    from opfuse.backend.overlap import executor
-
-    executor.SIGNAL_TIMEOUT_MS = 120_000  # a broken schedule traps with a message instead of hanging
+    opfuse.config.peer_timeout_ms = 120_000  # a broken schedule traps with a message instead of hanging
     check_tp_inference(rank, world)
     peer = ("cuda_oneshot", "cuda_twoshot")
     check_training(rank, world, sp=False, dtype=FP32, tokens=16, expect={"allreduce_add_rmsnorm": peer})

@@ -12,8 +12,9 @@ import torch
 
 import opfuse
 from opfuse import ops
-from opfuse.backend import dispatch
-from opfuse.backend.grouped import torch_mm, triton_impl
+from opfuse.backend import implementations
+from opfuse.backend.registry import CallSpec
+from opfuse.backend.grouped_linear import torch_mm, triton_impl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,14 +56,14 @@ def loop(x, sizes, w, b=None, dy=None):
 
 def spec_for(dtype, tokens, groups, k, n, bias):
     meta = lambda shape, dt: opfuse.ops.TensorMeta(tuple(shape), dt, torch.device(DEV))  # noqa: E731
-    return dispatch.CallSpec("grouped_linear", {
+    return CallSpec("grouped_linear", {
         "x": meta([tokens, k], dtype), "group_sizes": meta([groups], torch.int32),
         "weight": meta([groups, n, k], dtype), "bias": meta([groups, n], dtype) if bias else None},
         {"fsdp": False})
 
 
 def require(impl, dtype, tokens, groups, k, n, bias):
-    reason = dispatch.get("grouped_linear", impl).check(spec_for(dtype, tokens, groups, k, n, bias))
+    reason = implementations.get("grouped_linear", impl).check(spec_for(dtype, tokens, groups, k, n, bias))
     if reason:
         pytest.skip(f"{impl}: {reason}")
 
@@ -117,7 +118,7 @@ def test_implementation_matches_loop(impl, dtype, shape):
     b = torch.randn(groups, n, generator=gen).to(dtype).to(DEV) if bias else None
     dy = torch.randn(tokens, n, generator=gen).to(dtype).to(DEV)
     counts = torch.tensor(sizes, dtype=torch.int32, device=DEV)
-    chosen = dispatch.get("grouped_linear", impl)
+    chosen = implementations.get("grouped_linear", impl)
 
     poison_allocator(((tokens, n), dtype), ((tokens, k), dtype), ((groups, n, k), dtype))
     y = chosen.forward(x, counts, w, b)

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2+ GPUs")
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.backend.dispatch import ImplementationError  # noqa: E402
+from opfuse.backend.registry import ImplementationError  # noqa: E402
 from opfuse.ops import collectives  # noqa: E402
 from opfuse.ops.base import OpInputError  # noqa: E402
 
@@ -95,7 +95,7 @@ def randomize(model, gen):
 def poison(*likes):
     """NaN into every overlap region of every pool and into the allocator blocks the next outputs
     will most likely get, so an unwritten element shows up as non-finite."""
-    from opfuse.backend.symm_pool import _POOLS
+    from opfuse.backend.runtime.symm_pool import _POOLS
 
     for pool in _POOLS.values():
         for name, region in pool.regions.items():
@@ -211,35 +211,10 @@ def check_cases(rank, world, calls=2):
         run_ag_case(rank, world, pg, gen, 256, 256, 128, BF16, True, ())
         run_rs_case(rank, world, pg, gen, 1024, 128, 256, BF16, True, ())
     # The GEMM-stream rule forced both ways (small test shapes alone would always alternate).
-    from opfuse.backend.overlap import policy
-
-    for forced in (False, True):
-        policy.ALTERNATE_GEMM_STREAMS = forced
-        try:
+    for forced in ("off", "on"):
+        with opfuse.config.override(overlap_alternate_streams=forced):
             run_ag_case(rank, world, pg, gen, 96, 256, 192, BF16, True, ())
             run_rs_case(rank, world, pg, gen, 96, 128, 256, FP16, True, ())
-        finally:
-            policy.ALTERNATE_GEMM_STREAMS = None
-
-
-def eager_graph_states():
-    from opfuse.backend.overlap import resources
-
-    return [bound.graphs.state() for ctx in resources._CONTEXTS.values() for bound in ctx.plans.values()]
-
-
-def check_eager_graph_modes(rank, world):
-    """Every case again with eager calls forced to replay graphs of their plans (call 1 captures,
-    calls 2-3 replay with fresh inputs: the static buffers must be refilled and copied out), then
-    forced to issue directly; the default (auto) ran in :func:`check_cases`."""
-    before = sum(state["replays"] for state in eager_graph_states())
-    with opfuse.config.override(overlap_eager_graphs="on"):
-        check_cases(rank, world, calls=4)
-    states = eager_graph_states()
-    assert not [s["disabled"] for s in states if s["disabled"]], states
-    assert sum(state["replays"] for state in states) > before, "no eager call replayed a plan graph"
-    with opfuse.config.override(overlap_eager_graphs="off"):
-        check_cases(rank, world, calls=2)
 
 
 def check_graph_replay(rank, world, chunks):
@@ -344,13 +319,10 @@ def check_fallbacks(rank, world):
 
 
 def all_checks(rank, world):
-    from opfuse.backend.overlap import executor
-
     # A schedule bug then traps with "[FATAL] ... failed to receive signal from rank ..." instead
     # of hanging until the harness timeout.
-    executor.SIGNAL_TIMEOUT_MS = 120_000
+    opfuse.config.peer_timeout_ms = 120_000
     check_cases(rank, world)
-    check_eager_graph_modes(rank, world)
     for chunks in (0, 2):
         with opfuse.config.override(overlap_chunks=chunks):
             check_graph_replay(rank, world, chunks)

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.backend.cuda.residual_norm import oneshot_limit  # noqa: E402
+from opfuse.backend.residual_norm.cuda import oneshot_limit  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -77,7 +77,7 @@ def check_impls(rank, world):
                 model = block(hidden, dtype, norm)
                 xs = partials(tokens + hidden, world, tokens, hidden, dtype)
                 res = partials(1, 1, tokens, hidden, dtype)[0]
-                with opfuse.config.override(force_impl=f"allreduce_add_norm={impl}"):
+                with opfuse.config.override(force_impl=f"allreduce_add_{norm}norm={impl}"):
                     y, h = model(xs[rank], res)
                     record = opfuse.compile(model, xs[rank], res).fusions[0]
                 assert record.rule.startswith("allreduce_add_") and record.impl == impl, record
@@ -124,7 +124,7 @@ def check_gradients(rank, world):
         dy, dh = partials(7, 2, tokens, hidden, dtype)
         x_in = xs[rank].clone().requires_grad_()
         r_in = res.clone().requires_grad_()
-        with opfuse.config.override(force_impl=f"allreduce_add_norm={impl}"):
+        with opfuse.config.override(force_impl=f"allreduce_add_rmsnorm={impl}"):
             y, h = model(x_in, r_in)
         (y * dy + h * dh).sum().backward()
         with opfuse.config.override(fuse=False):
@@ -146,7 +146,7 @@ def check_graph_replays(rank, world):
         static_r = torch.empty(tokens, hidden, device="cuda", dtype=dtype)
         static_x.copy_(partials(0, world, tokens, hidden, dtype)[rank])
         static_r.normal_()
-        with opfuse.config.override(force_impl=f"allreduce_add_norm={impl}"):
+        with opfuse.config.override(force_impl=f"allreduce_add_rmsnorm={impl}"):
             with torch.no_grad():
                 model(static_x, static_r)  # compile (reserves peer buffers) outside capture
                 stream = torch.cuda.Stream()
@@ -203,7 +203,7 @@ def check_fallbacks(rank, world):
         model(xs[rank], res)
         assert opfuse.compile(model, xs[rank], res).fusions[0].impl == "nccl+cuda"
     # Bad direct calls give clear errors.
-    from opfuse.backend.cuda.residual_norm import oneshot_forward
+    from opfuse.backend.residual_norm.cuda import oneshot_forward
 
     with pytest.raises(ValueError, match="residual is torch.float16, x is torch.bfloat16"):
         oneshot_forward(xs[rank], None, res.half(), None, None, norm="rms", eps=1e-6,

@@ -14,16 +14,23 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from opfuse.backend import extension  # noqa: E402
+from opfuse.backend.runtime import extension  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-NORM = {"none": 0, "rms": 1, "layer": 2}
 
 
 @pytest.fixture(scope="module")
 def ext():
-    return extension.load()
+    return extension.load("residual_norm")
+
+
+def code(dtype):
+    """The kernels' dtype code, from the module itself."""
+    return extension.load("residual_norm").DTYPES[str(dtype).replace("torch.", "")]
+
+
+def norm_code(norm):
+    return extension.load("residual_norm").NORMS[norm]
 
 
 def rel(a, b):
@@ -76,7 +83,7 @@ class SimulatedRanks:
         stream = torch.cuda.current_stream().cuda_stream
         for region in self.regions:
             if kind == "oneshot":
-                ext.oneshot_init(region, CODE[dtype], stream)
+                ext.oneshot_init(region, code(dtype), stream)
             else:
                 ext.twoshot_init(region, stream)
         torch.cuda.synchronize()
@@ -92,7 +99,7 @@ class SimulatedRanks:
             stream.wait_stream(ready)
         for r in range(self.world):
             args = (ptr(xs[r]), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), ys[r].data_ptr(), ptr(hs[r]),
-                    tokens, hidden, eps, NORM[norm], CODE[xs[0].dtype], self.regions[r])
+                    tokens, hidden, eps, norm_code(norm), code(xs[0].dtype), self.regions[r])
             with torch.cuda.stream(self.streams[r]):
                 if self.kind == "oneshot":
                     self.ext.allreduce_oneshot(*args, self.blocks, self.streams[r].cuda_stream)
@@ -120,7 +127,7 @@ def check_ranks(ys, hs, xs, bias, residual, weight, norm_bias, norm, dtype, eps=
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_peer_kernels_simulated_ranks(ext, kind, world, dtype):
-    gen = torch.Generator(device="cuda").manual_seed(world * 100 + CODE[dtype])
+    gen = torch.Generator(device="cuda").manual_seed(world * 100 + [torch.float32, torch.bfloat16, torch.float16].index(dtype))
     sim = SimulatedRanks(ext, kind, world, dtype, capacity=4 << 20)
     # Consecutive calls of different sizes exercise buffer rotation and the dirty-size bookkeeping.
     for tokens, hidden, norm in [(5, 2880, "rms"), (1, 8192, "rms"), (33, 5120, "layer"), (2, 1024, "none"),
@@ -161,7 +168,7 @@ def test_add_norm_kernel_many_shapes(ext):
                 y = torch.full_like(xs[0], float("nan"))
                 h = torch.full_like(xs[0], float("nan"))
                 ext.add_norm(xs[0].data_ptr(), ptr(bias), ptr(res), ptr(w), ptr(nb), y.data_ptr(), h.data_ptr(),
-                             tokens, hidden, 1e-5, NORM[norm], CODE[dtype], 264,
+                             tokens, hidden, 1e-5, norm_code(norm), code(dtype), 264,
                              torch.cuda.current_stream().cuda_stream)
                 torch.cuda.synchronize()
                 y_ref, h_ref = reference(xs, bias, res, w, nb, norm, 1e-5)
@@ -183,7 +190,7 @@ def test_rms_backward_kernel(ext):
             dw = torch.full_like(w, float("nan"))
             partial = torch.full((blocks, hidden), float("nan"), device="cuda")
             ext.rms_norm_backward(dy.data_ptr(), h.data_ptr(), w.data_ptr(), dh_out.data_ptr(), dh.data_ptr(),
-                                  partial.data_ptr(), dw.data_ptr(), tokens, hidden, 1e-6, CODE[dtype], blocks,
+                                  partial.data_ptr(), dw.data_ptr(), tokens, hidden, 1e-6, code(dtype), blocks,
                                   torch.cuda.current_stream().cuda_stream)
             hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
             yr = hr / torch.sqrt((hr * hr).mean(-1, keepdim=True) + 1e-6) * wr

@@ -6,7 +6,7 @@ import torch
 import opfuse
 from opfuse import ops
 from opfuse.passes import OpSpec, Pattern, PatternError, Replacement, Rule, register_rule, remove_rule
-from opfuse.passes.partition import PartitionError, plan_gemm
+from opfuse.ops.sharding import PartitionError, plan_gemm
 from opfuse.ops.sharding import REPLICATED, Sharding
 
 from .test_ops import randomize_

@@ -28,7 +28,7 @@ def test_python_dump_is_runnable_and_names_rules(tail):
     code = program.dump("python")
     ast.parse(code)
     assert "fused_allreduce_add_rmsnorm" in code and "rule allreduce_add_rmsnorm at" in code
-    assert "rules_builtin.py:" in code and "impl=reference" in code
+    assert "builtin_rules.py:" in code and "impl=reference" in code
     namespace = {}
     exec(compile(code, "<dump>", "exec"), namespace)
     y, h = namespace["forward"](program.graph_module, x, r)
@@ -44,7 +44,7 @@ def test_text_dot_html_dumps(tail):
     seq, x, r = tail
     program = opfuse.compile(seq, x, r)
     text = program.dump("text", graph="both")
-    assert "before fusion" in text and "after fusion" in text and "AllReduceAddRMSNorm" in text
+    assert "before fusion" in text and "after fusion" in text and "allreduce_add_rmsnorm" in text
     dot = program.dump("dot", graph="both")
     assert dot.startswith("digraph opfuse {") and "cluster_before" in dot and "cluster_after" in dot
     assert dot.count("{") == dot.count("}")
@@ -94,16 +94,16 @@ def test_custom_ops_pass_opcheck(world1, rng):
     r = torch.randn(4, H, generator=rng, requires_grad=True)
     w = torch.randn(H, generator=rng, requires_grad=True)
     b = torch.randn(H, generator=rng, requires_grad=True)
-    torch.library.opcheck(torch.ops.opfuse.residual_norm.default,
-                          (x, b, r, w, None, "rms", 1e-6, name, "allreduce_add_norm", "reference", True))
-    torch.library.opcheck(torch.ops.opfuse.residual_norm.default,
-                          (x, None, r, w, b, "layer", 1e-5, "", "add_norm", "reference", True))
+    torch.library.opcheck(torch.ops.opfuse.allreduce_add_rmsnorm.default,
+                          (x, b, r, w, None, 1e-6, name, True, "reference"))
+    torch.library.opcheck(torch.ops.opfuse.add_layernorm.default, (x, None, r, w, b, 1e-5, "", True, "reference"))
+    torch.library.opcheck(torch.ops.opfuse.allreduce.default, (x, b, None, None, None, 1e-6, name, False, "reference"))
     weight = torch.randn(6, H, generator=rng, requires_grad=True)
     bias6 = torch.randn(6, generator=rng, requires_grad=True)
     torch.library.opcheck(torch.ops.opfuse.all_gather_linear.default, (x, weight, bias6, name, "reference"))
     torch.library.opcheck(torch.ops.opfuse.linear_reduce_scatter.default, (x, weight, bias6, True, name, "reference"))
     torch.library.opcheck(torch.ops.opfuse.linear_bias_activation.default,
-                          (x, weight, bias6, "gelu", "reference", True))
+                          (x, weight, bias6, "gelu", True, "reference"))
 
 
 def test_torch_compile_can_trace_a_program(world1, rng):

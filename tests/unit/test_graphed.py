@@ -10,8 +10,8 @@ import torch
 
 import opfuse
 from opfuse import ops
-from opfuse.fuser import graphed as graphed_module
-from opfuse.fuser.graphed import GraphCaptureError, GraphedModule, GraphSignatureError, graphed, mismatch
+from opfuse.graphs import recorders
+from opfuse.graphs.graphed import GraphCaptureError, GraphedModule, GraphSignatureError, graphed, mismatch
 from opfuse.ops.base import OpInputError, TensorMeta
 
 H, F, T = 16, 32, 4
@@ -280,7 +280,7 @@ def test_single_output_block_returns_a_tensor():
 def test_a_program_compiled_during_capture_is_an_error(monkeypatch):
     """What a CUDA-graph capture refuses (a capability check inside a capture may fall back):
     forced here with the eager stand-in by changing a setting between warm-up and capture."""
-    monkeypatch.setattr(graphed_module.make_replayer("eager", torch.device("cpu")).__class__, "strict_programs", True)
+    monkeypatch.setattr(recorders.make_replayer("eager", torch.device("cpu")).__class__, "strict_programs", True)
     block = mlp()
     calls = []
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 import opfuse
 from opfuse import ops
-from opfuse.backend import dispatch
-from opfuse.backend.grouped import implementations, triton_impl, torch_mm
+from opfuse.backend import implementations
+from opfuse.backend.grouped_linear import torch_mm, triton_impl
+from opfuse.backend.registry import CallSpec, ImplementationError, choose
 from opfuse.ops.base import OpInputError, TensorMeta
 from opfuse.passes import PartitionError
 
@@ -205,7 +206,7 @@ def test_single_rank_parallel_modes_equal_plain(world1, rng):
 
 
 def spec(dtype=torch.bfloat16, device="cuda", k=64, n=64, groups=8, bias=False):
-    return dispatch.CallSpec(
+    return CallSpec(
         op="grouped_linear",
         inputs={"x": meta([128, k], dtype, device), "group_sizes": meta([groups], torch.int32, device),
                 "weight": meta([groups, n, k], dtype, device),
@@ -214,10 +215,9 @@ def spec(dtype=torch.bfloat16, device="cuda", k=64, n=64, groups=8, bias=False):
 
 
 def test_dispatch_table_order_and_cpu_choice():
-    names = [impl.name for impl in implementations()]
+    names = [impl.name for impl in implementations.for_op("grouped_linear")]
     assert names == ["triton", "triton_tma", "torch_grouped_mm", "reference"]
-    assert [impl.name for impl in dispatch.implementations("grouped_linear")] == names
-    choice = dispatch.choose(spec(torch.float32, "cpu"))
+    choice = choose(spec(torch.float32, "cpu"), implementations.for_op("grouped_linear"))
     assert choice.name == "reference"
     assert dict(choice.skipped) == {name: "needs a CUDA device" for name in names[:-1]}
 
@@ -233,7 +233,7 @@ def test_capability_checks_explain_rejections():
 def test_forcing_an_incapable_implementation_fails_loudly(rng):
     layer = make_layer(2, 4, 4, torch.float32, rng)
     with opfuse.config.override(force_impl="grouped_linear=triton"):
-        with pytest.raises(dispatch.ImplementationError, match="forced implementation 'triton' cannot run"):
+        with pytest.raises(ImplementationError, match="forced implementation 'triton' cannot run"):
             ops.Sequential(layer)(torch.randn(3, 4), torch.tensor([1, 2]))
 
 

@@ -18,8 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from opfuse.backend.grouped import torch_mm, triton_impl as ti
-    from opfuse.backend.grouped.reference import reference_forward, reference_backward
+    from opfuse.backend.grouped_linear import torch_mm, triton_impl as ti
+    from opfuse.backend.grouped_linear.reference import reference_forward, reference_backward
 
     def clamp(sizes, tokens):
         out, start = [], 0

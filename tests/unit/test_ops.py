@@ -150,7 +150,7 @@ def test_sequential_input_errors_name_the_op():
         seq(x, torch.randn(2, 8).half())
     with pytest.raises(OpInputError, match=r"extra input has device meta, expected cpu"):
         seq(x, torch.empty(2, 8, device="meta"))
-    with pytest.raises(OpInputError, match=r"op 0: BasicLinear\(in_features=8, out_features=8\): input has 9 features"):
+    with pytest.raises(OpInputError, match=r"op 0: Linear\(in_features=8, out_features=8, bias=True\): BasicLinear\(in_features=8, out_features=8\): input has 9 features"):
         seq(torch.randn(2, 9), torch.randn(2, 8))
     with pytest.raises(OpInputError, match="input 1 is a list"):
         seq(x, [1.0])

@@ -1,11 +1,12 @@
 """Capability checks of the p2p_overlap implementations (the parts decidable without a GPU) and
-their place in the dispatch table."""
+their place in the implementation table."""
 
 import pytest
 import torch
 
-from opfuse.backend import dispatch
-from opfuse.backend.overlap import impl
+from opfuse.backend import implementations
+from opfuse.backend.registry import CallSpec
+from opfuse.backend.collective_linear import p2p as impl
 from opfuse.ops.base import OpInputError, TensorMeta
 
 CUDA = torch.device("cuda", 0)
@@ -15,12 +16,12 @@ def spec(op, x_shape, w_shape, *, dtype=torch.bfloat16, device=CUDA, world=4, bi
     inputs = {"x": TensorMeta(tuple(x_shape), dtype, device), "weight": TensorMeta(tuple(w_shape), dtype, device),
               "bias": TensorMeta((w_shape[0],), dtype, device) if bias else None}
     attrs = {"bias_after": bias_after} if op == "linear_reduce_scatter" else {}
-    return dispatch.CallSpec(op=op, inputs=inputs, attrs=attrs, group_name="tp", world_size=world, requires_grad=True)
+    return CallSpec(op=op, inputs=inputs, attrs=attrs, group_name="tp", world_size=world, requires_grad=True)
 
 
 def test_registered_before_the_reference():
     for op in ("all_gather_linear", "linear_reduce_scatter"):
-        names = [i.name for i in dispatch.implementations(op)]
+        names = [i.name for i in implementations.for_op(op)]
         assert names[0] == impl.NAME and names[-1] == "reference"
 
 

@@ -11,8 +11,9 @@ import threading
 import pytest
 import torch
 
-from opfuse.backend.fused import linear_comm
-from opfuse.backend.overlap import executor, impl, resources
+from opfuse.backend.collective_linear import reference as collective_reference
+from opfuse.backend.collective_linear import executor, resources
+from opfuse.backend.collective_linear import p2p as impl
 
 DT = torch.float64
 
@@ -293,7 +294,7 @@ def test_missing_region_falls_back_to_reference(fake_cuda, monkeypatch):
     replaced by a marker, since no process group exists)."""
     wrap = _with_ctx(monkeypatch)
     called = []
-    monkeypatch.setattr(linear_comm, "ag_linear_reference",
+    monkeypatch.setattr(collective_reference, "ag_linear_forward",
                         lambda x, w, b, group: called.append(group) or torch.zeros(1, dtype=DT))
 
     def fn(r, ctx):
@@ -346,16 +347,15 @@ def test_every_schedule_through_the_executor(fake_cuda, monkeypatch, chunks, wor
     assert signals.counts["put"] == signals.counts["wait"]
 
 
-@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize("forced", ["off", "on"])
 @pytest.mark.parametrize("chunks", [0, 1])
 def test_forced_stream_setups(fake_cuda, monkeypatch, forced, chunks):
-    """``policy.ALTERNATE_GEMM_STREAMS`` forced off / on (the bench's ours:1s / ours:2s) and
+    """``OPFUSE_OVERLAP_ALTERNATE_STREAMS`` forced off / on (the bench's ours:1s / ours:2s) and
     one GEMM per shard (chunks=1) bind and compute the same results."""
     from opfuse import config
-    from opfuse.backend.overlap import policy
 
     monkeypatch.setattr(config, "overlap_chunks", chunks)
-    monkeypatch.setattr(policy, "ALTERNATE_GEMM_STREAMS", forced)
+    monkeypatch.setattr(config, "overlap_alternate_streams", forced)
     world, tokens, k, n = 4, 4, 6, 5
     wrap = _with_ctx(monkeypatch)
     xs = [_randn(tokens, k, seed=200 + r) for r in range(world)]
@@ -376,4 +376,4 @@ def test_forced_stream_setups(fake_cuda, monkeypatch, forced, chunks):
         y, z, streams = results[r]
         torch.testing.assert_close(y, full_x @ ws[r].T)
         torch.testing.assert_close(z, z_full[r * tokens:(r + 1) * tokens])
-        assert ("aux" in streams) == forced
+        assert ("aux" in streams) == (forced == "on")

@@ -11,7 +11,7 @@ import opfuse
 from opfuse import ops
 from opfuse.passes import disabled_rules
 from opfuse.passes.matcher import check_legal, find_matches, graph_to_networkx
-from opfuse.passes.rule import get_registry
+from opfuse.passes.registry import get_registry
 
 from .test_ops import randomize_
 

@@ -1,1 +1,0 @@
-"""Modules that replace matched ops, each calling a ``torch.library`` custom op."""

@@ -1,0 +1,122 @@
+"""The implementation table: for every fused op, its implementations in the order they are tried.
+
+This list is the registration (nothing registers itself on import). A program's
+``select_implementations`` pass takes the first capable implementation of each fused op
+(:func:`opfuse.backend.registry.choose`) and records it in ``Program.fusions``; the reference
+implementation at the end of each list always runs (torch ops + ``torch.distributed``, CPU and
+gloo included). The order follows measurements (docs/PERF_NOTES*.md). Adding an implementation is
+one line here; adding a fused op is one entry here plus its family folder and its rule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from .collective_linear import p2p as collective_p2p
+from .collective_linear import reference as collective_reference
+from .grouped_linear import reference as grouped_reference
+from .grouped_linear import torch_mm, triton_impl
+from .linear_activation import cublaslt
+from .linear_activation import reference as activation_reference
+from .registry import Implementation, ImplementationError
+from .residual_norm import cuda as norm_cuda
+from .residual_norm import reference as norm_reference
+
+__all__ = ["TABLE", "for_op", "get", "names"]
+
+
+def _always(spec) -> None:
+    return None
+
+
+def _residual_norm(norm: str, reduces: bool) -> list[Implementation]:
+    def bind(fn):
+        return functools.partial(fn, norm=norm)
+
+    backward = bind(norm_cuda.norm_backward) if norm != "none" else None
+    reference = Implementation("reference", _always, bind(norm_reference.forward),
+                               bind(norm_reference.backward) if norm != "none" else None,
+                               description="torch.distributed all-reduce, then torch add and norm (float32 statistics)")
+    if not reduces:
+        return [Implementation("cuda", norm_cuda.check_local, bind(norm_cuda.local_forward), backward,
+                               description="fused (bias +) residual add + norm kernel"),
+                reference]
+    return [
+        Implementation("cuda_oneshot", norm_cuda.check_oneshot, bind(norm_cuda.oneshot_forward), backward,
+                       norm_cuda.prepare_oneshot,
+                       "one kernel: Lamport one-shot all-reduce over peer memory + add + norm"),
+        Implementation("cuda_twoshot", norm_cuda.check_twoshot, bind(norm_cuda.twoshot_forward), backward,
+                       norm_cuda.prepare_twoshot,
+                       "one kernel: two-shot (reduce-scatter rows, all-gather) over peer memory + add + norm"),
+        Implementation("nccl+cuda", norm_cuda.check_nccl_then_kernel, bind(norm_cuda.nccl_then_kernel_forward),
+                       backward, description="NCCL all-reduce, then the fused add + norm kernel"),
+        reference,
+    ]
+
+
+TABLE: dict[str, list[Implementation]] = {
+    "allreduce_add_rmsnorm": _residual_norm("rms", reduces=True),
+    "allreduce_add_layernorm": _residual_norm("layer", reduces=True),
+    "add_rmsnorm": _residual_norm("rms", reduces=False),
+    "add_layernorm": _residual_norm("layer", reduces=False),
+    "allreduce": _residual_norm("none", reduces=True),
+    "all_gather_linear": [
+        Implementation(collective_p2p.NAME, collective_p2p.check_all_gather_linear,
+                       collective_p2p.all_gather_linear_forward, collective_p2p.all_gather_linear_backward,
+                       collective_p2p.prepare,
+                       "token all-gather pushed over peer memory (copy engine) while cuBLAS GEMMs each arrived shard; "
+                       "backward: dgrad reduce-scatter + input re-gather for wgrad"),
+        Implementation("reference", _always, collective_reference.ag_linear_forward,
+                       collective_reference.ag_linear_backward, description="all-gather, then one GEMM"),
+    ],
+    "linear_reduce_scatter": [
+        Implementation(collective_p2p.NAME, collective_p2p.check_linear_reduce_scatter,
+                       collective_p2p.linear_reduce_scatter_forward, collective_p2p.linear_reduce_scatter_backward,
+                       collective_p2p.prepare,
+                       "GEMM sub-chunks whose partial sums are pushed over peer memory and summed on their owner "
+                       "(ring or direct); backward: dy all-gather overlapped with dgrad"),
+        Implementation("reference", _always, collective_reference.linear_rs_forward,
+                       collective_reference.linear_rs_backward, description="one GEMM, then reduce-scatter"),
+    ],
+    "linear_bias_activation": [
+        Implementation("cublaslt_epilogue", cublaslt.check, cublaslt.forward, activation_reference.backward,
+                       description="cuBLASLt GEMM with bias+GELU(tanh) epilogue"),
+        Implementation("reference", _always, activation_reference.forward, activation_reference.backward,
+                       description="addmm, then gelu"),
+    ],
+    "grouped_linear": [
+        Implementation("triton", triton_impl.check, triton_impl.forward, triton_impl.backward,
+                       description="Triton grouped GEMM, pointer loads (any size), device group sizes"),
+        Implementation("triton_tma", triton_impl.check_tma, triton_impl.forward_tma, triton_impl.backward_tma,
+                       description="Triton grouped GEMM, TMA loads, device group sizes, fused bias, zeroed tail"),
+        Implementation("torch_grouped_mm", torch_mm.check, torch_mm.forward, torch_mm.backward,
+                       description="torch._grouped_mm (CUTLASS) with device offsets, tail and empty groups zeroed"),
+        Implementation("reference", _always, grouped_reference.reference_forward,
+                       grouped_reference.reference_backward, description="loop of matmuls over host group sizes (syncs "
+                                                                           "on a GPU)"),
+    ],
+}
+
+_BY_NAME = {op: {impl.name: impl for impl in impls} for op, impls in TABLE.items()}
+
+
+def for_op(op: str) -> list[Implementation]:
+    """``op``'s implementations in the order tried."""
+    try:
+        return TABLE[op]
+    except KeyError:
+        raise ImplementationError(f"no fused op {op!r} in the implementation table; known: {sorted(TABLE)}") from None
+
+
+def get(op: str, name: str) -> Implementation:
+    """Implementation ``name`` of ``op`` (what a custom op runs for the ``impl`` it was given)."""
+    try:
+        return _BY_NAME[op][name]
+    except KeyError:
+        known = sorted(_BY_NAME[op]) if op in _BY_NAME else sorted(TABLE)
+        raise ImplementationError(f"{op}: no implementation {name!r}; known: {known}") from None
+
+
+def names() -> dict[str, list[str]]:
+    """``{fused op: [implementation names in order]}`` (for ``doctor`` and setting validation)."""
+    return {op: [impl.name for impl in impls] for op, impls in TABLE.items()}

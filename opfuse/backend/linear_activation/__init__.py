@@ -1,0 +1,1 @@
+"""GEMM + bias + activation as one fused op (``linear_bias_activation``)."""

@@ -1,0 +1,126 @@
+// pybind11 bindings of the residual-norm kernels (module _opfuse_residual_norm). Tensors cross as
+// raw device addresses (Python ints, 0 = absent) and streams as cudaStream_t handles; the Python
+// side (residual_norm/cuda.py) checks shapes, dtypes, devices and contiguity before calling. A
+// kernel error raises RuntimeError.
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "pybind_codes.h"
+#include "residual_norm.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T = void>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void check(const char* error, const char* what) {
+  if (error) throw std::runtime_error(std::string(what) + ": " + error);
+}
+
+opfuse::ResidualNormArgs make_args(uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
+                                   uintptr_t norm_bias, uintptr_t y, uintptr_t h, int64_t tokens, int64_t hidden,
+                                   float eps, int norm, int dtype) {
+  opfuse::ResidualNormArgs args;
+  args.x = ptr(x);
+  args.bias = ptr(bias);
+  args.residual = ptr(residual);
+  args.weight = ptr(weight);
+  args.norm_bias = ptr(norm_bias);
+  args.y = ptr(y);
+  args.h = ptr(h);
+  args.tokens = tokens;
+  args.hidden = hidden;
+  args.eps = eps;
+  args.norm = norm;
+  args.dtype = dtype;
+  return args;
+}
+
+cudaStream_t stream_of(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+}  // namespace
+
+PYBIND11_MODULE(_opfuse_residual_norm, m) {
+  m.doc() = "opfuse residual-norm kernels (all-reduce + residual + norm over peer memory, fused norms)";
+  opfuse::export_dtype_codes(m);
+  pybind11::dict norms;
+  norms["none"] = static_cast<int>(opfuse::NormKind::kNone);
+  norms["rms"] = static_cast<int>(opfuse::NormKind::kRMS);
+  norms["layer"] = static_cast<int>(opfuse::NormKind::kLayer);
+  m.attr("NORMS") = norms;
+
+  py::class_<opfuse::PeerRegion>(m, "PeerRegion")
+      .def(py::init([](uintptr_t peers, uintptr_t local, int rank, int world, int64_t bytes, int64_t capacity) {
+             opfuse::PeerRegion region;
+             region.peers = ptr<const uint64_t>(peers);
+             region.local = ptr(local);
+             region.rank = rank;
+             region.world = world;
+             region.bytes = bytes;
+             region.capacity = capacity;
+             return region;
+           }),
+           py::arg("peers"), py::arg("local"), py::arg("rank"), py::arg("world"), py::arg("bytes"),
+           py::arg("capacity"))
+      .def_readonly("rank", &opfuse::PeerRegion::rank)
+      .def_readonly("world", &opfuse::PeerRegion::world)
+      .def_readonly("bytes", &opfuse::PeerRegion::bytes)
+      .def_readonly("capacity", &opfuse::PeerRegion::capacity);
+
+  m.attr("MAX_WORLD") = opfuse::kMaxWorld;
+  m.attr("MAX_BLOCKS") = opfuse::kMaxBlocks;
+  m.def("oneshot_region_bytes", &opfuse::oneshot_region_bytes, py::arg("world"), py::arg("capacity"));
+  m.def("twoshot_region_bytes", &opfuse::twoshot_region_bytes, py::arg("world"), py::arg("capacity"));
+
+  m.def("oneshot_init", [](const opfuse::PeerRegion& region, int dtype, uintptr_t stream) {
+    check(opfuse::oneshot_init(region, dtype, stream_of(stream)), "oneshot_init");
+  });
+  m.def("twoshot_init", [](const opfuse::PeerRegion& region, uintptr_t stream) {
+    check(opfuse::twoshot_init(region, stream_of(stream)), "twoshot_init");
+  });
+
+  m.def("allreduce_oneshot",
+        [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,
+           uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm, int dtype,
+           const opfuse::PeerRegion& region, int max_blocks, uintptr_t stream) {
+          const auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
+          check(opfuse::allreduce_oneshot(args, region, max_blocks, stream_of(stream)), "allreduce_oneshot");
+        });
+  m.def("allreduce_twoshot",
+        [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,
+           uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm, int dtype,
+           const opfuse::PeerRegion& region, int blocks, uintptr_t stream) {
+          const auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
+          check(opfuse::allreduce_twoshot(args, region, blocks, stream_of(stream)), "allreduce_twoshot");
+        });
+  m.def("add_norm",
+        [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,
+           uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm, int dtype, int max_blocks,
+           uintptr_t stream) {
+          const auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
+          check(opfuse::add_norm(args, max_blocks, stream_of(stream)), "add_norm");
+        });
+  m.def("rms_norm_backward",
+        [](uintptr_t dy, uintptr_t h, uintptr_t weight, uintptr_t dh_out, uintptr_t dh, uintptr_t dw_partial,
+           uintptr_t dw, int64_t tokens, int64_t hidden, float eps, int dtype, int blocks, uintptr_t stream) {
+          opfuse::RMSNormBackwardArgs args;
+          args.dy = ptr(dy);
+          args.h = ptr(h);
+          args.weight = ptr(weight);
+          args.dh_out = ptr(dh_out);
+          args.dh = ptr(dh);
+          args.dw_partial = ptr<float>(dw_partial);
+          args.dw = ptr(dw);
+          args.tokens = tokens;
+          args.hidden = hidden;
+          args.eps = eps;
+          args.dtype = dtype;
+          check(opfuse::rms_norm_backward(args, blocks, stream_of(stream)), "rms_norm_backward");
+        });
+}

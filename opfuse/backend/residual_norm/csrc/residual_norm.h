@@ -1,0 +1,82 @@
+// The residual-norm kernels' C++ API (raw pointers, sizes, a stream). Bound to Python in bindings.cpp.
+//
+// Every function returns nullptr on success or a static/thread-local message describing the
+// failure (bad arguments, or the CUDA error of the launch). Tensors are row-major
+// [tokens, hidden], contiguous, 16-byte aligned, of one dtype (DType); hidden * sizeof(dtype) must
+// be a multiple of 16.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace opfuse {
+
+enum class NormKind : int { kNone = 0, kRMS = 1, kLayer = 2 };
+
+struct ResidualNormArgs {
+  const void* x = nullptr;          // this rank's partial sums (single GPU: the activations)
+  const void* bias = nullptr;       // [hidden], added after the reduction; may be null
+  const void* residual = nullptr;   // [tokens, hidden]; may be null
+  const void* weight = nullptr;     // norm weight [hidden]; may be null
+  const void* norm_bias = nullptr;  // LayerNorm bias [hidden]; may be null
+  void* y = nullptr;                // [tokens, hidden] output
+  void* h = nullptr;                // [tokens, hidden] new residual (pre-norm sum); may be null
+  int64_t tokens = 0;
+  int64_t hidden = 0;
+  float eps = 1e-6f;
+  int norm = 0;   // NormKind: 0 none, 1 RMSNorm, 2 LayerNorm
+  int dtype = 0;  // DType (runtime/csrc/dtype.h)
+};
+
+// One rank's view of a region of the symmetric pool: the same byte range on every rank.
+struct PeerRegion {
+  const uint64_t* peers = nullptr;  // device array [world]: the region's address on each rank
+  void* local = nullptr;            // this rank's region (== peers[rank], as a host-side value)
+  int rank = 0;
+  int world = 1;
+  int64_t bytes = 0;                // region size
+  int64_t capacity = 0;             // largest message (bytes per rank) the region was sized for
+};
+
+constexpr int kMaxWorld = 8;
+constexpr int kMaxBlocks = 128;  // two-shot grid (identical on every rank; <= SM count)
+
+// Region sizes for a given world size and message capacity (bytes per rank).
+int64_t oneshot_region_bytes(int world, int64_t capacity);
+int64_t twoshot_region_bytes(int world, int64_t capacity);
+
+// Lamport one-shot all-reduce (+ bias + residual + norm). The region must start zeroed state and
+// sentinel-filled buffers (oneshot_init); ``max_blocks`` caps the grid.
+const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, int max_blocks,
+                              cudaStream_t stream);
+// Writes the initial state of a one-shot region on this rank (zero state, sentinel buffers).
+const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t stream);
+
+// Two-shot all-reduce: reduce-scatter by token rows, all-gather the reduced rows, then every rank
+// applies bias + residual + norm to all rows. ``blocks`` must be the same on every rank.
+const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, int blocks,
+                              cudaStream_t stream);
+const char* twoshot_init(const PeerRegion& region, cudaStream_t stream);
+
+// Single GPU: y = norm(x + bias + residual), h = the sum.
+const char* add_norm(const ResidualNormArgs& args, int max_blocks, cudaStream_t stream);
+
+struct RMSNormBackwardArgs {
+  const void* dy = nullptr;      // [tokens, hidden]
+  const void* h = nullptr;       // [tokens, hidden] the norm's input
+  const void* weight = nullptr;  // [hidden]; may be null
+  const void* dh_out = nullptr;  // [tokens, hidden] gradient reaching h from elsewhere; may be null
+  void* dh = nullptr;            // [tokens, hidden] output
+  float* dw_partial = nullptr;   // [blocks, hidden] float32 scratch (when weight is set)
+  void* dw = nullptr;            // [hidden] output (when weight is set)
+  int64_t tokens = 0;
+  int64_t hidden = 0;
+  float eps = 1e-6f;
+  int dtype = 0;
+};
+
+// dh = d(rmsnorm)/dh . dy (+ dh_out); dw = sum_tokens(dy * h * rstd). ``blocks`` sizes dw_partial.
+const char* rms_norm_backward(const RMSNormBackwardArgs& args, int blocks, cudaStream_t stream);
+
+}  // namespace opfuse

@@ -1,0 +1,195 @@
+// Row-level building blocks shared by every residual-norm kernel: the thread layout of one row,
+// the bias + residual + norm epilogue, argument checks and the dtype/VPT dispatch.
+//
+// A block works on one row at a time. Thread t owns the 16-byte packs t, t + blockDim.x, ...
+// (VPT of them), so a row lives in registers between the reduction and the normalisation.
+#pragma once
+
+#include <cstdio>
+
+#include "common.cuh"
+#include "residual_norm.h"
+
+namespace opfuse {
+
+template <typename T, int VPT>
+struct RowRegs {
+  static constexpr int kElems = Pack<T>::kElems;
+  float v[VPT][kElems];
+
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) v[j][e] = 0.f;
+  }
+
+  __device__ __forceinline__ void add(int j, const uint4& raw) {
+    Pack<T> p;
+    p.raw = raw;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) v[j][e] += Elem<T>::to_float(p.elems[e]);
+  }
+
+  // Round every value to T (what storing and re-loading would give) and return the packed form.
+  __device__ __forceinline__ uint4 round(int j) {
+    Pack<T> p;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+      p.elems[e] = Elem<T>::from_float(v[j][e]);
+      v[j][e] = Elem<T>::to_float(p.elems[e]);
+    }
+    return p.raw;
+  }
+};
+
+// h = T(sum + bias + residual) (written when args.h is set); y = norm(h) or h.
+// ``regs`` holds the reduced sum of row ``row`` (zero in packs past the row end).
+// Every thread of the block must call this (it contains barriers).
+template <typename T, int VPT>
+__device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, const ResidualNormArgs& a, int nvec,
+                                           float* scratch) {
+  constexpr int E = Pack<T>::kElems;
+  const uint4* bias = static_cast<const uint4*>(a.bias);
+  const uint4* res = a.residual ? static_cast<const uint4*>(a.residual) + row * nvec : nullptr;
+  uint4* h_out = a.h ? static_cast<uint4*>(a.h) + row * nvec : nullptr;
+  uint4* y_out = static_cast<uint4*>(a.y) + row * nvec;
+  float local_sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int idx = j * blockDim.x + threadIdx.x;
+    if (idx < nvec) {
+      if (bias) regs.add(j, __ldg(bias + idx));
+      if (res) regs.add(j, __ldg(res + idx));
+      const uint4 packed = regs.round(j);
+      if (h_out) h_out[idx] = packed;
+      if (a.norm == static_cast<int>(NormKind::kNone)) y_out[idx] = packed;
+#pragma unroll
+      for (int e = 0; e < E; ++e) local_sum += regs.v[j][e];
+    }
+  }
+  if (a.norm == static_cast<int>(NormKind::kNone)) return;  // uniform branch: no barrier skipped unevenly
+
+  const float inv_h = 1.f / static_cast<float>(a.hidden);
+  float mean = 0.f, sq = 0.f;
+  if (a.norm == static_cast<int>(NormKind::kLayer)) {
+    mean = block_sum(local_sum, scratch) * inv_h;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      if (j * blockDim.x + threadIdx.x < nvec) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          const float d = regs.v[j][e] - mean;
+          sq += d * d;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      if (j * blockDim.x + threadIdx.x < nvec) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) sq += regs.v[j][e] * regs.v[j][e];
+      }
+    }
+  }
+  const float rstd = rsqrtf(block_sum(sq, scratch) * inv_h + a.eps);
+  const uint4* weight = static_cast<const uint4*>(a.weight);
+  const uint4* nbias = static_cast<const uint4*>(a.norm_bias);
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int idx = j * blockDim.x + threadIdx.x;
+    if (idx < nvec) {
+      Pack<T> w, b, out;
+      if (weight) w.raw = __ldg(weight + idx);
+      if (nbias) b.raw = __ldg(nbias + idx);
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        float val = (regs.v[j][e] - mean) * rstd;
+        if (weight) val *= Elem<T>::to_float(w.elems[e]);
+        if (nbias) val += Elem<T>::to_float(b.elems[e]);
+        out.elems[e] = Elem<T>::from_float(val);
+      }
+      y_out[idx] = out.raw;
+    }
+  }
+}
+
+// The last block of a call to finish stores ``next`` into state[0] (the call/sequence counter
+// every block read at its start) and resets the finished-blocks counter state[1]. All blocks
+// read state[0] before any can be last, so they all saw the same value; the next launch on the
+// stream sees the new one. ``on_last`` runs in the last block's thread 0 before the publish.
+template <typename OnLast>
+__device__ __forceinline__ void publish_call(uint32_t* state, uint32_t next, OnLast&& on_last) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(state + 1, 1u);
+    if (done == gridDim.x - 1) {
+      state[1] = 0;
+      on_last();
+      __threadfence();
+      atomicExch(state, next);
+    }
+  }
+}
+
+// --- Host side ------------------------------------------------------------------------------
+
+inline int dtype_size(int dtype) { return dtype == static_cast<int>(DType::kFloat32) ? 4 : 2; }
+
+// Threads per block and packs per thread for a row of ``hidden`` elements.
+struct RowLayout {
+  int threads = 0;
+  int vpt = 0;   // packs per thread actually needed
+  int nvec = 0;  // packs per row
+};
+
+inline RowLayout row_layout(int64_t hidden, int dtype) {
+  RowLayout layout;
+  const int elems = kPackBytes / dtype_size(dtype);
+  layout.nvec = static_cast<int>(hidden / elems);
+  int threads = ((layout.nvec + 31) / 32) * 32;
+  layout.threads = threads > kMaxThreads ? kMaxThreads : threads;
+  layout.vpt = (layout.nvec + layout.threads - 1) / layout.threads;
+  return layout;
+}
+
+constexpr int kMaxVpt = 8;
+
+inline const char* check_residual_norm_args(const ResidualNormArgs& a) {
+  if (a.dtype < 0 || a.dtype > 2) return "opfuse kernel: dtype must be 0 (float32), 1 (bfloat16) or 2 (float16)";
+  if (a.norm < 0 || a.norm > 2) return "opfuse kernel: norm must be 0 (none), 1 (rms) or 2 (layer)";
+  if (a.tokens < 0 || a.hidden <= 0) return "opfuse kernel: tokens must be >= 0 and hidden > 0";
+  if ((a.hidden * dtype_size(a.dtype)) % kPackBytes) return "opfuse kernel: hidden * element size must be a multiple of 16 bytes";
+  if (row_layout(a.hidden, a.dtype).vpt > kMaxVpt) return "opfuse kernel: hidden too large (max 65536 for 16-bit, 32768 for float32)";
+  if (!a.x || !a.y) return "opfuse kernel: x and y are required";
+  const void* ptrs[] = {a.x, a.bias, a.residual, a.weight, a.norm_bias, a.y, a.h};
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % kPackBytes) return "opfuse kernel: every pointer must be 16-byte aligned";
+  return nullptr;
+}
+
+inline const char* launch_status() {
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+// Calls ``fn.template operator()<T, VPT>()`` for the runtime dtype and the smallest VPT >= vpt.
+template <typename Fn>
+const char* dispatch_row_kernel(int dtype, int vpt, Fn&& fn) {
+  auto by_vpt = [&](auto tag) -> const char* {
+    using T = decltype(tag);
+    if (vpt <= 1) return fn.template operator()<T, 1>();
+    if (vpt <= 2) return fn.template operator()<T, 2>();
+    if (vpt <= 4) return fn.template operator()<T, 4>();
+    return fn.template operator()<T, 8>();
+  };
+  switch (dtype) {
+    case 0: return by_vpt(float{});
+    case 1: return by_vpt(__nv_bfloat16{});
+    default: return by_vpt(__half{});
+  }
+}
+
+}  // namespace opfuse

@@ -1,0 +1,68 @@
+"""Reference implementation of the residual-norm family: torch ops and ``torch.distributed``,
+exactly the unfused chain of basic ops, on any device and dtype."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ...ops import group as groups
+from ...ops.collectives import raw_all_reduce
+from ...ops.norm import compute_dtype, layer_norm_reference, rms_norm_reference
+
+__all__ = ["NORMS", "apply_norm", "forward", "backward"]
+
+#: Norm kinds of the family: RMSNorm, LayerNorm, or none (a plain all-reduce).
+NORMS = ("rms", "layer", "none")
+
+
+def apply_norm(h: Tensor, weight: Optional[Tensor], norm_bias: Optional[Tensor], norm: str, eps: float) -> Tensor:
+    if norm == "rms":
+        return rms_norm_reference(h, weight, eps)
+    if norm == "layer":
+        return layer_norm_reference(h, weight, norm_bias, eps)
+    raise ValueError(f"residual_norm: norm={norm!r}; accepted: {NORMS}")
+
+
+def forward(x, bias, residual, weight, norm_bias, eps, group, write_residual, *, norm):
+    """``h = sum_ranks(x) [+ bias] [+ residual]`` (no sum when ``group`` is empty), ``y = norm(h)``;
+    returns ``(y, h)`` with ``h`` empty unless ``write_residual``."""
+    h = raw_all_reduce(x, groups.from_name(group)) if group else x
+    if bias is not None:
+        h = h + bias
+    if residual is not None:
+        h = h + residual
+    if norm == "none":
+        return (h.clone() if h is x else h), x.new_empty(0)
+    y = apply_norm(h, weight, norm_bias, norm, eps)
+    if not write_residual:
+        return y, x.new_empty(0)
+    return y, (h.clone() if h is x or h is residual else h)
+
+
+def backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):
+    """Gradient of ``y = norm(h)`` plus ``dh_out`` (the gradient reaching ``h`` from its other use),
+    summed in float32 and rounded once (closed form; custom ops run without autograd):
+    ``(dh, dweight, dnorm_bias)``, the latter two empty when absent."""
+    ct = compute_dtype(h.dtype)
+    hf = h.to(ct).reshape(-1, h.shape[-1])
+    dyf = dy.to(ct).reshape(-1, h.shape[-1])
+    g = dyf * weight.to(ct) if weight is not None else dyf
+    if norm == "rms":
+        rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = hf * rstd
+        dh = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    elif norm == "layer":
+        mean = hf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((hf - mean).pow(2).mean(-1, keepdim=True) + eps)
+        xhat = (hf - mean) * rstd
+        dh = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    else:
+        raise ValueError(f"residual_norm backward: norm={norm!r}; accepted: 'rms', 'layer'")
+    if dh_out is not None:
+        dh = dh + dh_out.to(ct).reshape(dh.shape)
+    dw = (dyf * xhat).sum(0).to(weight.dtype) if weight is not None else dy.new_empty(0)
+    db = dyf.sum(0).to(norm_bias.dtype) if norm_bias is not None else dy.new_empty(0)
+    return dh.to(h.dtype).reshape(h.shape), dw, db

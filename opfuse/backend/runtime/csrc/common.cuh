@@ -1,0 +1,164 @@
+// Shared device helpers for opfuse kernels: 16-byte packs of bf16/fp16/fp32, the -0.0 sentinel
+// used by the Lamport protocol, memory-model-aware loads/stores, and block reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dtype.h"
+
+namespace opfuse {
+
+constexpr int kPackBytes = 16;
+constexpr int kMaxThreads = 1024;
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float to_float(float v) { return v; }
+  static __device__ __forceinline__ float from_float(float v) { return v; }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Elem<__half> {
+  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+};
+
+// A 16-byte pack of T: the unit every kernel moves.
+template <typename T>
+union Pack {
+  static constexpr int kElems = kPackBytes / sizeof(T);
+  uint4 raw;
+  uint32_t words[4];
+  T elems[kElems];
+};
+
+// --- The Lamport sentinel -------------------------------------------------------------------
+// Receive buffers hold -0.0 in every element until a peer's value lands. Senders turn a real
+// -0.0 into +0.0 (which sums identically), so "no element equals -0.0" means "all arrived".
+
+template <typename T>
+__device__ __forceinline__ uint4 sentinel_pack() {
+  if constexpr (sizeof(T) == 4) {
+    return make_uint4(0x80000000u, 0x80000000u, 0x80000000u, 0x80000000u);
+  } else {
+    return make_uint4(0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ bool has_sentinel(const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 4) {
+      any |= (w[i] == 0x80000000u);
+    } else {
+      any |= ((w[i] & 0xFFFFu) == 0x8000u) | ((w[i] >> 16) == 0x8000u);
+    }
+  }
+  return any;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 clear_negative_zero(uint4 v) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 4) {
+      if (w[i] == 0x80000000u) w[i] = 0u;
+    } else {
+      if ((w[i] & 0xFFFFu) == 0x8000u) w[i] &= 0xFFFF0000u;
+      if ((w[i] >> 16) == 0x8000u) w[i] &= 0x0000FFFFu;
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// --- Loads and stores -------------------------------------------------------------------------
+
+__device__ __forceinline__ uint4 ld_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_volatile(uint4* p, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+// Read through L2 only: data that peers wrote into our memory must not come from a stale L1 line.
+__device__ __forceinline__ uint4 ld_l2(const uint4* p) { return __ldcg(p); }
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Spinning on peers is bounded: a lost peer traps (a CUDA error the host reports) instead of
+// hanging the GPU forever. ~20 s at Hopper clocks.
+constexpr long long kSpinLimitCycles = 40LL * 1000 * 1000 * 1000;
+
+__device__ __forceinline__ void spin_check(long long start, const char* what) {
+  if (clock64() - start > kSpinLimitCycles) {
+    printf("opfuse: %s timed out in block %d thread %d (a peer never arrived)\n", what, blockIdx.x, threadIdx.x);
+    __trap();
+  }
+}
+
+// --- Block reductions -------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Two sums at once (the RMSNorm backward reduces sum(h * h) and sum(g * h) together).
+__device__ __forceinline__ float2 warp_sum(float2 v) {
+  return make_float2(warp_sum(v.x), warp_sum(v.y));
+}
+
+// Sum over the block of ``V`` = float or float2; every thread gets the result. ``scratch`` holds
+// >= 33 values; the function ends with a barrier so scratch can be reused immediately.
+template <typename V>
+__device__ __forceinline__ V block_sum(V v, V* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    V t = lane < warps ? scratch[lane] : V{};
+    t = warp_sum(t);
+    if (lane == 0) scratch[32] = t;
+  }
+  __syncthreads();
+  const V total = scratch[32];
+  __syncthreads();
+  return total;
+}
+
+}  // namespace opfuse
