@@ -27,6 +27,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from torch import nn
 
+from .. import log
 from ..ops.base import Described, TensorMeta
 
 __all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "choose", "FusedOp", "FusedCall",
@@ -122,6 +123,7 @@ def choose(spec: CallSpec, impls: Sequence[Implementation], forced: str | None =
         reason = impl.check(spec)
         if reason is None:
             impl.prepare(spec)
+            log.fallback(spec.op, impl.name, skipped)
             return Choice(impl, tuple(skipped))
         if forced is not None:
             raise ImplementationError(f"{spec.op}: forced implementation {forced!r} cannot run: {reason}")

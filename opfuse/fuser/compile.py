@@ -9,6 +9,7 @@ import os
 import torch
 from torch import fx
 
+from .. import log
 from ..config import config, version
 from ..debug.dump import render_python, render_text
 from ..ops.base import TensorMeta, structure_version
@@ -76,6 +77,9 @@ def cached_program(seq, inputs) -> Program:
     key = signature(seq, inputs)
     program = seq._programs.get(key)
     if program is None:
+        if seq._programs:
+            log.recompile(type(seq).__name__, f"a new input signature, setting, rule set or structure "
+                                              f"({len(seq._programs)} program(s) cached)")
         program = build_program(seq, inputs)
         seq._programs[key] = program
     return program

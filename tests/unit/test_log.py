@@ -90,3 +90,21 @@ def test_env_variable_reaches_a_fresh_process():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "opfuse[rank -] INFO opfuse.compile: compiling block: settings changed" in result.stderr
+
+
+def test_the_core_logs_fallbacks_and_recompiles(capsys, world1):
+    """The call sites: a fused op choosing a slower implementation (on CPU every kernel is
+    skipped, the reference runs) and a block compiling for a second input signature."""
+    import torch
+
+    from opfuse import ops
+
+    block = ops.Sequential(ops.Linear(8, 8, parallel="row"), ops.AddExtraInput(), ops.MakeExtraOutput(),
+                           ops.RMSNorm(8))
+    with opfuse.config.override(log="info"):
+        block(torch.randn(2, 8), torch.randn(2, 8))
+        block(torch.randn(3, 8), torch.randn(3, 8))
+    err = capsys.readouterr().err
+    assert "INFO opfuse.dispatch: allreduce_add_rmsnorm: running reference; skipped cuda_oneshot (needs a CUDA " \
+           "device)" in err, err
+    assert "INFO opfuse.compile: compiling Sequential: a new input signature" in err, err

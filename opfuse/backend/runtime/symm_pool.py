@@ -29,6 +29,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ... import log
 from ...config import config
 from ...ops import group as groups
 from .device import is_capturing
@@ -198,6 +199,7 @@ class SymmetricPool:
         if self.capacity + size > limit:
             return None
         self._add_segment(size)
+        log.pool_growth(self.group_name, size / 2**20, self.capacity / 2**20, config.symm_pool_max_mb, name)
         return self._carve(name, len(self.segments) - 1, nbytes)
 
     def _carve(self, name: str, index: int, nbytes: int) -> Region:
