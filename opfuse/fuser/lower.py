@@ -16,6 +16,7 @@ import torch
 from torch import fx, nn
 
 from ..ops.base import OpInputError, TensorMeta
+from ..ops.expansion import evaluate
 from ..ops.sharding import REPLICATED
 from ..passes.rewrite import snake_case
 
@@ -40,12 +41,8 @@ def _meta_and_sharding(op, args):
     shardings = [a.meta["opfuse_sharding"] for a in args]
     if getattr(op, "is_composite", False):
         basics, out = op.expand(shardings[0])
-        extra = list(metas[1:])
-        meta = metas[0]
         try:
-            for basic in basics:
-                taken = [extra.pop(0) for _ in range(basic.num_extra_inputs)]
-                meta = basic.infer_meta(meta, *taken)
+            meta = evaluate(basics, metas[0], metas[1:], lambda basic, args, taken: basic.infer_meta(*args, *taken))
         except OpInputError as error:
             raise type(error)(f"{op.describe()}: {error}") from None
         return meta, out

@@ -5,10 +5,11 @@ Compose them with :class:`Sequential` (defined with the compiler, :mod:`opfuse.f
 and named here); opfuse lowers, partitions and fuses the chain.
 """
 
-from .activation import GELU, SwiGLU
+from .activation import GELU, GatedActivation, SwiGLU
 from .base import BasicOp, OpInputError, PartitionError, TensorMeta
 from .collectives import AllGather, AllReduce, GradAllReduce, ReduceScatter, SplitFeatures
 from .extra import AddExtraInput, Identity, MakeExtraOutput
+from .gated import GatedLinear
 from .grouped import BasicGroupedLinear, GroupedLinear
 from .linear import BasicLinear, Bias, Linear
 from .norm import LayerNorm, RMSNorm
@@ -23,6 +24,8 @@ __all__ = [
     "BasicOp",
     "Bias",
     "GELU",
+    "GatedActivation",
+    "GatedLinear",
     "GradAllReduce",
     "GroupedLinear",
     "Identity",

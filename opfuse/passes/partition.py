@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch import fx
 
 from ..ops.base import BasicOp
+from ..ops.expansion import evaluate
 from ..ops.sharding import Sharding
 from .rewrite import add_submodule, snake_case
 
@@ -34,22 +35,22 @@ def _expand(gm: fx.GraphModule, node: fx.Node, op: BasicOp) -> None:
     graph = gm.graph
     src = node.args[0]
     expanded, out = op.expand(src.meta["opfuse_sharding"])
-    value, meta = src, src.meta["opfuse_meta"]
-    extras = list(node.args[1:])
     path = node.meta.get("opfuse_path", node.name)
+
+    def add(basic: BasicOp, args: list, taken: list) -> fx.Node:
+        name = add_submodule(gm, f"{node.target}_{snake_case(basic.kind)}", basic)
+        inputs = [*args, *taken]
+        value = graph.call_module(name, tuple(inputs))
+        value.meta["opfuse_meta"] = basic.infer_meta(*(a.meta["opfuse_meta"] for a in inputs))
+        value.meta["opfuse_path"] = f"{path}.{snake_case(basic.kind)}"
+        shardings = [a.meta["opfuse_sharding"] for a in inputs]
+        value.meta["opfuse_sharding"] = basic.propagate_sharding(*shardings)
+        _mark_sequence_parallel_params(basic, shardings[0])
+        return value
+
     with graph.inserting_before(node):
-        for basic in expanded:
-            name = add_submodule(gm, f"{node.target}_{snake_case(basic.kind)}", basic)
-            # Extra inputs of the composite go to the expanded ops that declare them, in order.
-            taken = [extras.pop(0) for _ in range(basic.num_extra_inputs)]
-            inner = value.meta["opfuse_sharding"]
-            value = graph.call_module(name, (value, *taken))
-            meta = basic.infer_meta(meta, *(t.meta["opfuse_meta"] for t in taken))
-            value.meta["opfuse_meta"] = meta
-            value.meta["opfuse_path"] = f"{path}.{snake_case(basic.kind)}"
-            value.meta["opfuse_sharding"] = basic.propagate_sharding(
-                inner, *(t.meta["opfuse_sharding"] for t in taken))
-            _mark_sequence_parallel_params(basic, inner)
+        # Extra inputs of the composite go to the expanded ops that declare them, in order.
+        value = evaluate(expanded, src, list(node.args[1:]), add)
     value.meta["opfuse_sharding"] = out
     node.replace_all_uses_with(value)
     graph.erase_node(node)

@@ -103,9 +103,13 @@ def single_linears(rank, world):
 
 
 def mlp_block(world, hidden, ffn, sp, act="gelu"):
-    first = ops.Linear(hidden, 2 * ffn if act == "swiglu" else ffn, parallel="column", sequence_parallel=sp, dtype=DT)
+    if act == "swiglu":  # separate gate and up weights; the activation is part of the layer
+        first, activation = ops.GatedLinear(hidden, ffn, bias=True, parallel="column", sequence_parallel=sp,
+                                            dtype=DT), ops.Identity()
+    else:
+        first, activation = ops.Linear(hidden, ffn, parallel="column", sequence_parallel=sp, dtype=DT), ops.GELU()
     return ops.Sequential(
-        ops.RMSNorm(hidden, dtype=DT), first, ops.GELU() if act == "gelu" else ops.SwiGLU(),
+        ops.RMSNorm(hidden, dtype=DT), first, activation,
         ops.Linear(ffn, hidden, parallel="row", sequence_parallel=sp, dtype=DT),
         ops.AddExtraInput(), ops.MakeExtraOutput(), ops.RMSNorm(hidden, dtype=DT))
 
@@ -118,13 +122,8 @@ def mlp(rank, world, sp, act, fuse):
         block[0].weight.copy_(full.n1)
         block[6].weight.copy_(full.n2)
     if act == "swiglu":
-        # Column shards hold [gate rows of this rank; up rows of this rank] (see ops.SwiGLU).
-        half = full.w1.shape[0] // 2
-        gate_w, up_w = full.w1[:half], full.w1[half:]
-        gate_b, up_b = full.b1[:half], full.b1[half:]
-        w1 = torch.cat([torch.cat([rows(gate_w, r, world), rows(up_w, r, world)]) for r in range(world)])
-        b1 = torch.cat([torch.cat([rows(gate_b, r, world), rows(up_b, r, world)]) for r in range(world)])
-        block[1].load_unsharded(w1, b1)
+        # The checkpoint layout torch.cat([gate, up]) loads as it is.
+        block[1].load_unsharded(gate_up=full.w1, gate_up_bias=full.b1)
     else:
         block[1].load_unsharded(full.w1, full.b1)
     block[3].load_unsharded(full.w2, full.b2)
@@ -162,6 +161,12 @@ def mlp(rank, world, sp, act, fuse):
     if act == "gelu":
         check(f"{tag} dW1", block[1].weight.grad, rows(w1.grad, rank, world))
         check(f"{tag} db1", block[1].bias.grad, rows(b1.grad, rank, world))
+    else:
+        (gate_dw, up_dw), (gate_db, up_db) = w1.grad.chunk(2), b1.grad.chunk(2)
+        check(f"{tag} dW gate", block[1].gate_weight.grad, rows(gate_dw, rank, world))
+        check(f"{tag} dW up", block[1].up_weight.grad, rows(up_dw, rank, world))
+        check(f"{tag} db gate", block[1].gate_bias.grad, rows(gate_db, rank, world))
+        check(f"{tag} db up", block[1].up_bias.grad, rows(up_db, rank, world))
     return program
 
 
