@@ -26,6 +26,9 @@ class Config:
     fuse: bool = True
     #: Rule names never applied (``OPFUSE_DISABLE_RULES=name1,name2``).
     disabled_rules: tuple[str, ...] = ()
+    #: Registered or built-in passes never run (``OPFUSE_DISABLE_PASSES=name1,name2``); names are
+    #: checked against the pipeline when a program is compiled (``opfuse.passes.passes()``).
+    disabled_passes: tuple[str, ...] = ()
     #: Force implementations: ``"fused_op=impl,..."`` (fused-op names as in ``doctor``, e.g.
     #: ``allreduce_add_rmsnorm=cuda_twoshot``) or a bare implementation name, used for every fused
     #: op that has one (``OPFUSE_FORCE_IMPL``). A forced implementation that is not capable is an
@@ -74,6 +77,8 @@ class Config:
         choices = _CHOICES.get(name)
         if choices is not None and value not in choices:
             raise ValueError(f"opfuse.config.{name}={value!r}; accepted: {', '.join(map(repr, choices))}")
+        if name in _NAME_LISTS:
+            value = _name_list(f"opfuse.config.{name}", value)
         object.__setattr__(self, name, value)
         _version += 1
 
@@ -91,6 +96,7 @@ _ENV_PREFIX = "OPFUSE_"
 _ENV_NAMES = {
     "fuse": "FUSE",
     "disabled_rules": "DISABLE_RULES",
+    "disabled_passes": "DISABLE_PASSES",
     "force_impl": "FORCE_IMPL",
     "dump_dir": "DUMP",
     "verify": "VERIFY",
@@ -107,6 +113,26 @@ _ENV_NAMES = {
 }
 #: Settings restricted to a set of values.
 _CHOICES = {"overlap_alternate_streams": ("auto", "on", "off"), "log": ("warning", "info", "debug")}
+#: Settings holding names (a comma-separated string or a sequence of strings, stored as a tuple).
+_NAME_LISTS = ("disabled_passes",)
+
+
+def _name_list(source: str, value: Any) -> tuple[str, ...]:
+    """``value`` as a tuple of names: a comma-separated string or a sequence of strings, each an
+    identifier-like name (letters, digits, ``_`` or ``-``)."""
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",")]
+        if value.strip() and not all(items):
+            raise ValueError(f"{source}={value!r}: an empty name between commas; expected name1,name2")
+        items = [item for item in items if item]
+    elif isinstance(value, (tuple, list)):
+        items = list(value)
+    else:
+        raise ValueError(f"{source}={value!r}: expected names (a comma-separated string or a tuple of strings)")
+    for item in items:
+        if not isinstance(item, str) or not item.replace("-", "_").isidentifier():
+            raise ValueError(f"{source}={value!r}: {item!r} is not a pass name; expected name1,name2")
+    return tuple(items)
 
 _version = 0
 config = Config()
@@ -134,6 +160,8 @@ def _parse(field: dataclasses.Field, raw: str, source: str) -> Any:
         if value < 0:
             raise ValueError(f"{source}={raw!r}: expected a non-negative integer")
         return value
+    if field.name in _NAME_LISTS:
+        return _name_list(source, raw)
     if field.name in _CHOICES:
         low = raw.strip().lower()
         if low not in _CHOICES[field.name]:

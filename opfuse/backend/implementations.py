@@ -16,6 +16,8 @@ from .collective_linear import p2p as collective_p2p
 from .collective_linear import reference as collective_reference
 from .grouped_linear import reference as grouped_reference
 from .grouped_linear import torch_mm, triton_impl
+from .horizontal_linear import checks as horizontal_checks
+from .horizontal_linear import reference as horizontal_reference
 from .linear_activation import cublaslt
 from .linear_activation import reference as activation_reference
 from .registry import Implementation, ImplementationError
@@ -77,6 +79,13 @@ TABLE: dict[str, list[Implementation]] = {
                        "(ring or direct); backward: dy all-gather overlapped with dgrad"),
         Implementation("reference", _always, collective_reference.linear_rs_forward,
                        collective_reference.linear_rs_backward, description="one GEMM, then reduce-scatter"),
+    ],
+    "horizontal_linear": [
+        Implementation(collective_p2p.NAME, horizontal_checks.check_p2p, collective_p2p.all_gather_linear_forward,
+                       collective_p2p.all_gather_linear_backward, horizontal_checks.prepare_p2p,
+                       "sequence parallel: all_gather_linear's overlap over the joined weight (one wider GEMM)"),
+        Implementation("reference", _always, horizontal_reference.forward, horizontal_reference.backward,
+                       description="one GEMM over the joined weight (all-gather first when sequence parallel)"),
     ],
     "linear_bias_activation": [
         Implementation("cublaslt_epilogue", cublaslt.check, cublaslt.forward, activation_reference.backward,

@@ -22,6 +22,8 @@ __all__ = ["Explanation", "explain_program", "format_explanation"]
 class Explanation:
     fusions: list
     near_misses: list[NearMiss]
+    #: ``(pass name, remark)`` from the passes (e.g. why the horizontal pass left GEMMs apart).
+    notes: list = dataclasses.field(default_factory=list)
 
 
 def explain_program(program, verbose: bool = False) -> Explanation:
@@ -53,7 +55,7 @@ def explain_program(program, verbose: bool = False) -> Explanation:
                     continue
             misses.append(miss)
     misses.sort(key=lambda m: (-len(m.matched) / m.total, m.rule))
-    return Explanation(list(program.fusions), misses)
+    return Explanation(list(program.fusions), misses, list(getattr(program, "notes", ())))
 
 
 def format_explanation(program, explanation: Explanation) -> str:
@@ -66,4 +68,7 @@ def format_explanation(program, explanation: Explanation) -> str:
     lines.append("near misses:" if explanation.near_misses else "near misses: none")
     for miss in explanation.near_misses:
         lines.append(f"  {miss.describe()}")
+    if explanation.notes:
+        lines.append("pass notes:")
+        lines.extend(f"  {name}: {message}" for name, message in explanation.notes)
     return "\n".join(lines) + "\n"

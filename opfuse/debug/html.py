@@ -54,7 +54,8 @@ def _node_info(gm: fx.GraphModule, node: fx.Node) -> dict:
     if _sharding(node):
         info["sharding"] = _sharding(node)
     if node.meta.get("opfuse_rule"):
-        info["rule"] = f"{node.meta['opfuse_rule']} at {node.meta.get('opfuse_source')}"
+        origin = "pass " if node.meta.get("opfuse_by") == "pass" else ""  # a registered pass, not a rule
+        info["rule"] = f"{origin}{node.meta['opfuse_rule']} at {node.meta.get('opfuse_source')}"
         info["implementation"] = str(node.meta.get("opfuse_impl", "?"))
         info["covers"] = ", ".join(f"{name} ({kind})" for name, kind in node.meta.get("opfuse_covered", []))
     described = _describe(gm, node)

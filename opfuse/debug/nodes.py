@@ -74,7 +74,8 @@ def _fused_comment(node: fx.Node) -> str:
         return ""
     covered = ", ".join(f"{name} ({kind})" for name, kind in node.meta.get("opfuse_covered", []))
     impl = node.meta.get("opfuse_impl", "?")
-    return f"rule {rule} at {node.meta.get('opfuse_source')}; impl={impl}; covers {covered}"
+    by = node.meta.get("opfuse_by", "rule")  # a fusion rule, or a registered pass
+    return f"{by} {rule} at {node.meta.get('opfuse_source')}; impl={impl}; covers {covered}"
 
 
 def python_line(gm: fx.GraphModule, node: fx.Node) -> str:

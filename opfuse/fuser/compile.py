@@ -66,7 +66,7 @@ def build_program(seq, inputs) -> Program:
                 handle.write(render_text(module, title))
 
     run_pipeline(gm, ctx, after_pass)
-    program = Program(seq, gm, ctx.unfused, ctx.fusions, metas)
+    program = Program(seq, gm, ctx.unfused, ctx.fusions, metas, notes=ctx.notes)
     if dump_dir is not None:
         with open(os.path.join(dump_dir, "explain.txt"), "w") as handle:
             handle.write(program.explain())

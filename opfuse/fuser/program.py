@@ -24,15 +24,19 @@ class Program:
         the covered basic ops), ``nodes`` (their graph names), ``impl`` (implementation chosen).
     unfused_graph_module:
         The graph after partitioning, before fusion (shares the block's parameters).
+    notes:
+        ``(pass name, remark)`` pairs the passes left (e.g. why two GEMMs were not merged); shown
+        by :meth:`explain`.
     """
 
     def __init__(self, module, graph_module: fx.GraphModule, unfused: fx.GraphModule, fusions: list,
-                 input_metas: Sequence[TensorMeta]):
+                 input_metas: Sequence[TensorMeta], notes: Sequence[tuple[str, str]] = ()):
         self.module = module
         self.graph_module = graph_module
         self.unfused_graph_module = unfused
         self.fusions = fusions
         self.input_metas = tuple(input_metas)
+        self.notes = list(notes)
         self._single = getattr(module, "num_extra_outputs", 0) == 0
 
     def __call__(self, *inputs):

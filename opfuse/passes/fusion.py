@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from torch import fx
 
 from ..config import config
+from .context import FusionRecord
 from .matcher import find_matches, graph_to_networkx
 from .rewrite import replace_match, snake_case
 from .registry import get_registry
@@ -14,23 +13,6 @@ from .registry import get_registry
 __all__ = ["FusionRecord", "fuse"]
 
 _MAX_REWRITES = 10_000
-
-
-@dataclasses.dataclass
-class FusionRecord:
-    """One fusion in a program: the rule, the basic ops it covered, the implementation chosen."""
-
-    rule: str
-    ops: tuple[str, ...]
-    nodes: tuple[str, ...]
-    impl: str | None
-    source: str
-    fused_node: str
-    skipped: tuple[tuple[str, str], ...] = ()
-
-    def __str__(self) -> str:
-        covered = ", ".join(f"{n} ({k})" for n, k in zip(self.nodes, self.ops))
-        return f"{self.fused_node}: {self.rule} [{self.source}] covers {covered}; impl={self.impl}"
 
 
 def fuse(gm: fx.GraphModule, ctx) -> None:

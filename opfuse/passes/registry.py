@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from . import pass_registry
 from .builtin_rules import BUILTIN_RULES
 from .pattern import Pattern, PatternError
 from .rule import Match, Replacement, Rule, RuleRegistry, caller_location
@@ -32,8 +33,9 @@ def get_registry() -> RuleRegistry:
 
 
 def generation() -> int:
-    """Changes whenever the set of active rules may have changed (compile caches key on it)."""
-    return _REGISTRY.generation
+    """Changes whenever the active rules or the pass pipeline may have changed (compile caches key
+    on it): both counters only grow, so their sum changes with either."""
+    return _REGISTRY.generation + pass_registry.generation()
 
 
 def register_rule(rule: Rule | None = None, *, name: str | None = None, pattern: Pattern | None = None,

@@ -1,17 +1,88 @@
-"""Verify: the final graph is well formed and executable."""
+"""Verify: the graph is well formed and executable.
+
+:func:`check_invariants` runs after every registered pass (and names it): the graph lints (no
+value used before it is defined, no reference to an erased node or a missing module), every value
+carries metadata, and every basic op's recorded shape, dtype and layout agree with what the op
+computes from its inputs. The final :func:`verify` pass adds what only holds at the end:
+composites expanded and an implementation chosen for every fused op.
+"""
 
 from __future__ import annotations
+
+import operator
 
 from torch import fx
 
 from ..backend.registry import FusedOp
 from ..config import config
+from ..ops.base import BasicOp, OpInputError, TensorMeta
 
-__all__ = ["verify", "VerifyError"]
+__all__ = ["verify", "check_invariants", "VerifyError"]
 
 
 class VerifyError(RuntimeError):
     """A pass produced a malformed graph (a bug in a rule or pass)."""
+
+
+def _same(a: TensorMeta, b: TensorMeta) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+
+def _check_basic_op(node: fx.Node, op: BasicOp, where: str) -> None:
+    args = [a for a in node.args if isinstance(a, fx.Node)]
+    metas = [a.meta.get("opfuse_meta") for a in args]
+    if any(not isinstance(m, TensorMeta) for m in metas):
+        return  # an input without single-tensor metadata is reported at that input
+    try:
+        inferred = op.infer_meta(*metas)
+    except OpInputError as error:
+        raise VerifyError(f"{where}: {node.name} ({op.kind}) has invalid inputs: {error}") from None
+    recorded = node.meta["opfuse_meta"]
+    if isinstance(recorded, TensorMeta) and not _same(inferred, recorded):
+        raise VerifyError(f"{where}: {node.name} ({op.kind}) is recorded as {recorded} but computes {inferred} from "
+                          f"its inputs ({', '.join(a.name for a in args)})")
+    shardings = [a.meta.get("opfuse_sharding") for a in args]
+    recorded_layout = node.meta.get("opfuse_sharding")
+    if recorded_layout is None or any(s is None for s in shardings):
+        return
+    try:
+        layout = op.propagate_sharding(*shardings)
+    except OpInputError as error:
+        raise VerifyError(f"{where}: {node.name} ({op.kind}) gets inputs laid out in a way it cannot take: "
+                          f"{error}") from None
+    # Feature sharding and partial sums are what turn into wrong numbers; token layouts of
+    # expanded composites are set by their expansion (expert-parallel outputs), not by one op.
+    if (layout.features, layout.partial) != (recorded_layout.features, recorded_layout.partial):
+        raise VerifyError(f"{where}: {node.name} ({op.kind}) is recorded as {recorded_layout.describe()} but its "
+                          f"inputs make it {layout.describe()}")
+
+
+def check_invariants(gm: fx.GraphModule, ctx, where: str) -> None:
+    """Raise :class:`VerifyError` (prefixed with ``where``) unless the graph lints and every value's
+    metadata and layout are consistent with its op and inputs."""
+    try:
+        gm.graph.lint()
+    except Exception as error:  # fx raises RuntimeError with details
+        raise VerifyError(f"{where}: graph lint failed: {error}") from error
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if "opfuse_meta" not in node.meta:
+            raise VerifyError(f"{where}: {node.name} has no tensor metadata; annotate new nodes with "
+                              f"ctx.annotate(node, meta, sharding)")
+        if node.op == "call_function" and node.target is operator.getitem:
+            source, index = node.args
+            whole = source.meta.get("opfuse_meta")
+            if isinstance(whole, tuple) and isinstance(index, int):
+                if index >= len(whole) or not _same(whole[index], node.meta["opfuse_meta"]):
+                    raise VerifyError(f"{where}: {node.name} = {source.name}[{index}] is recorded as "
+                                      f"{node.meta['opfuse_meta']} but {source.name} yields {whole}")
+            continue
+        if node.op != "call_module":
+            continue
+        op = gm.get_submodule(node.target)
+        if isinstance(op, BasicOp) and not getattr(op, "is_composite", False):
+            _check_basic_op(node, op, where)
 
 
 def verify(gm: fx.GraphModule, ctx) -> None:
