@@ -1,5 +1,5 @@
 """``python -m opfuse doctor``: what this machine offers opfuse (torch, CUDA, nvcc, the extension,
-symmetric memory), the settings in effect, the rules and the implementation table."""
+symmetric memory), the settings in effect, the passes, the rules and the implementation table."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ def main_doctor(argv) -> int:
     print("settings:")
     for field in dataclasses.fields(opfuse.config):
         print(f"  {field.name} = {getattr(opfuse.config, field.name)!r}")
+    print("passes (in the order run):")
+    for item in opfuse.passes.passes():
+        where = "built-in" if item.builtin else (f"after {item.after}" if item.after else f"before {item.before}")
+        print(f"  {item.name:<28} {where:<24} [{item.source}]")
     print("rules (in the order tried):")
     for rule in opfuse.passes.rules():
         print(f"  {rule.priority:>3}  {rule.name:<28} {rule.pattern.describe()}  [{rule.source}]")

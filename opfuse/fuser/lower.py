@@ -42,7 +42,7 @@ def _meta_and_sharding(op, args):
     if getattr(op, "is_composite", False):
         basics, out = op.expand(shardings[0])
         try:
-            meta = evaluate(basics, metas[0], metas[1:], lambda basic, args, taken: basic.infer_meta(*args, *taken))
+            meta = evaluate(basics, metas[0], metas[1:], lambda step, args, taken: step.op.infer_meta(*args, *taken))
         except OpInputError as error:
             raise type(error)(f"{op.describe()}: {error}") from None
         return meta, out

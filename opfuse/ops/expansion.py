@@ -28,6 +28,8 @@ class Step:
 
     op: BasicOp
     inputs: tuple[int, ...] = (INPUT,)
+    #: What the step is called in graphs (``gate``, ``up``); default: the op's kind.
+    name: str | None = None
 
 
 def steps_of(expansion: Sequence[BasicOp | Step]) -> list[Step]:
@@ -45,8 +47,8 @@ def steps_of(expansion: Sequence[BasicOp | Step]) -> list[Step]:
 
 
 def evaluate(expansion: Sequence[BasicOp | Step], x: Any, extras: Sequence[Any],
-             apply: Callable[[BasicOp, list, list], Any]) -> Any:
-    """Run ``apply(op, inputs, taken_extras)`` for each step in order, with the values of its
+             apply: Callable[[Step, list, list], Any]) -> Any:
+    """Run ``apply(step, inputs, taken_extras)`` for each step in order, with the values of its
     inputs; returns the last step's value. ``extras`` are the composite's extra inputs."""
     pending = list(extras)
     values: list[Any] = []
@@ -54,5 +56,5 @@ def evaluate(expansion: Sequence[BasicOp | Step], x: Any, extras: Sequence[Any],
         args = [x if i == INPUT else values[i] for i in step.inputs]
         need = step.op.num_extra_inputs - (len(args) - 1)
         taken = [pending.pop(0) for _ in range(max(need, 0))]
-        values.append(apply(step.op, args, taken))
+        values.append(apply(step, args, taken))
     return values[-1]

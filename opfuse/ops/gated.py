@@ -155,11 +155,11 @@ class GatedLinear(BasicOp):
         steps = [Step(op, (index - 1 if index else INPUT,)) for index, op in enumerate(pre)]
         source = len(steps) - 1 if steps else INPUT
         branches = []
-        for weight, bias in ((self.gate_weight, self.gate_bias), (self.up_weight, self.up_bias)):
+        for label, weight, bias in (("gate", self.gate_weight, self.gate_bias), ("up", self.up_weight, self.up_bias)):
             steps.append(Step(BasicLinear(self.in_features, weight.shape[0], weight=weight,
-                                          weight_sharding=weight_sharding), (source,)))
+                                          weight_sharding=weight_sharding), (source,), label))
             if bias is not None:
-                steps.append(Step(Bias(bias.shape[0], bias=bias), (len(steps) - 1,)))
+                steps.append(Step(Bias(bias.shape[0], bias=bias), (len(steps) - 1,), f"{label}_bias"))
             branches.append(len(steps) - 1)
         steps.append(Step(GatedActivation(self.activation), tuple(branches)))
         return steps, out
@@ -216,9 +216,9 @@ class GatedLinear(BasicOp):
 
     def forward(self, x):
         steps, _ = self._expansion(self.natural_input_sharding(TensorMeta.of(x)) or REPLICATED)
-        return evaluate(steps, x, (), lambda op, args, extra: op(*args, *extra))
+        return evaluate(steps, x, (), lambda step, args, extra: step.op(*args, *extra))
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         """Metadata for an input in the layer's natural layout."""
         steps, _ = self._expansion(self.natural_input_sharding(x) or REPLICATED)
-        return evaluate(steps, x, (), lambda op, args, taken: op.infer_meta(*args, *taken))
+        return evaluate(steps, x, (), lambda step, args, taken: step.op.infer_meta(*args, *taken))

@@ -75,15 +75,15 @@ def _fuse_run(gm: fx.GraphModule, ctx, value: fx.Node, run: list[fx.Node]) -> li
     if not all(biases):
         biases = None
     ends = biases or run
-    source, group, covered = value, None, []
+    source, gather, group, covered = value, False, None, []
     if ctx.kind(value) == "AllGather" and set(value.users) == set(run):
-        source, group, covered = value.args[0], ctx.op(value).group, [value]
+        source, gather, group, covered = value.args[0], True, ctx.op(value).group, [value]
     for index, node in enumerate(run):
         covered.append(node)
         if biases:
             covered.append(biases[index])
     module = HorizontalLinear([ctx.op(n).weight for n in run], [ctx.op(b).bias for b in biases] if biases else None,
-                              group=group)
+                              all_gather=gather, group=group)
     target = ctx.add_module("fused_horizontal_gemm", module)
     last = max(covered, key=list(graph.nodes).index)
     with graph.inserting_after(last):

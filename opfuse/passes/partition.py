@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import fx
 
 from ..ops.base import BasicOp
-from ..ops.expansion import evaluate
+from ..ops.expansion import Step, evaluate
 from ..ops.sharding import Sharding
 from .rewrite import add_submodule, snake_case
 
@@ -37,12 +37,13 @@ def _expand(gm: fx.GraphModule, node: fx.Node, op: BasicOp) -> None:
     expanded, out = op.expand(src.meta["opfuse_sharding"])
     path = node.meta.get("opfuse_path", node.name)
 
-    def add(basic: BasicOp, args: list, taken: list) -> fx.Node:
-        name = add_submodule(gm, f"{node.target}_{snake_case(basic.kind)}", basic)
+    def add(step: Step, args: list, taken: list) -> fx.Node:
+        basic, label = step.op, step.name or snake_case(step.op.kind)
+        name = add_submodule(gm, f"{node.target}_{label}", basic)
         inputs = [*args, *taken]
         value = graph.call_module(name, tuple(inputs))
         value.meta["opfuse_meta"] = basic.infer_meta(*(a.meta["opfuse_meta"] for a in inputs))
-        value.meta["opfuse_path"] = f"{path}.{snake_case(basic.kind)}"
+        value.meta["opfuse_path"] = f"{path}.{label}"
         shardings = [a.meta["opfuse_sharding"] for a in inputs]
         value.meta["opfuse_sharding"] = basic.propagate_sharding(*shardings)
         _mark_sequence_parallel_params(basic, shardings[0])

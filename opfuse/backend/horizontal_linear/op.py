@@ -1,7 +1,7 @@
 """``horizontal_linear``: linears that read the same value as one GEMM.
 
-``HorizontalLinear(weights=[w_1, ..., w_k], biases=[b_1, ..., b_k] or None, group=g or None)``
-computes ``y = [all_gather_tokens(x) if g] @ [w_1; ...; w_k].T + [b_1; ...; b_k]`` and returns
+``HorizontalLinear(weights=[w_1, ..., w_k], biases=[b_1, ..., b_k] or None, all_gather=False, group=g)``
+computes ``y = [all_gather_tokens(x, g) if all_gather] @ [w_1; ...; w_k].T + [b_1; ...; b_k]`` and returns
 ``y`` split back into the k outputs (views of one tensor). The joined weight is a view of the
 users' parameters when they lie back to back in memory (:func:`~opfuse.ops.packing.join_rows`),
 so nothing is copied, and its gradient is split back into each parameter's gradient.
@@ -76,7 +76,8 @@ class HorizontalLinear(FusedOp):
 
     name = "horizontal_linear"
 
-    def __init__(self, weights: Sequence[nn.Parameter], biases: Sequence[nn.Parameter] | None = None, group=None):
+    def __init__(self, weights: Sequence[nn.Parameter], biases: Sequence[nn.Parameter] | None = None, *,
+                 all_gather: bool = False, group=None):
         super().__init__()
         if len(weights) < 2:
             raise ValueError(f"HorizontalLinear: needs at least 2 weights, got {len(weights)}")
@@ -84,19 +85,20 @@ class HorizontalLinear(FusedOp):
             raise ValueError(f"HorizontalLinear: {len(weights)} weights but {len(biases)} biases")
         self.weights = nn.ParameterList(weights)
         self.biases = nn.ParameterList(biases) if biases is not None else None
-        self.group = group
+        self.all_gather, self.group = bool(all_gather), group
         self.sizes = [w.shape[0] for w in weights]
 
     def extra_repr(self) -> str:
         text = f"in={self.weights[0].shape[1]}, outs={self.sizes}"
         if self.biases is not None:
             text += ", bias"
-        if self.group is not None:
+        if self.all_gather:
             text += f", all_gather={groups.group_name(self.group)}"
         return text + (f", impl={self.impl}" if self.impl else "")
 
     def _group_name(self) -> str | None:
-        return None if self.group is None else groups.group_name(self.group)
+        """The all-gather's group (``group=None`` is the default group), or ``None``: no gather."""
+        return groups.group_name(self.group) if self.all_gather else None
 
     def call_spec(self, metas: Sequence[TensorMeta]) -> CallSpec:
         first = self.weights[0]
@@ -110,7 +112,7 @@ class HorizontalLinear(FusedOp):
             bias = TensorMeta((sum(self.sizes),), b.dtype, b.device, any(p.requires_grad for p in self.biases))
         return CallSpec(op=self.name, inputs={"x": metas[0], "weight": weight, "bias": bias},
                         attrs={"outputs": len(self.sizes)}, group_name=self._group_name(),
-                        world_size=groups.world_size(self.group) if self.group is not None else 1,
+                        world_size=groups.world_size(self.group) if self.all_gather else 1,
                         requires_grad=requires_grad)
 
     def forward(self, x):
