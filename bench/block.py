@@ -5,8 +5,9 @@ under CUDA graphs) and torch.compile (async TP where torch supports it), in one 
     PYTHONPATH=. python3 bench/block.py --world 2 --quick      # small sizes, a smoke test
     python3 bench/block.py --world 2 --cpu                      # CPU/gloo dry run of the code paths
 
-The block (as ``python -m opfuse demo``): RMSNorm -> column Linear -> GELU(tanh) or SwiGLU -> row
-Linear (+ bias) -> + residual -> RMSNorm, returning ``(y, new_residual)``. Every variant uses the
+The block (as ``python -m opfuse demo``): RMSNorm -> column Linear -> GELU(tanh) (or ``--act swiglu``:
+column GatedLinear, separate gate and up weights; torch baselines run the two GEMMs as Hugging Face's
+LlamaMLP does, opfuse one) -> row Linear (+ bias) -> + residual -> RMSNorm, returning ``(y, new_residual)``. Every variant uses the
 same parameter tensors (the opfuse block's), same inputs, same output gradients.
 
 Cases:
@@ -143,7 +144,12 @@ class TorchBlock(nn.Module):
 
     def __init__(self, block: ops.Sequential, act: str, sp: bool, functional: bool):
         super().__init__()
-        self.n1, self.w1, self.b1 = block[0].weight, block[1].weight, block[1].bias
+        self.n1 = block[0].weight
+        if act == "gelu":
+            self.w1, self.b1 = block[1].weight, block[1].bias
+        else:  # separate gate and up projections, as Hugging Face's LlamaMLP runs them (two GEMMs)
+            self.gate = (block[1].gate_weight, block[1].gate_bias)
+            self.up = (block[1].up_weight, block[1].up_bias)
         self.w2, self.b2, self.n2 = block[3].weight, block[3].bias, block[6].weight
         self.act, self.sp, self.functional = act, sp, functional
         self.world, self.name = dist.get_world_size(), dist.group.WORLD.group_name
@@ -162,23 +168,24 @@ class TorchBlock(nn.Module):
         # Compiled: the bias as its own add, so Inductor's async-TP matcher sees a plain mm after the
         # all-gather (an addmm is not matched, and bf16 addmm stays fused in recent Inductor); the
         # add fuses into the activation kernel. Eager: what nn.Linear runs (addmm).
-        a = F.linear(h, self.w1) + self.b1 if self.functional else F.linear(h, self.w1, self.b1)
+        linear = (lambda t, w, b: F.linear(t, w) + b) if self.functional else F.linear
         if self.act == "gelu":
-            a = F.gelu(a, approximate="tanh")
+            a = F.gelu(linear(h, self.w1, self.b1), approximate="tanh")
         else:
-            gate, up = a.chunk(2, dim=-1)
-            a = F.silu(gate) * up
+            a = F.silu(linear(h, *self.gate)) * linear(h, *self.up)
         r = self._comm("scatter" if self.sp else "sum", F.linear(a, self.w2)) + self.b2 + res
         return F.rms_norm(r, (hidden,), self.n2, EPS), r
 
 
 def opfuse_block(hidden, ffn, act, sp):
     kw = dict(dtype=torch.bfloat16, device=DEVICE)
-    width = ffn if act == "gelu" else 2 * ffn
+    if act == "gelu":
+        first = [ops.Linear(hidden, ffn, parallel="column", sequence_parallel=sp, **kw), ops.GELU("tanh")]
+    else:  # the activation is part of the gated layer; Identity keeps the op indices of the GELU block
+        first = [ops.GatedLinear(hidden, ffn, bias=True, parallel="column", sequence_parallel=sp, **kw), ops.Identity()]
     return ops.Sequential(
         ops.RMSNorm(hidden, eps=EPS, **kw),
-        ops.Linear(hidden, width, parallel="column", sequence_parallel=sp, **kw),
-        ops.GELU("tanh") if act == "gelu" else ops.SwiGLU(),
+        *first,
         ops.Linear(ffn, hidden, parallel="row", sequence_parallel=sp, **kw),
         ops.AddExtraInput(), ops.MakeExtraOutput(),
         ops.RMSNorm(hidden, eps=EPS, **kw))
@@ -341,8 +348,9 @@ def worker(rank, world, opts, out_path):
         with torch.no_grad():
             for norm in (block[0], block[6]):
                 norm.weight.copy_(1 + 0.1 * torch.randn_like(norm.weight))
-            for linear in (block[1], block[3]):
-                linear.bias.copy_(0.1 * torch.randn_like(linear.bias))
+            for name, param in (*block[1].named_parameters(), *block[3].named_parameters()):
+                if "bias" in name:
+                    param.copy_(0.1 * torch.randn_like(param))
         eager_nn = TorchBlock(block, act, sp, functional=False)
         compiled = torch.compile(TorchBlock(block, act, sp, functional=True), dynamic=False)
         params = list(block.parameters())
