@@ -9,7 +9,8 @@ Shapes: x ``[tokens, hidden]``, gate and up ``[ffn / world, hidden]`` each (a co
 shards; no communication is timed), bf16. Tokens: decode 1, 16, 64 (forward, no grad) and prefill
 2048, 8192 (forward, and forward + backward with gradients of x and both weights).
 
-Columns (us per call; CUDA graph of ``--calls`` back-to-back calls, median of ``--reps`` replays):
+Columns (us per call; one CUDA graph of back-to-back calls per variant, 20 decode / 3 prefill calls;
+median of 15 replays, the variants replayed in turn so that clock drift hits them alike):
   two GEMMs      ``F.linear(x, gate)``, ``F.linear(x, up)``
   one GEMM       ``F.linear(x, [gate; up])`` on a contiguous weight: the floor of the fused layer
   layer: torch   ``silu(F.linear(x, gate)) * F.linear(x, up)``
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -34,15 +34,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from timing import graph_replay_us  # noqa: E402  (bench/timing.py)
+from timing import graphs_replay_us, median  # noqa: E402  (bench/timing.py)
 
 FULL = dict(hidden=8192, ffn=28672, decode=[1, 16, 64], prefill=[2048, 8192], calls_decode=20, calls_prefill=3,
-            reps=7)
+            reps=15)
 QUICK = dict(hidden=2048, ffn=8192, decode=[1, 16], prefill=[2048], calls_decode=10, calls_prefill=3, reps=5)
-
-
-def graph_us(fn, calls: int, reps: int) -> float:
-    return statistics.median(graph_replay_us(fn, calls, reps))
 
 
 def rel(a, b) -> float:
@@ -89,8 +85,8 @@ def measure(hidden: int, rows: int, tokens: int, train: bool, calls: int, reps: 
         row = {"err": rel(block(x), torch_layer())}
         program = block.program(x)
         row["fused"] = ", ".join(f"{f.rule}={f.impl}" for f in program.fusions) or "none"
-        for name, fn in cases.items():
-            row[name] = graph_us(fn, calls, reps)
+        for name, times in graphs_replay_us(cases, calls, reps).items():
+            row[name] = median(times)
     row["fused / two"] = row["one GEMM"] / row["two GEMMs"]
     row["opfuse / torch"] = row["layer: opfuse"] / row["layer: torch"]
     return row
