@@ -15,6 +15,8 @@ import functools
 from .collective_linear import p2p as collective_p2p
 from .collective_linear import reference as collective_reference
 from .grouped_linear import reference as grouped_reference
+from .gated_activation import reference as gated_reference
+from .gated_activation import triton_impl as gated_triton
 from .grouped_linear import torch_mm, triton_impl
 from .horizontal_linear import checks as horizontal_checks
 from .horizontal_linear import reference as horizontal_reference
@@ -79,6 +81,12 @@ TABLE: dict[str, list[Implementation]] = {
                        "(ring or direct); backward: dy all-gather overlapped with dgrad"),
         Implementation("reference", _always, collective_reference.linear_rs_forward,
                        collective_reference.linear_rs_backward, description="one GEMM, then reduce-scatter"),
+    ],
+    "gated_activation": [
+        Implementation("triton", gated_triton.check, gated_triton.forward, gated_triton.backward,
+                       description="one pass over the packed [gate | up] rows, float32 arithmetic, rounded once"),
+        Implementation("reference", _always, gated_reference.forward, gated_reference.backward,
+                       description="torch: the two halves, the activation, the product (float32 for half types)"),
     ],
     "horizontal_linear": [
         Implementation(collective_p2p.NAME, horizontal_checks.check_p2p, collective_p2p.all_gather_linear_forward,

@@ -16,6 +16,9 @@ What merges:
 * A ``Bias`` that is each member's only user, when every member has one.
 * The ``AllGather`` of a sequence-parallel input, when the merged GEMMs are its only users: the
   fused op gathers once, and its ``p2p_overlap`` implementation overlaps the gather with the GEMM.
+* A ``GatedActivation(gate, up)`` that is the only user of two merged outputs, in that order: it
+  reads the packed ``[gate | up]`` GEMM output directly (``gated_activation``: one pass, no split
+  views, and a backward that hands the GEMM one packed gradient).
 
 ``OPFUSE_FUSE=0`` (``config.fuse``) turns the pass off with the fusion rules;
 ``OPFUSE_DISABLE_PASSES=horizontal_gemm`` turns off only this pass.
@@ -27,6 +30,7 @@ import operator
 
 from torch import fx
 
+from ..backend.gated_activation.op import PackedGatedActivation
 from ..backend.horizontal_linear.op import HorizontalLinear
 from ..config import config
 from ..ops.packing import adjacent
@@ -67,6 +71,17 @@ def _only_bias(ctx, node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _gated_consumer(ctx, ends: list[fx.Node]) -> fx.Node | None:
+    """The GatedActivation that alone reads ``ends = [gate, up]`` (same shapes), if any."""
+    if len(ends) != 2 or len(ends[0].users) != 1 or set(ends[0].users) != set(ends[1].users):
+        return None
+    (user,) = ends[0].users
+    if ctx.kind(user) != "GatedActivation" or tuple(user.args) != tuple(ends):
+        return None
+    gate, up = (ctx.meta(e) for e in ends)
+    return user if gate.shape == up.shape else None
+
+
 def _fuse_run(gm: fx.GraphModule, ctx, value: fx.Node, run: list[fx.Node]) -> list[fx.Node]:
     """Replace ``run`` (and its biases, and ``value`` when it is an AllGather only they read) by
     one fused node; returns the erased nodes."""
@@ -82,25 +97,39 @@ def _fuse_run(gm: fx.GraphModule, ctx, value: fx.Node, run: list[fx.Node]) -> li
         covered.append(node)
         if biases:
             covered.append(biases[index])
+    activation = _gated_consumer(ctx, ends)
     module = HorizontalLinear([ctx.op(n).weight for n in run], [ctx.op(b).bias for b in biases] if biases else None,
-                              all_gather=gather, group=group)
+                              all_gather=gather, group=group, split=activation is None)
     target = ctx.add_module("fused_horizontal_gemm", module)
     last = max(covered, key=list(graph.nodes).index)
     with graph.inserting_after(last):
         fused = graph.call_module(target, (source,))
-    ctx.annotate(fused, tuple(ctx.meta(end) for end in ends), ctx.sharding(ends[0]))
-    cursor = fused
-    for index, end in enumerate(ends):
-        with graph.inserting_after(cursor):
-            item = graph.call_function(operator.getitem, (fused, index))
-        ctx.annotate(item, ctx.meta(end), ctx.sharding(end))
-        end.replace_all_uses_with(item)
-        cursor = item
     ctx.record_fusion(fused, covered)
+    if activation is None:
+        ctx.annotate(fused, tuple(ctx.meta(end) for end in ends), ctx.sharding(ends[0]))
+        cursor = fused
+        for index, end in enumerate(ends):
+            with graph.inserting_after(cursor):
+                item = graph.call_function(operator.getitem, (fused, index))
+            ctx.annotate(item, ctx.meta(end), ctx.sharding(end))
+            end.replace_all_uses_with(item)
+            cursor = item
+    else:
+        half = ctx.meta(ends[0])
+        packed = half.with_(shape=half.shape[:-1] + (2 * half.shape[-1],),
+                            requires_grad=any(ctx.meta(e).requires_grad for e in ends))
+        ctx.annotate(fused, packed, ctx.sharding(ends[0]))
+        with graph.inserting_after(fused):
+            gated = graph.call_module(ctx.add_module("fused_gated_activation",
+                                                     PackedGatedActivation(ctx.op(activation).activation)), (fused,))
+        ctx.annotate(gated, ctx.meta(activation), ctx.sharding(activation))
+        ctx.record_fusion(gated, [activation])
+        activation.replace_all_uses_with(gated)
+        graph.erase_node(activation)
     for node in reversed(covered):
         graph.erase_node(node)
     reorder_topologically(graph)
-    return covered
+    return covered + ([activation] if activation is not None else [])
 
 
 def horizontal_gemm(gm: fx.GraphModule, ctx) -> None:

@@ -87,10 +87,11 @@ def mlp_case(rank, world, sp, bias, fuse, seed):
     if not fuse:
         assert records == []
         return
-    (record,) = records
+    record, gated = records
     expected = (["AllGather"] if sp else []) + (["BasicLinear", "Bias"] * 2 if bias else ["BasicLinear"] * 2)
     assert list(record.ops) == expected, record
     assert record.impl == "reference"  # CPU/gloo (p2p_overlap is for CUDA peers)
+    assert gated.ops == ("GatedActivation",), gated  # on each rank's packed [gate_r | up_r]
 
 
 def old_layout_is_refused(rank, world):

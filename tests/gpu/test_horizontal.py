@@ -1,6 +1,7 @@
 """The horizontal_gemm pass on real GPUs: a gated MLP (``ops.GatedLinear``) in bf16 / fp16 whose
-gate and up GEMMs run as one GEMM over a view of both weights, against the float32 math of the
-unfused layer (outputs and every gradient); CUDA-graph capture of forward + backward replayed
+gate and up GEMMs run as one GEMM over a view of both weights and whose activation runs on the
+packed output (``gated_activation``, Triton), against the float32 math of the unfused layer
+(outputs and every gradient); CUDA-graph capture of forward + backward replayed
 with fresh inputs and an optimizer step in between (the joined weight is read in place); and, at
 NCCL world 2+, the sequence-parallel layer whose all-gather the fused op absorbs, run by
 ``p2p_overlap`` (all_gather_linear's overlap over the joined weight).
@@ -69,8 +70,9 @@ def test_fused_gated_layer_single_gpu(dtype, tokens, hidden, ffn, bias):
     dy = torch.randn(tokens, ffn, device="cuda", dtype=dtype)
     y = block(x)
     y.backward(dy)
-    (record,) = [f for f in opfuse.compile(block, x).fusions if f.rule == "horizontal_gemm"]
+    record, gated = [f for f in opfuse.compile(block, x).fusions if f.rule == "horizontal_gemm"]
     assert record.impl == "reference" and adjacent([layer.gate_weight, layer.up_weight])
+    assert gated.ops == ("GatedActivation",) and gated.impl == "triton", gated
     want = reference(x, layer.gate_weight, layer.up_weight, layer.gate_bias, layer.up_bias, dy)
     got = [y, x.grad, layer.gate_weight.grad, layer.up_weight.grad]
     if bias:
@@ -129,8 +131,9 @@ def _sequence_parallel(rank, world):
         dy = dy_full[:, rank * n:(rank + 1) * n].to(dtype)
         y = block(x)
         y.backward(dy)
-        (record,) = [f for f in opfuse.compile(block, x).fusions if f.rule == "horizontal_gemm"]
+        record, gated = [f for f in opfuse.compile(block, x).fusions if f.rule == "horizontal_gemm"]
         assert record.ops[0] == "AllGather" and record.impl == "p2p_overlap", record
+        assert gated.impl == "triton", gated
         # Reference: the full (gathered) input through this rank's shards in float32; dx reduce-scattered.
         want = reference(x_full.to(dtype), layer.gate_weight, layer.up_weight, layer.gate_bias, layer.up_bias, dy)
         dx_full = want[1].contiguous()

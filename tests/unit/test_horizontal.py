@@ -59,9 +59,10 @@ def test_gated_mlp_fused_equals_unfused_and_formulas(rng, bias, activation):
     y_ref, leaves = reference(block, xr, activation)
     y_ref.backward(dy)
     fused, unfused = run(block, x, dy, True), run(block, x, dy, False)
-    (record,) = [f for f in fused[3].fusions if f.rule == "horizontal_gemm"]
+    gemm, gated = [f for f in fused[3].fusions if f.rule == "horizontal_gemm"]
     covered = ["BasicLinear", "Bias"] * 2 if bias else ["BasicLinear"] * 2
-    assert record.by == "pass" and list(record.ops) == covered and record.impl == "reference"
+    assert gemm.by == "pass" and list(gemm.ops) == covered and gemm.impl == "reference"
+    assert gated.ops == ("GatedActivation",) and gated.impl == "reference"  # reads the packed [gate | up]
     assert not any(f.rule == "horizontal_gemm" for f in unfused[3].fusions)
     for y, dx, grads, _ in (fused, unfused):
         torch.testing.assert_close(y, y_ref.detach(), atol=1e-12, rtol=1e-12)
@@ -176,6 +177,9 @@ def test_custom_op_contract_and_torch_compile(world1, rng):
     name = dist.group.WORLD.group_name
     torch.library.opcheck(torch.ops.opfuse.horizontal_linear.default, (x, w, b, None, "reference"))
     torch.library.opcheck(torch.ops.opfuse.horizontal_linear.default, (x, w, None, name, "reference"))
+    packed = torch.randn(3, 2, 10, generator=rng, requires_grad=True)
+    for activation in ("silu", "gelu", "gelu_tanh"):
+        torch.library.opcheck(torch.ops.opfuse.gated_activation.default, (packed, activation, "reference"))
     block = randomize_(gated_mlp(True, "silu", torch.float32), rng)
     program = opfuse.compile(block, x.detach())
     compiled = torch.compile(program.graph_module, backend="aot_eager", fullgraph=True)

@@ -2,7 +2,8 @@
 
 ``HorizontalLinear(weights=[w_1, ..., w_k], biases=[b_1, ..., b_k] or None, all_gather=False, group=g)``
 computes ``y = [all_gather_tokens(x, g) if all_gather] @ [w_1; ...; w_k].T + [b_1; ...; b_k]`` and returns
-``y`` split back into the k outputs (views of one tensor). The joined weight is a view of the
+``y`` split back into the k outputs (views of one tensor), or ``y`` itself with ``split=False``
+(for a consumer that reads the packed value, e.g. the gated activation of ``[gate | up]``). The joined weight is a view of the
 users' parameters when they lie back to back in memory (:func:`~opfuse.ops.packing.join_rows`),
 so nothing is copied, and its gradient is split back into each parameter's gradient.
 
@@ -77,7 +78,7 @@ class HorizontalLinear(FusedOp):
     name = "horizontal_linear"
 
     def __init__(self, weights: Sequence[nn.Parameter], biases: Sequence[nn.Parameter] | None = None, *,
-                 all_gather: bool = False, group=None):
+                 all_gather: bool = False, group=None, split: bool = True):
         super().__init__()
         if len(weights) < 2:
             raise ValueError(f"HorizontalLinear: needs at least 2 weights, got {len(weights)}")
@@ -85,7 +86,7 @@ class HorizontalLinear(FusedOp):
             raise ValueError(f"HorizontalLinear: {len(weights)} weights but {len(biases)} biases")
         self.weights = nn.ParameterList(weights)
         self.biases = nn.ParameterList(biases) if biases is not None else None
-        self.all_gather, self.group = bool(all_gather), group
+        self.all_gather, self.group, self.split = bool(all_gather), group, bool(split)
         self.sizes = [w.shape[0] for w in weights]
 
     def extra_repr(self) -> str:
@@ -94,6 +95,8 @@ class HorizontalLinear(FusedOp):
             text += ", bias"
         if self.all_gather:
             text += f", all_gather={groups.group_name(self.group)}"
+        if not self.split:
+            text += ", packed"
         return text + (f", impl={self.impl}" if self.impl else "")
 
     def _group_name(self) -> str | None:
@@ -119,4 +122,4 @@ class HorizontalLinear(FusedOp):
         weight = join_rows(list(self.weights))
         bias = join_rows(list(self.biases)) if self.biases is not None else None
         y = HORIZONTAL_LINEAR(x, weight, bias, self._group_name(), self._impl())
-        return tuple(y.split(self.sizes, dim=-1))
+        return tuple(y.split(self.sizes, dim=-1)) if self.split else y
