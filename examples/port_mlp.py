@@ -5,10 +5,11 @@
 
 What it shows, step by step (README, "Using opfuse in an existing model"):
 
-1. the existing block (``PlainMLP``: RMSNorm -> fc1 -> SwiGLU -> fc2 -> + residual -> RMSNorm,
-   nn.Linear / nn.RMSNorm) and the same block as ``ops.Sequential`` with tensor-parallel layers;
-2. loading the plain model's weights into the sharded block (every rank takes its shard, SwiGLU's
-   gate/up rows included) with ``opfuse.load_unsharded_state_dict``;
+1. the existing block (``PlainMLP``: RMSNorm -> silu(gate_proj) * up_proj -> down_proj -> + residual
+   -> RMSNorm, nn.Linear / nn.RMSNorm, as Hugging Face's LlamaMLP) and the same block as
+   ``ops.Sequential`` with tensor-parallel layers (``GatedLinear`` holds gate and up);
+2. loading the plain model's weights into the sharded block (every rank takes its shard of each)
+   with ``opfuse.load_unsharded_state_dict``;
 3. forward, backward and an optimizer step on both, compared;
 4. going back: ``opfuse.unsharded_state_dict`` gathers the full trained weights, which load into
    the plain model.
@@ -35,22 +36,22 @@ class PlainMLP(nn.Module):
     def __init__(self):
         super().__init__()
         self.norm1 = nn.RMSNorm(HIDDEN, eps=EPS)
-        self.fc1 = nn.Linear(HIDDEN, 2 * FFN)  # rows: [gate; up]
-        self.fc2 = nn.Linear(FFN, HIDDEN)
+        self.gate_proj = nn.Linear(HIDDEN, FFN)
+        self.up_proj = nn.Linear(HIDDEN, FFN)
+        self.down_proj = nn.Linear(FFN, HIDDEN)
         self.norm2 = nn.RMSNorm(HIDDEN, eps=EPS)
 
     def forward(self, x, residual):
-        gate, up = self.fc1(self.norm1(x)).chunk(2, dim=-1)
-        h = self.fc2(F.silu(gate) * up) + residual
+        h = self.norm1(x)
+        h = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)) + residual
         return self.norm2(h), h
 
 
 def opfuse_mlp(device):
-    """The same block for opfuse: fc1 column-parallel, fc2 row-parallel over the default group."""
+    """The same block for opfuse: gate and up column-parallel, down row-parallel over the default group."""
     return ops.Sequential(
         ops.RMSNorm(HIDDEN, eps=EPS, device=device),
-        ops.Linear(HIDDEN, 2 * FFN, parallel="column", device=device),
-        ops.SwiGLU(),
+        ops.GatedLinear(HIDDEN, FFN, bias=True, parallel="column", device=device),  # silu(gate) * up
         ops.Linear(FFN, HIDDEN, parallel="row", device=device),
         ops.AddExtraInput(),      # + residual, the block's second input
         ops.MakeExtraOutput(),    # the new residual is returned too
@@ -59,8 +60,9 @@ def opfuse_mlp(device):
 
 
 # state_dict names: plain model -> ops.Sequential (its ops are numbered)
-NAMES = {"norm1.weight": "0.weight", "fc1.weight": "1.weight", "fc1.bias": "1.bias", "fc2.weight": "3.weight",
-         "fc2.bias": "3.bias", "norm2.weight": "6.weight"}
+NAMES = {"norm1.weight": "0.weight", "gate_proj.weight": "1.gate_weight", "gate_proj.bias": "1.gate_bias",
+         "up_proj.weight": "1.up_weight", "up_proj.bias": "1.up_bias", "down_proj.weight": "2.weight",
+         "down_proj.bias": "2.bias", "norm2.weight": "5.weight"}
 
 
 def main() -> None:

@@ -11,9 +11,8 @@ Layouts (``world`` = the op's process-group size, ``r`` = this rank):
   full weight, ``bias [out/world]`` likewise.
 * ``Linear(parallel="row")``: ``weight [out, in/world]`` = columns ``r*in/world ...``; the bias is
   replicated (``[out]``, added once after the reduction).
-* A column-parallel ``Linear`` followed by ``SwiGLU`` (gated MLP): each rank's shard is
-  ``[gate_r; up_r]`` (its slice of the gate rows, then its slice of the up rows), so SwiGLU runs
-  locally. The unsharded layer is ``[gate; up]``: these functions regroup the rows.
+* ``GatedLinear(parallel="column")``: ``gate_weight``, ``up_weight`` (and biases) are each a
+  column shard of their own full tensor, as a column ``Linear``'s.
 * ``GroupedLinear``: ``"expert"`` splits the experts (dim 0 of ``[G, N, K]``) over ``group``;
   ``"fsdp"`` splits the rows of the ``[G*N, K]`` view over ``group``; ``"expert+fsdp"`` does the
   first over ``group`` and the second over ``fsdp_group``.
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ops import GroupedLinear, Linear, Sequential, SwiGLU
+from .ops import GatedLinear, GroupedLinear, Linear
 from .ops import group as groups
 
 __all__ = ["unsharded_state_dict", "load_unsharded_state_dict"]
@@ -53,44 +52,21 @@ def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _gated_linears(module: nn.Module) -> set[int]:
-    """ids of the column-parallel Linears whose output feeds a SwiGLU directly (in a Sequential)."""
-    gated = set()
-    for seq in module.modules():
-        if isinstance(seq, Sequential):
-            ops = list(seq)
-            for op, nxt in zip(ops, ops[1:]):
-                if isinstance(op, Linear) and op.parallel == "column" and isinstance(nxt, SwiGLU):
-                    gated.add(id(op))
-    return gated
-
-
-def _regroup(rows: torch.Tensor, world: int, to_standard: bool) -> torch.Tensor:
-    """Convert a gated fc1 between the per-rank ``[gate_0; up_0; gate_1; up_1; ...]`` order and the
-    unsharded ``[gate; up]`` order (dim 0)."""
-    if world == 1:
-        return rows
-    per = rows.shape[0] // (2 * world)  # gate (or up) rows per rank
-    if to_standard:
-        blocks = rows.view(world, 2, per, *rows.shape[1:])
-        return blocks.transpose(0, 1).reshape(rows.shape)
-    blocks = rows.view(2, world, per, *rows.shape[1:])
-    return blocks.transpose(0, 1).reshape(rows.shape)
-
-
-def _full_linear(op: Linear, gated: bool) -> dict[str, torch.Tensor]:
+def _full_linear(op: Linear) -> dict[str, torch.Tensor]:
     out = {}
     if op.parallel == "column":
         out["weight"] = _gather(op.weight, op.group, 0)
         if op.bias is not None:
             out["bias"] = _gather(op.bias, op.group, 0)
-        if gated:
-            out = {k: _regroup(v, op.world_size, to_standard=True) for k, v in out.items()}
     elif op.parallel == "row":
         out["weight"] = _gather(op.weight, op.group, 1)
         if op.bias is not None:
             out["bias"] = op.bias.detach().clone()
     return out
+
+
+def _full_gated(op: GatedLinear) -> dict[str, torch.Tensor]:
+    return {name: _gather(t, op.group, 0) for name, t in op.named_parameters(recurse=False)}
 
 
 def _full_grouped(op: GroupedLinear) -> dict[str, torch.Tensor]:
@@ -112,9 +88,9 @@ def unsharded_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The ``state_dict`` of ``module`` with every sharded parameter all-gathered to its full
     tensor, keyed as the ``state_dict()`` of the same model built with ``parallel=None``.
 
-    Handles ``ops.Linear`` (column, row; with bias; a column layer feeding ``SwiGLU`` is returned in
-    the unsharded ``[gate; up]`` row order) and ``ops.GroupedLinear`` (``expert``, ``fsdp``,
-    ``expert+fsdp``); everything else is replicated and copied as is. Collective: call it on
+    Handles ``ops.Linear`` (column, row; with bias), ``ops.GatedLinear`` (column) and
+    ``ops.GroupedLinear`` (``expert``, ``fsdp``, ``expert+fsdp``); everything else is replicated
+    and copied as is. Collective: call it on
     every rank. Tensors stay on the parameters' device.
 
     Examples
@@ -123,10 +99,11 @@ def unsharded_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     >>> plain = build_block(parallel=None); plain.load_state_dict(full)   # doctest: +SKIP
     """
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    gated = _gated_linears(module)
     for prefix, sub in module.named_modules():
         if isinstance(sub, Linear) and sub.parallel:
-            full = _full_linear(sub, id(sub) in gated)
+            full = _full_linear(sub)
+        elif isinstance(sub, GatedLinear) and sub.parallel:
+            full = _full_gated(sub)
         elif isinstance(sub, GroupedLinear) and sub.parallel:
             full = _full_grouped(sub)
         else:
@@ -146,17 +123,17 @@ def load_unsharded_state_dict(module: nn.Module, state_dict: dict[str, torch.Ten
     unsharded model) into a sharded ``module``: every rank copies its own part. Not collective.
     Returns ``module.load_state_dict``'s result (missing / unexpected keys)."""
     local = dict(state_dict)
-    gated = _gated_linears(module)
     for prefix, sub in module.named_modules():
         key = (prefix + ".") if prefix else ""
         if isinstance(sub, Linear) and sub.parallel:
             for name, dim in (("weight", 0 if sub.parallel == "column" else 1), ("bias", 0)):
                 if key + name not in local or (name == "bias" and sub.parallel == "row"):
                     continue
-                full = local[key + name]
-                if sub.parallel == "column" and id(sub) in gated:
-                    full = _regroup(full, sub.world_size, to_standard=False)
-                local[key + name] = _local_part(full, sub.rank, sub.world_size, dim)
+                local[key + name] = _local_part(local[key + name], sub.rank, sub.world_size, dim)
+        elif isinstance(sub, GatedLinear) and sub.parallel:
+            for name, _ in sub.named_parameters(recurse=False):
+                if key + name in local:
+                    local[key + name] = _local_part(local[key + name], sub.rank, sub.world_size, 0)
         elif isinstance(sub, GroupedLinear) and sub.parallel:
             for name in ("weight", "bias"):
                 if key + name not in local:

@@ -1,7 +1,7 @@
 """``opfuse.unsharded_state_dict`` / ``load_unsharded_state_dict`` on spawned gloo processes: a
 sharded block loaded from full weights gives those exact weights back, and its outputs equal the
-same block built unsharded from the gathered state dict (so the layout, SwiGLU's gate/up order
-included, is the unsharded model's)."""
+same block built unsharded from the gathered state dict (so the layout, GatedLinear's gate and up
+shards included, is the unsharded model's)."""
 
 import pytest
 import torch
@@ -13,16 +13,18 @@ from opfuse import ops
 from .harness import run
 
 DT = torch.float64
-H, F = 8, 12  # hidden, ffn (F divisible by 2 and 4; SwiGLU's fc1 has 2F rows)
+H, F = 8, 12  # hidden, ffn (F divisible by 2 and 4)
 
 
 def mlp(parallel: bool, act: str, sp: bool = False):
-    """RMSNorm -> fc1 (column) -> GELU | SwiGLU -> fc2 (row) -> + residual -> RMSNorm."""
+    """RMSNorm -> fc1 (column) -> GELU | GatedLinear (column, SwiGLU) -> fc2 (row) -> + residual -> RMSNorm."""
     col, row = ("column", "row") if parallel else (None, None)
-    width = 2 * F if act == "swiglu" else F
+    if act == "swiglu":
+        first = [ops.GatedLinear(H, F, bias=True, parallel=col, sequence_parallel=sp, dtype=DT), ops.Identity()]
+    else:
+        first = [ops.Linear(H, F, parallel=col, sequence_parallel=sp, dtype=DT), ops.GELU()]
     return ops.Sequential(
-        ops.RMSNorm(H, dtype=DT), ops.Linear(H, width, parallel=col, sequence_parallel=sp, dtype=DT),
-        ops.SwiGLU() if act == "swiglu" else ops.GELU(),
+        ops.RMSNorm(H, dtype=DT), *first,
         ops.Linear(F, H, parallel=row, sequence_parallel=sp, dtype=DT),
         ops.AddExtraInput(), ops.MakeExtraOutput(), ops.RMSNorm(H, dtype=DT))
 
@@ -46,11 +48,14 @@ def mlp_round_trip(rank, world):
         plain.load_state_dict(full)
         sharded = mlp(True, act)
         opfuse.load_unsharded_state_dict(sharded, full)
-        # The shards are what Linear.load_unsharded takes for non-gated layers.
+        # The shards are what load_unsharded takes.
+        f1 = F // world
         if act == "gelu":
-            f1 = F // world
             assert torch.equal(sharded[1].weight, full["1.weight"][rank * f1:(rank + 1) * f1])
-            assert torch.equal(sharded[3].weight, full["3.weight"][:, rank * f1:(rank + 1) * f1])
+        else:
+            for name in ("gate_weight", "up_weight", "gate_bias", "up_bias"):
+                assert torch.equal(getattr(sharded[1], name), full[f"1.{name}"][rank * f1:(rank + 1) * f1])
+        assert torch.equal(sharded[3].weight, full["3.weight"][:, rank * f1:(rank + 1) * f1])
         exact(f"rank {rank} {act}", opfuse.unsharded_state_dict(sharded), full)
         g = torch.Generator().manual_seed(7)
         x, res = torch.randn(5, H, generator=g, dtype=DT), torch.randn(5, H, generator=g, dtype=DT)
