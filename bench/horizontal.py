@@ -18,12 +18,12 @@ median of 15 replays, the variants replayed in turn so that clock drift hits the
                  of the two parameters) + the activation, as compiled
   fused / two    one GEMM / two GEMMs; ``opfuse / torch`` the same for the whole layer
 
-Without a GPU it prints one line and exits 0.
+Without a GPU it prints one line and exits 0; ``--json`` / ``--plot`` / ``--from-json`` as every
+benchmark (bench/common.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402  (bench/common.py)
 from timing import graphs_replay_us, median  # noqa: E402  (bench/timing.py)
 
 FULL = dict(hidden=8192, ffn=28672, decode=[1, 16, 64], prefill=[2048, 8192], calls_decode=20, calls_prefill=3,
@@ -95,33 +96,53 @@ def measure(hidden: int, rows: int, tokens: int, train: bool, calls: int, reps: 
 COLUMNS = ["two GEMMs", "one GEMM", "fused / two", "layer: torch", "layer: opfuse", "opfuse / torch"]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/horizontal.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4, 8],
-                        help="tensor-parallel sizes whose per-rank shapes are timed (ffn / world rows each)")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke test)")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no GPU: horizontal needs 1 CUDA GPU; skipped", flush=True)
-        return 0
-    opts = QUICK if args.quick else FULL
-    begin = time.perf_counter()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; hidden {opts['hidden']}, ffn {opts['ffn']}, bf16")
-    print("| world | case | tokens | " + " | ".join(COLUMNS) + " | rel err | fused |")
-    print("|" + "---|" * (len(COLUMNS) + 5))
-    for world in args.world:
-        rows = opts["ffn"] // world
+def measure_all(opts: dict, worlds: list[int]) -> dict:
+    data = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "hidden": opts["hidden"],
+            "ffn": opts["ffn"], "rows": []}
+    for world in worlds:
         cases = [("decode", t, False, opts["calls_decode"]) for t in opts["decode"]]
         cases += [(mode, t, mode == "prefill fwd+bwd", opts["calls_prefill"]) for t in opts["prefill"]
                   for mode in ("prefill fwd", "prefill fwd+bwd")]
         for case, tokens, train, calls in cases:
-            row = measure(opts["hidden"], rows, tokens, train, calls, opts["reps"])
-            cells = [f"{row[c]:.2f}" if "/" in c else f"{row[c]:.1f}" for c in COLUMNS]
-            print(f"| {world} | {case} | {tokens} | " + " | ".join(cells) + f" | {row['err']:.1e} | {row['fused']} |",
-                  flush=True)
+            row = measure(opts["hidden"], opts["ffn"] // world, tokens, train, calls, opts["reps"])
+            data["rows"].append(dict(row, world=world, case=case, tokens=tokens))
+            common.progress(f"world {world} {case} T={tokens}: done")
             torch.cuda.empty_cache()
+    return data
+
+
+def report(data: dict) -> None:
+    print(f"{data['device']}, torch {data['torch']}; hidden {data['hidden']}, ffn {data['ffn']}, bf16")
+    print("| world | case | tokens | " + " | ".join(COLUMNS) + " | rel err | fused |")
+    print("|" + "---|" * (len(COLUMNS) + 5))
+    for row in data["rows"]:
+        cells = [f"{row[c]:.2f}" if "/" in c else f"{row[c]:.1f}" for c in COLUMNS]
+        print(f"| {row['world']} | {row['case']} | {row['tokens']} | " + " | ".join(cells)
+              + f" | {row['err']:.1e} | {row['fused']} |")
+
+
+def ratio_series(data: dict) -> dict:
+    series: dict = {}
+    for row in data["rows"]:
+        series.setdefault(f"world {row['world']} {row['case']}: opfuse layer / torch layer", []).append(
+            (row["tokens"], row["opfuse / torch"]))
+    return series
+
+
+def main(argv=None) -> int:
+    parser = common.parser("horizontal", __doc__)
+    parser.add_argument("--world", type=int, nargs="+", default=[1, 2, 4, 8],
+                        help="tensor-parallel sizes whose per-rank shapes are timed (ffn / world rows each)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke test)")
+    args = parser.parse_args(argv)
+    begin = time.perf_counter()
+    data = common.results(args, "horizontal", 1, lambda: measure_all(QUICK if args.quick else FULL, args.world))
+    if data is None:
+        return 0
+    report(data)
     print(f"(total {time.perf_counter() - begin:.0f} s)")
+    common.finish(args, data, series=ratio_series(data), xlabel="tokens",
+                  ylabel="time ratio (< 1: opfuse faster)", title="gated layer: one GEMM over [gate; up] vs two")
     return 0
 
 

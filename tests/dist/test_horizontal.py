@@ -16,26 +16,7 @@ import opfuse
 from opfuse import ops
 
 from .harness import run
-
-DT = torch.float64
-TOL = dict(atol=1e-10, rtol=1e-9)
-
-
-def rows(t, rank, world):
-    n = t.shape[0] // world
-    return t[rank * n:(rank + 1) * n]
-
-
-def cols(t, rank, world):
-    n = t.shape[-1] // world
-    return t[..., rank * n:(rank + 1) * n]
-
-
-def check(name, got, want):
-    try:
-        torch.testing.assert_close(got, want, **TOL)
-    except AssertionError as error:
-        raise AssertionError(f"{name}: {error}") from None
+from .test_tensor_parallel import DT, check, cols, rows
 
 
 def mlp_case(rank, world, sp, bias, fuse, seed):

@@ -2,8 +2,6 @@
 (outputs and every gradient), zero-copy joined weights, hand-built graphs through run_pipeline,
 and the SwiGLU layout error (the tensor-parallel cases are in tests/dist/test_horizontal.py)."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -218,13 +216,3 @@ def test_gated_linear_arguments_and_loading(world1, rng):
         with pytest.raises(ValueError, match=message):
             layer.load_unsharded(**kwargs)
 
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU line")
-def test_bench_says_no_gpu_in_one_line():
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, os.path.join(root, "bench", "horizontal.py")], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout == "no GPU: horizontal needs 1 CUDA GPU; skipped\n"
