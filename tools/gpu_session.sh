@@ -35,6 +35,7 @@ case "$stage" in
     step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
     step overlap_tests 200 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
     step graphed_tests 200 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
     ;;
   validate)
     step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
@@ -48,17 +49,21 @@ case "$stage" in
     step fused_single 300 python3 -m pytest -x -q tests/gpu/test_fused_single_gpu.py "$@"
     step grouped_tests 300 python3 -m pytest -x -q tests/gpu/test_grouped*.py "$@"
     step grouped_bench 240 python3 bench/grouped.py
+    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
+    step horizontal_bench 150 python3 bench/horizontal.py
     ;;
   multi-tests)
     step kernels 120 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
     step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
     step overlap_tests 120 python3 -m pytest -x -q tests/gpu/test_overlap*.py "$@"
     step graphed_tests 150 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
     ;;
   multi-bench)
     step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
     step overlap_bench 100 python3 bench/overlap.py --world 2 4
     step block_bench 280 python3 bench/block.py --world 2 4
+    step block_swiglu_bench 280 python3 bench/block.py --world 2 4 --act swiglu
     ;;
   overlap)
     step overlap_tests 400 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
