@@ -36,5 +36,6 @@ def test_package_data_covers_the_runtime_files():
     needed = {os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "opfuse", "**", "csrc", "*.*"),
                                                             recursive=True)}
     needed |= {"opfuse/py.typed", "opfuse/debug/viewer.js", "opfuse/debug/viewer.css",
-               "opfuse/debug/vendor/dagre.min.js", "opfuse/debug/vendor/LICENSE.dagre"}
+               "opfuse/debug/vendor/dagre.min.js", "opfuse/debug/vendor/LICENSE.dagre",
+               "opfuse/backend/residual_norm/crossovers.json"}
     assert needed <= matched, sorted(needed - matched)

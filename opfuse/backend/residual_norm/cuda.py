@@ -13,8 +13,8 @@ implementation    what runs                                                     
 Peer buffers are regions of the group's :class:`~opfuse.backend.runtime.symm_pool.SymmetricPool`:
 the checks only ask whether a region would fit; ``prepare`` (the chosen implementation, every
 rank, in program order) reserves and initialises it; a call only looks it up. Backward of every
-variant: the fused RMSNorm backward kernel (LayerNorm: the reference). The crossovers below were
-measured with bench/allreduce_norm.py (docs/PERF_NOTES.md).
+variant: the fused RMSNorm backward kernel (LayerNorm: the reference). The message limits that
+pick between them (by world size and row size) are in :mod:`.crossovers`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ...ops import group as groups
 from ...ops.base import dtype_name
 from ..runtime import extension, symm_pool
 from ..runtime.device import current_stream, is_capturing, sm_count
-from . import reference
+from . import crossovers, reference
 
 __all__ = ["check_oneshot", "check_twoshot", "check_nccl_then_kernel", "check_local", "prepare_oneshot",
            "prepare_twoshot", "oneshot_forward", "twoshot_forward", "nccl_then_kernel_forward", "local_forward",
@@ -38,37 +38,22 @@ __all__ = ["check_oneshot", "check_twoshot", "check_nccl_then_kernel", "check_lo
 FAMILY = "residual_norm"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20}
-# Largest message (bytes per rank) for which the one-shot kernel beats the two-shot one, by world
-# size, measured with bench/allreduce_norm.py (docs/PERF_NOTES.md). OPFUSE_ONESHOT_MAX_BYTES
-# overrides it.
-# World 2: one-shot sends the same bytes as two-shot with one hop instead of two; it won up to
-# 2 MiB, tied at 8 MiB and lost at 32 MiB against the staged two-shot; world 4: it won up to
-# 512 KiB and tied at 2 MiB. World 3 is interpolated (not measured); larger worlds keep 512 KiB.
-_ONESHOT_AUTO_MAX = {2: 8 << 20, 3: 2 << 20, 4: 1 << 20}
-_ONESHOT_DEFAULT_MAX = 512 << 10
-
-
-# Largest message for the two-shot kernel (beyond it: NCCL all-reduce + the local add+norm
-# kernel), by row size; OPFUSE_TWOSHOT_MAX_BYTES overrides it. With 16 KiB rows (hidden 8192,
-# bf16) the two-shot won up to 128 MiB at world 2 and 4; with 8 KiB rows (hidden 4096) it tied
-# with NCCL + kernel at 16 MiB (+-3 %) and lost by 11-14 % at 64 MiB (docs/PERF_NOTES.md).
-_TWOSHOT_SHORT_ROW_BYTES = 16 << 10
-_TWOSHOT_SHORT_ROW_MAX = 16 << 20
-_TWOSHOT_DEFAULT_MAX = 256 << 20
 
 
 def oneshot_limit(world: int, row_bytes: int = 0) -> int:
-    """Largest message the one-shot kernel takes at ``world`` ranks."""
+    """Largest message the one-shot kernel takes at ``world`` ranks with rows of ``row_bytes``
+    (``OPFUSE_ONESHOT_MAX_BYTES``, else the crossover table; 0: none)."""
     if config.oneshot_max_bytes:
         return config.oneshot_max_bytes
-    return _ONESHOT_AUTO_MAX.get(world, _ONESHOT_DEFAULT_MAX)
+    return crossovers.table().limits(world, row_bytes).oneshot_max
 
 
-def twoshot_limit(world: int, row_bytes: int) -> int:
-    """Largest message the two-shot kernel takes for rows of ``row_bytes``."""
+def twoshot_limit(world: int, row_bytes: int) -> int | None:
+    """Largest message the two-shot kernel takes (``OPFUSE_TWOSHOT_MAX_BYTES``, else the crossover
+    table; None: no limit); larger ones go to NCCL + the local kernel."""
     if config.twoshot_max_bytes:
         return config.twoshot_max_bytes
-    return _TWOSHOT_SHORT_ROW_MAX if row_bytes < _TWOSHOT_SHORT_ROW_BYTES else _TWOSHOT_DEFAULT_MAX
+    return crossovers.table().limits(world, row_bytes).twoshot_max
 
 
 # Capability checks (pure) ---------------------------------------------------------------------
@@ -121,7 +106,7 @@ def _check_peer(kind: str, limit):
         message = spec.x.nbytes
         row_bytes = spec.x.features * torch.empty((), dtype=spec.dtype).element_size()
         most = limit(spec.world_size, row_bytes)
-        if message > most:
+        if most is not None and message > most:
             setting = "OPFUSE_ONESHOT_MAX_BYTES" if kind == "oneshot" else "OPFUSE_TWOSHOT_MAX_BYTES"
             return (f"message of {message} bytes exceeds the {kind} limit of {most} bytes ({setting}; automatic "
                     f"when 0: by world size and row size, here world {spec.world_size}, {row_bytes}-byte rows)")

@@ -1,0 +1,189 @@
+"""The all-reduce + norm dispatch crossovers: the packaged table, its lookup rules (world fallback,
+log-log interpolation in row size, nearest point where a limit is absent), the settings that
+override it, and the fit of tools/crossover_table.py that writes it from a sweep."""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import opfuse
+from opfuse.backend.residual_norm import crossovers
+from opfuse.backend.residual_norm.crossovers import CrossoverTable, Limits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+spec = importlib.util.spec_from_file_location("crossover_table", os.path.join(ROOT, "tools", "crossover_table.py"))
+crossover_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(crossover_table)
+
+MiB = 1 << 20
+ONE, TWO, NCCL = "cuda_oneshot", "cuda_twoshot", "nccl+cuda"
+
+
+def make(worlds):
+    return CrossoverTable.from_dict({"worlds": {str(w): points for w, points in worlds.items()}}, source="test")
+
+
+def point(row, one, two):
+    return {"row_bytes": row, "oneshot_max": one, "twoshot_max": two}
+
+
+# The packaged table --------------------------------------------------------------------------------
+
+
+def test_packaged_table_keeps_the_limits_measured_before_the_sweep():
+    table = crossovers.table()
+    assert sorted(table.worlds) == [2, 3, 4, 8]
+    # hidden 8192 bf16 (16 KiB rows) and hidden 4096 (8 KiB rows), as docs/PERF_NOTES.md v3 measured them
+    assert table.limits(2, 16384) == Limits(8 * MiB, 256 * MiB)
+    assert table.limits(4, 16384) == Limits(1 * MiB, 256 * MiB)
+    assert table.limits(3, 8192) == Limits(2 * MiB, 16 * MiB)
+    assert table.limits(2, 4096).twoshot_max == 16 * MiB     # shorter rows: the 8 KiB point
+    assert table.limits(4, 32768).twoshot_max == 256 * MiB   # longer rows: the 16 KiB point
+    # unlisted worlds take the next larger listed one (the old default for worlds 5-7 and 9+: 512 KiB)
+    for world in (5, 6, 7, 16):
+        assert table.limits(world, 16384).oneshot_max == 512 << 10
+
+
+def test_backend_limits_come_from_the_table_unless_a_setting_overrides_them():
+    from opfuse.backend.residual_norm import cuda
+
+    assert cuda.oneshot_limit(2, 16384) == crossovers.table().limits(2, 16384).oneshot_max
+    assert cuda.twoshot_limit(4, 8192) == crossovers.table().limits(4, 8192).twoshot_max
+    with opfuse.config.override(oneshot_max_bytes=12345, twoshot_max_bytes=67890):
+        assert cuda.oneshot_limit(2, 16384) == 12345
+        assert cuda.twoshot_limit(2, 16384) == 67890
+
+
+# Lookup rules ----------------------------------------------------------------------------------------
+
+
+def test_world_without_points_uses_the_next_larger_listed_world_else_the_largest():
+    table = make({2: [point(1024, 10, 100)], 4: [point(1024, 20, 200)], 8: [point(1024, 30, 300)]})
+    assert [table.world_for(w) for w in (2, 3, 4, 5, 8, 9, 64)] == [2, 4, 4, 8, 8, 8, 8]
+    assert table.limits(3, 1024) == Limits(20, 200)
+
+
+def test_rows_outside_the_points_take_the_nearest_point():
+    table = make({2: [point(4096, 10, 100), point(16384, 40, 400)]})
+    assert table.limits(2, 0) == Limits(10, 100)
+    assert table.limits(2, 1024) == Limits(10, 100)
+    assert table.limits(2, 16384) == Limits(40, 400)
+    assert table.limits(2, 1 << 20) == Limits(40, 400)
+
+
+def test_rows_between_points_interpolate_log_log():
+    table = make({2: [point(4096, 1 * MiB, 16 * MiB), point(16384, 4 * MiB, 256 * MiB)]})
+    mid = table.limits(2, 8192)  # halfway in log(row bytes)
+    assert mid == Limits(2 * MiB, 64 * MiB)
+    quarter = table.limits(2, int(4096 * 2 ** 0.5))
+    assert quarter.oneshot_max == pytest.approx(MiB * 2 ** 0.5, rel=1e-3)  # the row is rounded down to bytes
+    assert quarter.twoshot_max == pytest.approx(16 * MiB * 2, rel=1e-3)
+
+
+def test_absent_limits_are_not_interpolated_the_nearer_point_wins():
+    table = make({2: [point(4096, 0, None), point(16384, 4 * MiB, 256 * MiB)]})
+    assert table.limits(2, 6000) == Limits(0, None)            # nearer the 4 KiB point
+    assert table.limits(2, 8192) == Limits(0, None)            # exactly halfway: the smaller row
+    assert table.limits(2, 12000) == Limits(4 * MiB, 256 * MiB)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 20), st.integers(4096, 65536))
+def test_interpolated_limits_lie_between_their_points(a, b, row):
+    table = make({2: [point(4096, a * MiB, a * 2 * MiB), point(65536, b * MiB, b * 2 * MiB)]})
+    got = table.limits(2, row)
+    assert min(a, b) * MiB - 1 <= got.oneshot_max <= max(a, b) * MiB + 1
+    assert min(a, b) * 2 * MiB - 1 <= got.twoshot_max <= max(a, b) * 2 * MiB + 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"worlds": {}}, "no world sizes"),
+    ({"worlds": {"two": [point(1, 1, 1)]}}, "not an integer"),
+    ({"worlds": {"1": [point(1, 1, 1)]}}, "world >= 2"),
+    ({"worlds": {"2": []}}, "at least one point"),
+    ({"worlds": {"2": [point(0, 1, 1)]}}, "row_bytes must be a positive integer"),
+    ({"worlds": {"2": [point(8, -1, 1)]}}, "oneshot_max must be an integer >= 0"),
+    ({"worlds": {"2": [point(8, 1, 0)]}}, "twoshot_max must be a positive integer or null"),
+    ({"worlds": {"2": [point(8, 1, 2), point(8, 3, 4)]}}, "lists a row size twice"),
+])
+def test_malformed_tables_are_rejected_with_the_entry_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        CrossoverTable.from_dict(bad, source="x.json")
+
+
+# The fit -----------------------------------------------------------------------------------------------
+
+
+def sweep_sizes(messages, a, b, noise=()):
+    """One-shot fastest up to messages[a], two-shot up to messages[b], NCCL above; ``noise``: indices
+    where the runner-up is within 0.5 % (still slower)."""
+    sizes = []
+    for i, m in enumerate(messages):
+        base = 10.0 + m / 1e5
+        winner = ONE if i <= a else TWO if i <= b else NCCL
+        times = {impl: base * (1.0 if impl == winner else 1.005 if i in noise else 1.3) for impl in (ONE, TWO, NCCL)}
+        sizes.append((m, times))
+    return sizes
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(3, 9), st.data())
+def test_fit_picks_the_fastest_at_every_measured_size_when_the_crossovers_are_clean(n, data):
+    messages = sorted(data.draw(st.sets(st.integers(1 << 10, 1 << 28), min_size=n, max_size=n)))
+    a = data.draw(st.integers(-1, n - 1))
+    b = data.draw(st.integers(a, n - 1))
+    sizes = sweep_sizes(messages, a, b)
+    one, two, worst = crossover_table.fit(sizes)
+    for m, times in sizes:
+        assert crossover_table.choose(m, one, two) == min(times, key=times.get), (m, one, two)
+    assert worst == pytest.approx(1.0)
+    # the limits sit between the last size of a kernel and the first of the next
+    if 0 <= a < n - 1:
+        assert messages[a] <= one < messages[a + 1]
+
+
+def test_fit_never_picks_an_untimed_implementation_and_stops_one_shot_at_the_cap():
+    messages = [1 << k for k in range(14, 29, 2)]  # 16 KiB .. 256 MiB
+    sizes = sweep_sizes(messages, a=len(messages) - 1, b=len(messages) - 1)
+    capped = [(m, {k: v for k, v in t.items() if k != ONE or m <= 32 * MiB}) for m, t in sizes]
+    one, two, _ = crossover_table.fit(capped)
+    assert one < 64 * MiB  # one-shot was not timed above 32 MiB
+    for m, times in capped:
+        assert crossover_table.choose(m, one, two) in times
+
+
+def test_build_table_fits_each_world_and_row_and_keeps_unmeasured_worlds(tmp_path):
+    rows = []
+    for world, hidden, a in ((2, 4096, 3), (2, 8192, 4), (4, 8192, 1)):
+        messages = [t * hidden * 2 for t in (1, 16, 64, 256, 1024, 4096, 8192)]
+        for m, times in sweep_sizes(messages, a, 5):
+            rows.append({"world": world, "row_bytes": hidden * 2, "bytes": m, "times": times})
+    previous = {"machine": "m", "worlds": {"8": [point(16384, 512 << 10, 256 * MiB)]}}
+    table, report = crossover_table.build_table(rows, previous, source="sweep.json")
+    assert sorted(table["worlds"], key=int) == ["2", "4", "8"]
+    assert table["worlds"]["8"] == previous["worlds"]["8"]
+    assert any("kept from the current table" in line for line in report)
+    path = tmp_path / "crossovers.json"
+    path.write_text(json.dumps(table))
+    loaded = CrossoverTable.load(str(path))
+    w2 = loaded.limits(2, 16384)
+    assert 1024 * 16384 <= w2.oneshot_max < 4096 * 16384      # one-shot fastest through 1024 tokens
+    assert 4096 * 16384 <= w2.twoshot_max < 8192 * 16384      # two-shot through 4096
+    assert loaded.limits(4, 16384).oneshot_max < 64 * 16384   # world 4: one-shot only up to 16 tokens
+    between = loaded.limits(2, 12288)                         # hidden 6144: interpolated
+    assert loaded.limits(2, 8192).oneshot_max < between.oneshot_max < w2.oneshot_max
+    t = math.log(12288 / 8192) / math.log(16384 / 8192)
+    low = loaded.limits(2, 8192).oneshot_max
+    assert between.oneshot_max == pytest.approx(math.exp(math.log(low) + t * math.log(w2.oneshot_max / low)), rel=1e-6)
+
+
+def test_fit_is_not_moved_by_a_near_tie():
+    messages = [1 << k for k in range(14, 29, 2)]
+    clean = crossover_table.fit(sweep_sizes(messages, 3, 5))
+    noisy = crossover_table.fit(sweep_sizes(messages, 3, 5, noise=(2, 3, 4)))
+    assert clean[:2] == noisy[:2]

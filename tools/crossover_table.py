@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Turn a crossover sweep (bench/allreduce_crossover.py --json) into the dispatch table
+``opfuse/backend/residual_norm/crossovers.json``.
+
+    python3 tools/crossover_table.py sweep.json            # rewrite the packaged table
+    python3 tools/crossover_table.py sweep.json --dry-run  # print the fitted limits only
+
+For every measured (world, row bytes), the two limits are chosen together so that the order the
+backend applies (one-shot up to ``oneshot_max``, two-shot up to ``twoshot_max``, NCCL + the local
+kernel above) loses the least against the fastest forced implementation over the measured sizes:
+the sum over sizes of log(time of the implementation the limits pick / fastest time), where an
+implementation without a time (not capable, not timed) counts as 10x slower. Candidate limits
+lie between measured messages (their geometric mean), or at the largest measured message; ties go
+to the smaller one-shot limit and the larger two-shot limit. Worlds the sweep did not measure keep
+their entries from the current table. The sweep's automatic choice is not used: it only reports
+how the old table did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from opfuse.backend.residual_norm import crossovers  # noqa: E402
+
+ONESHOT, TWOSHOT, NCCL = "cuda_oneshot", "cuda_twoshot", "nccl+cuda"
+MISSING_PENALTY = math.log(10.0)
+
+
+def choose(message: int, oneshot_max: int, twoshot_max: int) -> str:
+    """The implementation the backend picks for ``message`` under these limits."""
+    if message <= oneshot_max:
+        return ONESHOT
+    if message <= twoshot_max:
+        return TWOSHOT
+    return NCCL
+
+
+def loss(sizes: list[tuple[int, dict]], oneshot_max: int, twoshot_max: int) -> float:
+    total = 0.0
+    for message, times in sizes:
+        best = min(times.values())
+        got = times.get(choose(message, oneshot_max, twoshot_max))
+        total += MISSING_PENALTY if got is None else math.log(got / best)
+    return total
+
+
+def candidates(messages: list[int]) -> list[int]:
+    """0, a limit between each pair of neighbouring measured messages, and the largest one."""
+    between = [int(round(math.sqrt(a * b))) for a, b in zip(messages, messages[1:])]
+    return [0] + between + [messages[-1]]
+
+
+def fit(sizes: list[tuple[int, dict]]) -> tuple[int, int, float]:
+    """``(oneshot_max, twoshot_max, worst ratio to the fastest)`` for one (world, row bytes).
+
+    ``sizes``: ``(message bytes, {implementation: us})`` for the measured token counts; sizes
+    with no time at all are ignored.
+    """
+    sizes = sorted((m, t) for m, t in sizes if t)
+    if not sizes:
+        raise ValueError("no measured size")
+    cands = candidates([m for m, _ in sizes])
+    best = None
+    for one in cands:
+        for two in reversed(cands):  # larger two-shot limits first: ties keep the larger
+            if two < one:
+                continue
+            value = loss(sizes, one, two)
+            if best is None or value < best[0] - 1e-12:
+                best = (value, one, two)
+    _, one, two = best
+    worst = max((t.get(choose(m, one, two), math.inf) / min(t.values()) for m, t in sizes), default=1.0)
+    return one, two, worst
+
+
+def build_table(rows: list[dict], previous: dict | None = None, source: str = "") -> tuple[dict, list[str]]:
+    """The table's JSON form from the sweep rows, and a line per fitted point for the report."""
+    groups: dict[tuple[int, int], list[tuple[int, dict]]] = {}
+    for row in rows:
+        groups.setdefault((row["world"], row["row_bytes"]), []).append((row["bytes"], row["times"]))
+    worlds: dict[str, list[dict]] = {}
+    report = []
+    for (world, row_bytes), sizes in sorted(groups.items()):
+        if not any(t for _, t in sizes):
+            continue
+        one, two, worst = fit(sizes)
+        worlds.setdefault(str(world), []).append({"row_bytes": row_bytes, "oneshot_max": one, "twoshot_max": two,
+                                                  "worst_ratio": round(worst, 4)})
+        report.append(f"world {world}, {row_bytes}-byte rows: one-shot <= {one / 2**20:.3g} MiB, two-shot <= "
+                      f"{two / 2**20:.3g} MiB; worst measured size {worst:.3f}x the fastest")
+    for world, entries in (previous or {}).get("worlds", {}).items():
+        if world not in worlds:
+            worlds[world] = entries
+            report.append(f"world {world}: not in the sweep, kept from the current table")
+    table = {"comment": ("Largest message (bytes per rank) for the one-shot and two-shot all-reduce + add + norm "
+                         "kernels, by world size and row bytes (lookup rules: crossovers.py). Written by "
+                         "tools/crossover_table.py; worst_ratio: the fitted limits' worst time over the fastest "
+                         "forced implementation at the measured sizes."),
+             "machine": (previous or {}).get("machine", ""), "source": source,
+             "worlds": dict(sorted(worlds.items(), key=lambda kv: int(kv[0])))}
+    crossovers.CrossoverTable.from_dict(table, source="fitted table")  # the lookup must accept it
+    return table, report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep", help="JSON written by bench/allreduce_crossover.py --json")
+    parser.add_argument("--out", default=crossovers.TABLE_PATH, help="where to write (default: the packaged table)")
+    parser.add_argument("--previous", default=crossovers.TABLE_PATH,
+                        help="table whose unmeasured worlds are kept (default: the packaged table)")
+    parser.add_argument("--machine", default=None, help="machine kind to record (default: the sweep's device)")
+    parser.add_argument("--dry-run", action="store_true", help="print the fitted limits, write nothing")
+    args = parser.parse_args()
+    with open(args.sweep) as handle:
+        sweep = json.load(handle)
+    previous = None
+    if os.path.isfile(args.previous):
+        with open(args.previous) as handle:
+            previous = json.load(handle)
+    meta = sweep.get("meta", {})
+    command = meta.get("command", "bench/allreduce_crossover.py")
+    source = f"{os.path.basename(args.sweep)}: {command} ({meta.get('date', '?')})"
+    table, report = build_table(sweep["rows"], previous, source)
+    table["machine"] = args.machine or meta.get("device", table["machine"])
+    print("\n".join(report))
+    if not args.dry_run:
+        with open(args.out, "w") as handle:
+            json.dump(table, handle, indent=1)
+            handle.write("\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
