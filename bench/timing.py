@@ -10,6 +10,9 @@ reservation happen outside the capture) and returns the per-call time of each of
 timed replays, in microseconds. Every replay starts after a process-group barrier and a device
 sync; ``reset`` (untimed) runs before the warm-up calls, the capture and each replay, so in-place
 baselines can start from the same data every time.
+
+Also shared: the ceilings a benchmark measures at its start to print floors (``device_copy_gbs``,
+``peer_egress_gbs``) and the all-reduce + norm bandwidth floor (``allreduce_floor_us``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["graph_replay_us", "graphs_replay_us", "max_over_ranks", "median"]
+__all__ = ["graph_replay_us", "graphs_replay_us", "max_over_ranks", "median", "device_copy_gbs", "peer_egress_gbs",
+           "allreduce_floor_us"]
 
 
 def max_over_ranks(value: float) -> float:
@@ -84,3 +88,75 @@ def graphs_replay_us(fns: dict, calls: int, replays: int, warmup: int = 3) -> di
             times[name].append(_replay_us(graph, calls))
     del graphs
     return times
+
+
+# Ceilings measured in the run, and the floors derived from them ------------------------------------
+
+def device_copy_gbs(nbytes: int = 256 << 20, calls: int = 5, replays: int = 5) -> float:
+    """HBM bandwidth of this GPU as a device-to-device copy: (read + write bytes) / time, GB/s."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = median(graph_replay_us(lambda: dst.copy_(src), calls, replays))
+    return 2 * nbytes / us / 1e3
+
+
+def peer_egress_gbs(shard_bytes: int = 32 << 20, calls: int = 5, replays: int = 5, group=None) -> dict:
+    """One rank's NVLink egress when every rank sends ``shard_bytes`` to every peer at once (the
+    all-gather pattern), GB/s, slowest rank: ``{"nccl": ..., "copy_engine": ..., "best": ...}``.
+
+    ``nccl``: ``all_gather_into_tensor`` (SM-driven); ``copy_engine``: ``copy_`` into each peer's
+    torch symmetric memory, one stream per peer (None where symmetric memory is unavailable).
+    Egress = (world - 1) * shard / time.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    shard = torch.empty(shard_bytes, dtype=torch.uint8, device="cuda").random_()
+    gathered = torch.empty(world * shard_bytes, dtype=torch.uint8, device="cuda")
+    moved = (world - 1) * shard_bytes
+    out = {"nccl": moved / max_over_ranks(median(graph_replay_us(
+        lambda: dist.all_gather_into_tensor(gathered, shard, group=group), calls, replays))) / 1e3}
+    out["copy_engine"] = None
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(world * shard_bytes, dtype=torch.uint8, device="cuda")
+        handle = symm_mem.rendezvous(buffer, (group or dist.group.WORLD).group_name)
+        offset = buffer.data_ptr() - handle.buffer_ptrs[rank]  # the tensor may sit inside a larger allocation
+        peers = [p for p in range(world) if p != rank]
+        slots = [handle.get_buffer(p, (shard_bytes,), torch.uint8, offset + rank * shard_bytes) for p in peers]
+        streams = [torch.cuda.Stream() for _ in peers]
+
+        def push():
+            main = torch.cuda.current_stream()
+            for stream, slot in zip(streams, slots):
+                stream.wait_stream(main)
+                with torch.cuda.stream(stream):
+                    slot.copy_(shard)
+            for stream in streams:
+                main.wait_stream(stream)
+
+        out["copy_engine"] = moved / max_over_ranks(median(graph_replay_us(push, calls, replays))) / 1e3
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+    except Exception:  # noqa: BLE001 - no symmetric memory here: NCCL's number stands alone
+        pass
+    out["best"] = max(v for v in (out["nccl"], out["copy_engine"]) if v is not None)
+    return out
+
+
+def allreduce_floor_us(message_bytes: int, world: int, peer_gbs: float, hbm_gbs: float) -> tuple[float, str]:
+    """Bandwidth floor of an all-reduce + residual add + norm of ``message_bytes`` per rank, us,
+    and which resource sets it (``"nvlink"`` or ``"hbm"``).
+
+    NVLink: without multicast every rank must send 2 (W - 1) / W of the message (each rank owns
+    1/W of the sums, and receives the other ranks' parts of it, then sends its sums to them),
+    over ``peer_gbs`` of egress. HBM: read the partial sums and the residual, write the output
+    and the new residual, 4 messages over ``hbm_gbs`` (read + write). The two overlap at best,
+    so the floor is the larger. Latency (launch, flag hops: ~2-3 us) is not in it: at a few
+    tokens the floor is near 0 and the ratio to it means nothing.
+    """
+    if world < 2:
+        nvlink = 0.0
+    else:
+        nvlink = 2 * (world - 1) / world * message_bytes / peer_gbs / 1e3
+    hbm = 4 * message_bytes / hbm_gbs / 1e3
+    return (nvlink, "nvlink") if nvlink >= hbm else (hbm, "hbm")

@@ -43,6 +43,9 @@ def parse(text: str) -> dict:
         if found:
             world, hidden, head = found.group(1), int(found.group(2)), None
             continue
+        if line.startswith("summary"):  # the bench's closing summary table is not a world's table
+            world = None
+            continue
         if not line.startswith("|") or world is None:
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
