@@ -31,7 +31,8 @@ __all__ = ["BENCHMARKS", "parser", "results", "skip_without_gpus", "worlds", "ru
 #: The benchmarks ``python -m opfuse bench`` runs: file name (bench/NAME.py) -> (CUDA GPUs needed,
 #: what it measures). The other files of bench/ are helpers.
 BENCHMARKS = {
-    "allreduce_norm": (2, "all-reduce + bias + residual + RMSNorm vs NCCL, torch.compile, symmetric memory"),
+    "allreduce_norm": (2, "all-reduce + bias + residual + RMSNorm vs NCCL, torch.compile, symm_mem, FlashInfer"),
+    "allreduce_crossover": (2, "all-reduce + norm dispatch: every implementation forced vs the automatic choice"),
     "overlap": (2, "all-gather + GEMM and GEMM + reduce-scatter overlap vs the GEMM alone and NCCL"),
     "block": (2, "the whole tensor-parallel MLP block vs torch.nn and torch.compile (--cpu: gloo dry run)"),
     "grouped": (1, "MoE grouped GEMM vs torch._grouped_mm and a dense GEMM"),

@@ -11,6 +11,11 @@
 #   tools/gpu_session.sh graphed-push  # 2-4 GPUs: graphed-block tests, copy-engine push bandwidth
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
 #   tools/gpu_session.sh world8-bench  # 8 GPUs: the world-8 benchmarks
+#   tools/gpu_session.sh allreduce     # 2-4 GPUs (~6 min on 4x H200): all-reduce+norm bench with the FlashInfer
+#                                      # column and floors (world 2, 4; hidden 8192, 5120), then the dispatch
+#                                      # crossover sweep (world 2, 3, 4) and the table fitted from it
+#                                      # (allreduce-bench ~3.5 min / allreduce-crossover ~2.5 min: either half)
+#                                      # FlashInfer needs .thirdparty/ (tools/fetch_flashinfer.py) carried along
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
 stage=${1:-single}; shift || true
@@ -84,8 +89,32 @@ case "$stage" in
     step overlap_bench 200 python3 bench/overlap.py --world 8 --m 512 2048 8192 --chunks
     step push_bench 100 python3 bench/push_bandwidth.py --world 8
     ;;
+  allreduce|allreduce-bench|allreduce-crossover)
+    if [ "$stage" != allreduce-crossover ]; then
+      step flashinfer_build 240 python3 bench/flashinfer_ar/build.py
+      # A wrong workspace would hang the kernel: check it on small shapes first (bounded), and
+      # leave the column out of the benchmark unless the check passed.
+      step flashinfer_check 200 python3 bench/flashinfer_ar/check.py --world 2 4 --timeout 90
+      fi_flag=--no-flashinfer
+      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" && fi_flag=
+      step allreduce_bench 420 python3 bench/allreduce_norm.py --world 2 4 --hidden 8192 5120 \
+        --tokens 1 64 256 1024 4096 8192 --json "$OUT/allreduce_norm.json" $fi_flag
+    fi
+    if [ "$stage" != allreduce-bench ]; then
+      step crossover_sweep 300 python3 bench/allreduce_crossover.py --world 2 3 4 --json "$OUT/allreduce_crossover.json"
+      # The fitted table goes to $OUT for review; copy it to opfuse/backend/residual_norm/ to ship it.
+      step crossover_table 60 python3 tools/crossover_table.py "$OUT/allreduce_crossover.json" --out "$OUT/crossovers.json"
+    fi
+    final_summary() {
+      echo "=== flashinfer binding"; tail -3 "$OUT/flashinfer_build.log" "$OUT/flashinfer_check.log" 2>/dev/null
+      echo "=== all-reduce + norm summary"; sed -n '/^summary/,$p' "$OUT/allreduce_bench.log" 2>/dev/null
+      echo "=== crossovers"; sed -n '/^summary: automatic/,$p' "$OUT/crossover_sweep.log" 2>/dev/null
+      cat "$OUT/crossover_table.log" 2>/dev/null
+    }
+    ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/gpus.txt"
 for f in "$OUT"/*.log; do echo "=== tail $(basename "$f")"; grep -vE '^\s*$' "$f" | grep -E 'Error|error|FAIL|assert|Traceback|^\|' | head -40; done
 echo "=== summary"; printf '%s\n' "${summary[@]}"
+if declare -F final_summary >/dev/null; then final_summary; fi
