@@ -11,10 +11,10 @@
 #   tools/gpu_session.sh graphed-push  # 2-4 GPUs: graphed-block tests, copy-engine push bandwidth
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
 #   tools/gpu_session.sh world8-bench  # 8 GPUs: the world-8 benchmarks
-#   tools/gpu_session.sh allreduce     # 2-4 GPUs (~6 min on 4x H200): all-reduce+norm bench with the FlashInfer
+#   tools/gpu_session.sh allreduce     # 2-4 GPUs (~7 min on 4x H200): all-reduce+norm bench with the FlashInfer
 #                                      # column and floors (world 2, 4; hidden 8192, 5120), then the dispatch
 #                                      # crossover sweep (world 2, 3, 4) and the table fitted from it
-#                                      # (allreduce-bench ~3.5 min / allreduce-crossover ~2.5 min: either half)
+#                                      # (allreduce-bench ~4.5 min / allreduce-crossover ~3 min, build included)
 #                                      # FlashInfer needs .thirdparty/ (tools/fetch_flashinfer.py) carried along
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
