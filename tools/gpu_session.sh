@@ -65,7 +65,7 @@ case "$stage" in
     step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
     ;;
   multi-bench)
-    step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
+    step allreduce_bench 300 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
     step overlap_bench 100 python3 bench/overlap.py --world 2 4
     step block_bench 280 python3 bench/block.py --world 2 4
     step block_swiglu_bench 280 python3 bench/block.py --world 2 4 --act swiglu
@@ -85,7 +85,7 @@ case "$stage" in
     step graphed_tests 180 python3 -m pytest -x -q tests/gpu/test_graphed.py -k "8]" "$@"
     ;;
   world8-bench)
-    step allreduce_bench 150 python3 bench/allreduce_norm.py --world 8 --json "$OUT/allreduce_norm.json"
+    step allreduce_bench 220 python3 bench/allreduce_norm.py --world 8 --json "$OUT/allreduce_norm.json"
     step overlap_bench 200 python3 bench/overlap.py --world 8 --m 512 2048 8192 --chunks
     step push_bench 100 python3 bench/push_bandwidth.py --world 8
     ;;
