@@ -11,6 +11,8 @@
 #   tools/gpu_session.sh graphed-push  # 2-4 GPUs: graphed-block tests, copy-engine push bandwidth
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
 #   tools/gpu_session.sh world8-bench  # 8 GPUs: the world-8 benchmarks
+#   tools/gpu_session.sh nvidia-libs   # 1-2 GPUs: cuDNN frontend + cuBLASMp implementations (the
+#                                      # wheels carried in .whl/ are installed first), tests + bench
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
 stage=${1:-single}; shift || true
@@ -83,6 +85,19 @@ case "$stage" in
     step allreduce_bench 150 python3 bench/allreduce_norm.py --world 8 --json "$OUT/allreduce_norm.json"
     step overlap_bench 200 python3 bench/overlap.py --world 8 --m 512 2048 8192 --chunks
     step push_bench 100 python3 bench/push_bandwidth.py --world 8
+    ;;
+  nvidia-libs)
+    # Carried wheels (nvidia-cudnn-frontend 1.32.0, nvidia-cublasmp-cu13 0.7.0.125; --no-deps: the
+    # frontend's cutlass-dsl / tvm-ffi dependencies serve only Blackwell kernels) into /tmp/site.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+    export PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1
+    step doctor 90 python3 -m opfuse doctor
+    step nvidia_tests 200 python3 -m pytest -q -rs tests/gpu/test_nvidia_libs.py "$@"
+    step nvidia_bench 240 python3 bench/nvidia_libs.py --tokens 1 128 2048 8192 --world 2 --m 512 2048 8192 \
+      --json "$OUT/nvidia_libs.json"
+    grep -E "^  (cuDNN frontend|cuBLASMp|    implementation)" "$OUT/doctor.log"
+    grep -E "^(note:|cudnn faster|cublasmp faster)" "$OUT/nvidia_bench.log"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

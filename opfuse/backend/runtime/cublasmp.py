@@ -18,6 +18,7 @@ them with the header when the wheel is installed.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import sys
 import threading
@@ -126,7 +127,7 @@ def _load() -> None:
             _state["error"] = f"{PACKAGE} is not installed ({_INSTALL_HINT}): no {_SONAME} on sys.path"
             return
         try:
-            import torch  # noqa: F401,PLC0415 - torch's CUDA libraries first, so theirs are the ones reused
+            importlib.import_module("torch")  # torch's CUDA libraries first, so theirs are the ones reused
 
             deps = {so: _load_once(so, dirs) for so, dirs in _DEPENDENCIES.items()}
             library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
