@@ -135,7 +135,8 @@ class _FakeGraph:
     def __getattr__(self, op):
         def node(*args, **kwargs):
             self.ops.append(op)
-            if op in self.fake.refuse:
+            phase = kwargs.get("norm_forward_phase")
+            if op in self.fake.refuse or f"{op}:{phase}" in self.fake.refuse:
                 raise RuntimeError(f"GRAPH_NOT_SUPPORTED: no engine for {op}")
             count = {"rmsnorm": 2, "layernorm": 3, "rmsnorm_backward": 3, "layernorm_backward": 3}.get(op, 1)
             outs = tuple(_FakeTensor() for _ in range(count))
@@ -189,10 +190,15 @@ def test_norm_check_asks_cudnn_for_each_graph_of_the_program(fake_cudnn):
     assert fake.graphs == [["rmsnorm"]]
     fake.graphs.clear()
     assert norm_cudnn.check(_norm_spec("layer", grad=True)) is None
-    # forward, the statistics recompute, backward with dx in bf16 and in float32
-    assert fake.graphs == [["layernorm"], ["layernorm"], ["layernorm_backward"], ["layernorm_backward"]]
+    # forward, backward with dx in bf16 and (optional) in float32, the (optional) statistics recompute
+    assert fake.graphs == [["layernorm"], ["layernorm_backward"], ["layernorm_backward"], ["layernorm"]]
     fake.graphs.clear()
     assert norm_cudnn.check(_norm_spec("layer", grad=True)) is None and fake.graphs == []  # cached answers
+
+
+def test_optional_norm_graphs_do_not_decide_capability(fake_cudnn):
+    fake_cudnn(refuse={"layernorm:TRAINING"})  # no engine for the statistics recompute: torch's kernel then
+    assert norm_cudnn.check(_norm_spec("layer", grad=True)) is None
 
 
 def test_cudnn_refusal_is_the_reason(fake_cudnn):
@@ -375,3 +381,76 @@ def test_doctor_lists_the_optional_libraries(capsys):
     assert "implementation 'cudnn' of add_rmsnorm, add_layernorm, linear_bias_activation, grouped_linear:" in out
     assert "implementation 'cublasmp' of all_gather_linear, linear_reduce_scatter:" in out
     assert re.search(r"add_layernorm\s+cuda, cudnn, reference", out)
+
+
+# The norm implementation's wiring, with cuDNN's graphs emulated by torch ----------------------------------------
+
+
+class _Compiled:
+    def __init__(self, kind, norm, dx_dtype=None):
+        self.kind, self.norm, self.dx_dtype = kind, norm, dx_dtype
+
+
+def _emulate(compiled, buffers):
+    """What cuDNN's norm graphs compute, by uid (statistics in float64 here)."""
+    n = norm_cudnn
+    hidden = buffers[n.X].shape[-1]
+    x = buffers[n.X].reshape(-1, hidden).double()
+    scale = buffers[n.SCALE].double()
+    if compiled.kind in ("forward", "stats"):
+        eps = float(buffers[n.EPS])
+        mean = x.mean(-1, keepdim=True) if compiled.norm == "layer" else torch.zeros_like(x[:, :1])
+        inv = torch.rsqrt(((x - mean) ** 2).mean(-1, keepdim=True) + eps)
+        y = (x - mean) * inv * scale + (buffers[n.BIAS].double() if compiled.norm == "layer" else 0)
+        buffers[n.Y].copy_(y.reshape(buffers[n.Y].shape))
+        if compiled.kind == "stats":
+            buffers[n.MEAN].copy_(mean)
+            buffers[n.INV_VAR].copy_(inv)
+        return
+    dy = buffers[n.DY].reshape(-1, hidden).double()
+    inv = buffers[n.INV_VAR].double().reshape(-1, 1)
+    mean = buffers[n.MEAN].double().reshape(-1, 1) if compiled.norm == "layer" else 0
+    xhat = (x - mean) * inv
+    g = dy * scale
+    if compiled.norm == "layer":
+        dx = inv * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+        buffers[n.DBIAS].copy_(dy.sum(0))
+    else:
+        dx = inv * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    assert buffers[n.DX].dtype == compiled.dx_dtype
+    buffers[n.DX].copy_(dx.reshape(buffers[n.DX].shape))
+    buffers[n.DSCALE].copy_((dy * xhat).sum(0))
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("float32_dx,cudnn_stats", [(True, True), (False, False)])
+def test_norm_implementation_wiring(monkeypatch, norm, float32_dx, cudnn_stats):
+    """forward / backward of the ``cudnn`` implementation against the reference, with cuDNN's
+    graphs emulated: buffers by uid, recomputed statistics, the residual gradient summed in (with
+    and without the optional float32-dx and statistics graphs)."""
+    from opfuse.backend.residual_norm import reference
+
+    def plan(kind, x, norm_, extra=()):
+        hidden = x.shape[-1]
+        if (kind == "stats" and not cudnn_stats) or (extra and extra[0] == torch.float32 and x.dtype != torch.float32
+                                                     and not float32_dx):
+            return None, x.numel() // hidden, hidden
+        return _Compiled(kind, norm_, extra[0] if extra else None), x.numel() // hidden, hidden
+
+    monkeypatch.setattr(norm_cudnn, "_plan", plan)
+    monkeypatch.setattr(norm_cudnn.frontend, "execute", _emulate)
+    gen = torch.Generator().manual_seed(3)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).to(torch.bfloat16)  # noqa: E731
+    x, r, bias, w = rnd(2, 5, 48), rnd(2, 5, 48), rnd(48), 1 + 0.1 * rnd(48)
+    nb = rnd(48) if norm == "layer" else None
+    y, h = norm_cudnn.forward(x, bias, r, w, nb, 1e-5, "", True, norm=norm)
+    y_ref, h_ref = reference.forward(x, bias, r, w, nb, 1e-5, "", True, norm=norm)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+    for dh_out in (None, rnd(2, 5, 48)):
+        dy = rnd(2, 5, 48)
+        got = norm_cudnn.backward(dy, h, dh_out, w, nb, 1e-5, norm=norm)
+        want = reference.backward(dy, h, dh_out, w, nb, 1e-5, norm=norm)
+        for name, a, b in zip(("dh", "dw", "db"), got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=name)

@@ -109,19 +109,23 @@ def _key(kind: str, device: int, norm: str, tokens: int, hidden: int, dtype: tor
 
 
 def _graphs(device: int, norm: str, tokens: int, hidden: int, dtype: torch.dtype, training: bool):
-    """``[(key, builder)]`` of the graphs a program needs: forward, and for training the backward
-    twice (``dx`` in the input dtype, or float32 when a residual gradient is summed into it) plus,
-    for LayerNorm, the statistics recompute."""
+    """``[(key, builder, required)]`` of the graphs a program needs: the forward; for training the
+    backward with ``dx`` in the input dtype, and two optional ones (used when cuDNN has engines for
+    them): the backward with a float32 ``dx`` (a residual gradient is then summed before the one
+    rounding; otherwise after cuDNN's) and, for LayerNorm, the statistics recompute (otherwise
+    torch's ``native_layer_norm``)."""
     shape = dict(norm=norm, tokens=tokens, hidden=hidden, dtype=dtype)
-    graphs = [(_key("forward", device, norm, tokens, hidden, dtype),
-               functools.partial(build_forward, **shape))]
+    graphs = [(_key("forward", device, norm, tokens, hidden, dtype), functools.partial(build_forward, **shape),
+               True)]
     if training:
+        graphs.append((_key("backward", device, norm, tokens, hidden, dtype, (dtype,)),
+                       functools.partial(build_backward, dx_dtype=dtype, **shape), True))
+        if dtype != torch.float32:
+            graphs.append((_key("backward", device, norm, tokens, hidden, dtype, (torch.float32,)),
+                           functools.partial(build_backward, dx_dtype=torch.float32, **shape), False))
         if norm == "layer":
             graphs.append((_key("stats", device, norm, tokens, hidden, dtype),
-                           functools.partial(build_forward, training=True, **shape)))
-        for dx_dtype in (dtype, torch.float32):
-            graphs.append((_key("backward", device, norm, tokens, hidden, dtype, (dx_dtype,)),
-                           functools.partial(build_backward, dx_dtype=dx_dtype, **shape)))
+                           functools.partial(build_forward, training=True, **shape), False))
     return graphs
 
 
@@ -152,31 +156,42 @@ def check(spec) -> str | None:
     if reason:
         return reason
     graphs = _spec_graphs(spec)
-    if is_capturing() and any(frontend.cached_plan(key) is None for key, _ in graphs):
+    if is_capturing() and any(required and frontend.cached_plan(key) is None for key, _, required in graphs):
         return "cuDNN graphs cannot be built during CUDA-graph capture"
     device = graphs[0][0][2]
-    for key, build in graphs:
-        reason = frontend.supported(key, device, build)
-        if reason:
+    for key, build, required in graphs:
+        reason = frontend.supported(key, device, build)  # optional graphs: asked too, the answer is cached
+        if reason and required:
             return f"{key[1]} graph: {reason}"
     return None
 
 
 def prepare(spec) -> None:
     """Compile the program's graphs (kernel builds happen here, not on the first call)."""
-    for key, build in _spec_graphs(spec):
-        frontend.plan(key, key[2], build)
+    for key, build, required in _spec_graphs(spec):
+        if required or frontend.supported(key, key[2], build) is None:
+            frontend.plan(key, key[2], build)
 
 
 def _plan(kind, x, norm, extra=()):
+    """``(compiled plan or None when cuDNN has no engine for an optional graph, tokens, hidden)``."""
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
-    key = _key(kind, x.device.index, norm, tokens, hidden, x.dtype, extra)
+    device = x.device.index
+    key = _key(kind, device, norm, tokens, hidden, x.dtype, extra)
     compiled = frontend.cached_plan(key)
-    if compiled is None:  # a call outside a program (tests, benchmarks): build on first use
-        build = dict(_graphs(x.device.index, norm, tokens, hidden, x.dtype, training=kind != "forward"))[key]
-        compiled = frontend.plan(key, x.device.index, build)
+    if compiled is None and not is_capturing():  # a call outside a program (tests, benchmarks)
+        build = {k: b for k, b, _ in _graphs(device, norm, tokens, hidden, x.dtype, training=kind != "forward")}[key]
+        if frontend.supported(key, device, build) is None:
+            compiled = frontend.plan(key, device, build)
     return compiled, tokens, hidden
+
+
+def _required(compiled, kind):
+    if compiled is None:
+        raise RuntimeError(f"residual_norm cudnn: the {kind} graph is not compiled (cuDNN has no engine for it, "
+                           f"or a CUDA-graph capture reached it before the program prepared it)")
+    return compiled
 
 
 def _eps(eps: float) -> torch.Tensor:
@@ -200,7 +215,8 @@ def forward(x, bias, residual, weight, norm_bias, eps, group, write_residual, *,
     if residual is not None:
         h = h + residual
     h = h.contiguous()
-    compiled, tokens, hidden = _plan("forward", h, norm)
+    compiled, _, _ = _plan("forward", h, norm)
+    compiled = _required(compiled, "forward")
     y = torch.empty_like(h)
     buffers = {X: h, SCALE: weight.contiguous(), EPS: _eps(eps), Y: y}
     if norm == "layer":
@@ -219,6 +235,9 @@ def _statistics(h, weight, norm_bias, eps, norm):
         inv_var = torch.linalg.vector_norm(rows, dim=1, keepdim=True, dtype=torch.float32)
         return None, inv_var.square_().mul_(1.0 / hidden).add_(eps).rsqrt_()
     compiled, tokens, _ = _plan("stats", h, norm)
+    if compiled is None:  # no cuDNN engine for the training forward here: torch's kernel, float32 statistics
+        _, mean, rstd = torch.native_layer_norm(rows, [hidden], weight, norm_bias, eps)
+        return mean.reshape(tokens, 1).float(), rstd.reshape(tokens, 1).float()
     mean = torch.empty(tokens, 1, dtype=torch.float32, device=h.device)
     inv_var = torch.empty(tokens, 1, dtype=torch.float32, device=h.device)
     scratch = torch.empty_like(h)
@@ -231,8 +250,12 @@ def backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):
     """``(dh, dweight, dnorm_bias)`` with ``dh = norm_backward(dy, h) + dh_out``."""
     dy, h, weight = dy.contiguous(), h.contiguous(), weight.contiguous()
     mean, inv_var = _statistics(h, weight, norm_bias, eps, norm)
-    dx_dtype = h.dtype if dh_out is None else torch.float32
-    compiled, _, _ = _plan("backward", h, norm, (dx_dtype,))
+    compiled = None
+    if dh_out is not None:  # dx in float32, so dh_out is summed before the one rounding
+        compiled, _, _ = _plan("backward", h, norm, (torch.float32,))
+    dx_dtype = torch.float32 if compiled is not None else h.dtype
+    if compiled is None:
+        compiled = _required(_plan("backward", h, norm, (h.dtype,))[0], "backward")
     dx = torch.empty(h.shape, dtype=dx_dtype, device=h.device)
     dw = torch.empty_like(weight)
     buffers = {DY: dy, X: h, SCALE: weight, INV_VAR: inv_var, DX: dx, DSCALE: dw}
@@ -244,5 +267,7 @@ def backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):
             db = dy.new_empty(0)
     frontend.execute(compiled, buffers)
     if dh_out is not None:
-        dx = dx.add_(dh_out.reshape(dx.shape)).to(h.dtype)
+        dh_out = dh_out.reshape(dx.shape)
+        dx = dx.add_(dh_out) if dx.dtype == torch.float32 else torch.add(dx.float(), dh_out.float())
+        dx = dx.to(h.dtype)
     return dx, dw, db

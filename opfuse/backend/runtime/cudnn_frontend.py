@@ -1,10 +1,12 @@
 """The cuDNN frontend (``pip install opfuse[cudnn]``, package ``nvidia-cudnn-frontend``) as an
-optional library: importing it, one cuDNN handle per device and thread, and a cache of graphs.
+optional library: importing it, one cuDNN handle per device, and a cache of graphs.
 
 Nothing here imports ``cudnn`` at module import: :func:`status` does it once, on first use, and
 a missing or broken package becomes a reason string ("not capable"), never an import error.
 
-A graph goes through two steps, so that capability checks stay cheap and truthful:
+The handle of a device is shared by every thread, under a lock: a plan runs with the handle it
+was built with, and autograd runs backward on its own thread. A graph goes through two steps, so
+that capability checks stay cheap and truthful:
 
 1. :func:`supported` (from a capability check): build the graph's IR, ``validate``,
    ``build_operation_graph``, ``create_execution_plans`` and ``check_support``: cuDNN's own answer
@@ -99,23 +101,25 @@ def data_type(dtype: torch.dtype):
         raise TypeError(f"cuDNN frontend: no data type for {dtype}; accepted: {sorted(map(str, table))}") from None
 
 
-_handles = threading.local()
+_handles: dict[int, Any] = {}
+# One handle per device for every thread: a plan is executed with the handle it was built with
+# (autograd runs backward on its own thread). Calls hold this lock from binding the stream to the
+# launch, as a cuDNN handle must not be used by two threads at once.
+_handle_lock = threading.RLock()
 
 
 def handle(device: torch.device | int):
-    """This thread's cuDNN handle for ``device``, bound to the current stream (cuDNN handles are
-    per thread; the frontend skips ``cudnnSetStream`` when the stream did not change)."""
+    """The cuDNN handle of ``device``, bound to the current stream (the frontend skips
+    ``cudnnSetStream`` when the stream did not change). Callers hold ``_handle_lock``."""
     cudnn = module()
     index = device if isinstance(device, int) else (device.index if device.index is not None else
                                                     torch.cuda.current_device())
-    table = getattr(_handles, "by_device", None)
-    if table is None:
-        table = _handles.by_device = {}
-    h = table.get(index)
-    if h is None:
-        with torch.cuda.device(index):
-            h = table[index] = cudnn.create_handle()
-    cudnn.set_stream(handle=h, stream=torch.cuda.current_stream(index).cuda_stream)
+    with _handle_lock:
+        h = _handles.get(index)
+        if h is None:
+            with torch.cuda.device(index):
+                h = _handles[index] = cudnn.create_handle()
+        cudnn.set_stream(handle=h, stream=torch.cuda.current_stream(index).cuda_stream)
     return h
 
 
@@ -157,7 +161,7 @@ def supported(key: tuple, device: int, build: Callable[[Any, Any], Any]) -> str 
     if reason is None:
         cudnn = module()
         try:
-            with device_scope(device):
+            with _handle_lock, device_scope(device):
                 graph = build(cudnn, handle(device))
                 graph.validate()
                 graph.build_operation_graph()
@@ -179,7 +183,8 @@ def plan(key: tuple, device: int, build: Callable[[Any, Any], Any]) -> Plan:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("cuDNN graph not compiled before CUDA-graph capture (the program prepares it; "
                                "run the block once before capturing)")
-        with device_scope(device):
+        with _handle_lock, device_scope(device):
+            handle(device)
             entry.graph.build_plans()
             entry.plan = Plan(entry.graph, int(entry.graph.get_workspace_size()), device)
     return entry.plan
@@ -196,7 +201,8 @@ def execute(compiled: Plan, buffers: dict[int, Any]) -> None:
     CPU tensors); the workspace comes from torch's caching allocator."""
     workspace = torch.empty(max(compiled.workspace_size, 1), dtype=torch.uint8,
                             device=torch.device("cuda", compiled.device))
-    compiled.graph.execute(buffers, workspace, handle=handle(compiled.device))
+    with _handle_lock:
+        compiled.graph.execute(buffers, workspace, handle=handle(compiled.device))
 
 
 def clear() -> None:
@@ -210,5 +216,4 @@ def _reset_for_tests(fake_module=None, error: str | None = None) -> None:
     with _lock:
         _module, _error, _loaded = fake_module, error, fake_module is not None or error is not None
     _cache.clear()
-    if hasattr(_handles, "by_device"):
-        del _handles.by_device
+    _handles.clear()
