@@ -4,7 +4,8 @@ run (ratios only mean something within a run). Decides the dispatch order of ``c
 
     PYTHONPATH=. python3 bench/nvidia_libs.py                      # every part
     PYTHONPATH=. python3 bench/nvidia_libs.py --part norms grouped epilogue
-    PYTHONPATH=. python3 bench/nvidia_libs.py --part cublasmp --world 2 4
+    PYTHONPATH=. python3 bench/nvidia_libs.py --part cublasmp --world 2 4 [--json FILE] [--plot FILE.png]
+    python3 bench/nvidia_libs.py --from-json FILE                  # the tables again, no GPU needed
 
 Parts (bf16; microseconds per call):
 
@@ -23,23 +24,23 @@ Parts (bf16; microseconds per call):
   method), and the error of each against NCCL then GEMM.
 
 A column whose implementation cannot run here shows ``-`` and the reason is printed under the
-table. The last line per part says which implementation wins where.
+tables. Each table ends with where the library's implementation wins. ``--plot`` draws the
+library / opfuse time ratios against the size.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
-import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402  (bench/common.py)
 from opfuse.backend import implementations  # noqa: E402
 from opfuse.backend.registry import CallSpec  # noqa: E402
 from opfuse.backend.residual_norm import reference as norm_reference  # noqa: E402
@@ -48,7 +49,8 @@ from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPLAYS = 40, 7
 BF16 = torch.bfloat16
-notes: list[str] = []
+PARTS = ("norms", "grouped", "epilogue", "cublasmp")
+notes: list[str] = []  # why a column is empty (filled while measuring, saved with the rows)
 
 
 def graph_us(fn, calls=CALLS) -> float | None:
@@ -95,7 +97,7 @@ def markdown(head, rows):
 # Norms ----------------------------------------------------------------------------------------------------------
 
 
-def bench_norms(tokens_list, hidden) -> str:
+def measure_norms(tokens_list, hidden) -> list[dict]:
     eps = 1e-5
     fwd_compiled = {
         "rms": torch.compile(lambda x, r, w, b: torch.nn.functional.rms_norm(x + r, (hidden,), w, eps), dynamic=True),
@@ -132,14 +134,18 @@ def bench_norms(tokens_list, hidden) -> str:
             row["compiled_bwd"] = attempt(f"{op} compiled backward", lambda: graph_us(
                 lambda: bwd_compiled[norm](dy, h, dh, w, b)))
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            common.progress(f"norms: {norm} {tokens} tokens done")
+    return rows
+
+
+def table_norms(rows, hidden) -> str:
     head = ["norm", "tokens", "fwd cuda", "fwd cudnn", "fwd compiled", "cudnn/cuda", "cudnn/compiled",
             "bwd cuda", "bwd cudnn", "bwd compiled", "cudnn/cuda", "cudnn/compiled", "cudnn err"]
     body = [[r["norm"], r["tokens"], fmt(r.get("cuda_fwd")), fmt(r.get("cudnn_fwd")), fmt(r.get("compiled_fwd")),
              ratio(r.get("cudnn_fwd"), r.get("cuda_fwd")), ratio(r.get("cudnn_fwd"), r.get("compiled_fwd")),
              fmt(r.get("cuda_bwd")), fmt(r.get("cudnn_bwd")), fmt(r.get("compiled_bwd")),
              ratio(r.get("cudnn_bwd"), r.get("cuda_bwd")), ratio(r.get("cudnn_bwd"), r.get("compiled_bwd")),
-             fmt(r.get("cudnn_err"), 4) if r.get("cudnn_err") is None else f"{r['cudnn_err']:.1e}"] for r in rows]
+             err(r.get("cudnn_err"))] for r in rows]
     wins = [f"{r['norm']}@{r['tokens']} {d}" for r in rows for d in ("fwd", "bwd")
             if r.get(f"cudnn_{d}") is not None and r.get(f"cuda_{d}") is not None and r[f"cudnn_{d}"] < r[f"cuda_{d}"]]
     return (f"Add + norm, hidden {hidden}, bf16, us per call (CUDA graph of {CALLS} calls, median of {REPLAYS}); "
@@ -150,7 +156,7 @@ def bench_norms(tokens_list, hidden) -> str:
 # Grouped GEMM -----------------------------------------------------------------------------------------------------
 
 
-def bench_grouped(shapes) -> str:
+def measure_grouped(shapes) -> list[dict]:
     rows = []
     for tokens, experts, k, n in shapes:
         gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -170,18 +176,25 @@ def bench_grouped(shapes) -> str:
             row[f"{impl}_err"] = attempt(f"grouped {impl} error", lambda: rel(fn(), ref))
             row[impl] = attempt(f"grouped {impl} time", lambda: graph_us(fn, calls=10))
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        common.progress(f"grouped: {tokens} tokens done")
+    return rows
+
+
+def table_grouped(rows) -> str:
     head = ["tokens", "experts", "triton", "torch_grouped_mm", "cudnn", "cudnn/triton", "cudnn/grouped_mm", "cudnn err"]
     body = [[r["tokens"], r["experts"], fmt(r.get("triton")), fmt(r.get("torch_grouped_mm")), fmt(r.get("cudnn")),
              ratio(r.get("cudnn"), r.get("triton")), ratio(r.get("cudnn"), r.get("torch_grouped_mm")),
-             "-" if r.get("cudnn_err") is None else f"{r['cudnn_err']:.1e}"] for r in rows]
-    return "Grouped GEMM forward, bf16, us per call (CUDA graph of 10 calls)\n" + markdown(head, body)
+             err(r.get("cudnn_err"))] for r in rows]
+    wins = [str(r["tokens"]) for r in rows if r.get("cudnn") is not None and r.get("triton") is not None
+            and r["cudnn"] < r["triton"]]
+    return ("Grouped GEMM forward, K=7168, N=2048, bf16, us per call (CUDA graph of 10 calls)\n" + markdown(head, body)
+            + f"\ncudnn faster than triton at: {', '.join(wins) or 'nowhere'} tokens")
 
 
 # GEMM + bias + GELU ------------------------------------------------------------------------------------------------
 
 
-def bench_epilogue(tokens_list, k, n) -> str:
+def measure_epilogue(tokens_list, k, n) -> list[dict]:
     rows = []
     for tokens in tokens_list:
         gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -191,7 +204,7 @@ def bench_epilogue(tokens_list, k, n) -> str:
         spec = CallSpec("linear_bias_activation", {"x": TensorMeta.of(x), "weight": TensorMeta.of(w),
                                                    "bias": TensorMeta.of(b)}, {"activation": "gelu_tanh"})
         ref = implementations.get("linear_bias_activation", "reference").forward(x, w, b, "gelu_tanh", False)[0]
-        row = {"tokens": tokens}
+        row = {"tokens": tokens, "k": k, "n": n}
         for impl in ("reference", "cublaslt_epilogue", "cudnn"):
             chosen = attempt(f"epilogue {impl} {tokens}", lambda: prepared("linear_bias_activation", impl, spec))
             if chosen is None:
@@ -200,12 +213,16 @@ def bench_epilogue(tokens_list, k, n) -> str:
             row[f"{impl}_err"] = attempt(f"epilogue {impl} error", lambda: rel(fn()[0], ref))
             row[impl] = attempt(f"epilogue {impl} time", lambda: graph_us(fn, calls=10))
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        common.progress(f"epilogue: {tokens} tokens done")
+    return rows
+
+
+def table_epilogue(rows) -> str:
     head = ["tokens", "addmm+gelu", "cublaslt", "cudnn", "cudnn/cublaslt", "cudnn err"]
     body = [[r["tokens"], fmt(r.get("reference")), fmt(r.get("cublaslt_epilogue")), fmt(r.get("cudnn")),
-             ratio(r.get("cudnn"), r.get("cublaslt_epilogue")),
-             "-" if r.get("cudnn_err") is None else f"{r['cudnn_err']:.1e}"] for r in rows]
-    return f"GEMM + bias + GELU(tanh), inference, K={k}, N={n}, bf16, us per call (CUDA graph of 10 calls)\n" + \
+             ratio(r.get("cudnn"), r.get("cublaslt_epilogue")), err(r.get("cudnn_err"))] for r in rows]
+    shape = f"K={rows[0]['k']}, N={rows[0]['n']}" if rows else ""
+    return f"GEMM + bias + GELU(tanh), inference, {shape}, bf16, us per call (CUDA graph of 10 calls)\n" + \
         markdown(head, body)
 
 
@@ -218,7 +235,6 @@ def cublasmp_worker(rank, world, cfg, out_path):
     from overlap import eager_interleaved, reserve  # noqa: PLC0415  (bench/overlap.py)
     from opfuse.backend.collective_linear import cublasmp as mp_impl
     from opfuse.backend.collective_linear import p2p
-
     from torch.distributed import _symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -232,7 +248,7 @@ def cublasmp_worker(rank, world, cfg, out_path):
         for op in ("AG+GEMM", "GEMM+RS"):
             gen = torch.Generator(device="cuda").manual_seed(17 + rank)
             rnd = lambda *s: (torch.randn(*s, generator=gen, device="cuda") * 0.05).to(BF16)  # noqa: E731
-            row = {"world": world, "M": m, "op": op}
+            row = {"world": world, "M": m, "op": op, "k": k, "ffn": cfg["ffn"]}
             with torch.no_grad():
                 if op == "AG+GEMM":
                     x, w = rnd(m // world, k), rnd(n, k)
@@ -266,7 +282,7 @@ def cublasmp_worker(rank, world, cfg, out_path):
                     reserve(fused_op, x, w, pg, **attrs)
                     row["ours_err"] = rel(ours(), ref)
                     fns["ours"] = ours
-                except Exception as error:  # noqa: BLE001
+                except Exception as error:  # noqa: BLE001 - reported under the table
                     row["ours_error"] = f"{type(error).__name__}: {error}"[:240]
                 try:
                     spec = CallSpec(op=fused_op, inputs={"x": TensorMeta.of(x), "weight": TensorMeta.of(w),
@@ -274,84 +290,109 @@ def cublasmp_worker(rank, world, cfg, out_path):
                     prepared(fused_op, "cublasmp", spec)
                     row["cublasmp_err"] = rel(theirs(), ref)
                     fns["cublasmp"] = theirs
-                except Exception as error:  # noqa: BLE001
+                except Exception as error:  # noqa: BLE001 - reported under the table
                     row["cublasmp_error"] = f"{type(error).__name__}: {error}"[:240]
                 times, _ = eager_interleaved(fns, host_of="gemm")
                 row.update(times)
             rows.append(row)
             torch.cuda.empty_cache()
+            if rank == 0:
+                common.progress(f"cublasmp: world {world} M={m} {op} done")
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump(rows, handle)
 
 
-def bench_cublasmp(worlds, ms, k, ffn) -> str:
-    from opfuse.cli.launch import run
-
+def measure_cublasmp(worlds, ms, k, ffn) -> list[dict]:
     rows = []
-    for world in worlds:
-        if torch.cuda.device_count() < world:
-            notes.append(f"cublasmp world {world}: skipped, {torch.cuda.device_count()} GPUs")
-            continue
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-            out_path = handle.name
-        run(cublasmp_worker, world, {"ms": ms, "k": k, "ffn": ffn}, out_path, backend="nccl", timeout=500)
-        with open(out_path) as handle:
-            rows += json.load(handle)
-        os.unlink(out_path)
+    for world in common.worlds(worlds):
+        rows += common.run_ranks(cublasmp_worker, world, {"ms": ms, "k": k, "ffn": ffn}, timeout=500)
     for r in rows:
-        print(json.dumps(r), flush=True)
         for key in ("ours_error", "cublasmp_error"):
             if r.get(key):
                 notes.append(f"world {r['world']} M={r['M']} {r['op']} {key.split('_')[0]}: {r[key]}")
+    return rows
+
+
+def table_cublasmp(rows) -> str:
     head = ["world", "M", "op", "gemm", "nccl+gemm", "p2p_overlap", "cublasmp", "cublasmp/gemm",
             "cublasmp/p2p_overlap", "cublasmp/nccl+gemm", "err p2p", "err cublasmp"]
     body = [[r["world"], r["M"], r["op"], fmt(r.get("gemm"), 0), fmt(r.get("nccl+gemm"), 0), fmt(r.get("ours"), 0),
              fmt(r.get("cublasmp"), 0), ratio(r.get("cublasmp"), r.get("gemm")),
              ratio(r.get("cublasmp"), r.get("ours")), ratio(r.get("cublasmp"), r.get("nccl+gemm")),
-             "-" if r.get("ours_err") is None else f"{r['ours_err']:.1e}",
-             "-" if r.get("cublasmp_err") is None else f"{r['cublasmp_err']:.1e}"] for r in rows]
+             err(r.get("ours_err")), err(r.get("cublasmp_err"))] for r in rows]
     wins = [f"w{r['world']} M={r['M']} {r['op']}" for r in rows
             if r.get("cublasmp") is not None and r.get("ours") is not None and r["cublasmp"] < r["ours"]]
-    return (f"Comm + GEMM, bf16, K={k}, N={ffn}/world, us per call (eager, batches of 10, median of 7, max over "
-            f"ranks)\n" + markdown(head, body) + f"\ncublasmp faster than p2p_overlap: {', '.join(wins) or 'nowhere'}")
+    shape = f"K={rows[0]['k']}, N={rows[0]['ffn']}/world" if rows else ""
+    return (f"Comm + GEMM, bf16, {shape}, us per call (eager, batches of 10, median of 7, max over ranks)\n"
+            + markdown(head, body) + f"\ncublasmp faster than p2p_overlap: {', '.join(wins) or 'nowhere'}")
+
+
+# Report --------------------------------------------------------------------------------------------------------------
+
+
+def err(value) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def ratio_series(data) -> dict:
+    """The chart: each library implementation's time over opfuse's, against the size."""
+    series = {}
+    for r in data.get("norms", []):
+        for d in ("fwd", "bwd"):
+            if r.get(f"cudnn_{d}") and r.get(f"cuda_{d}"):
+                series.setdefault(f"{r['norm']}norm {d}: cudnn / cuda", []).append(
+                    (r["tokens"], r[f"cudnn_{d}"] / r[f"cuda_{d}"]))
+    for r in data.get("cublasmp", []):
+        if r.get("cublasmp") and r.get("ours"):
+            series.setdefault(f"world {r['world']} {r['op']}: cublasmp / p2p_overlap", []).append(
+                (r["M"], r["cublasmp"] / r["ours"]))
+    return series
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", nargs="+", default=["norms", "grouped", "epilogue", "cublasmp"],
-                        choices=["norms", "grouped", "epilogue", "cublasmp"])
+    parser = common.parser("nvidia_libs", __doc__)
+    parser.add_argument("--part", nargs="+", default=list(PARTS), choices=PARTS)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 512, 2048, 8192])
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--m", type=int, nargs="+", default=[512, 2048, 8192], help="tokens over all ranks")
     parser.add_argument("--k", type=int, default=8192)
     parser.add_argument("--ffn", type=int, default=28672)
-    parser.add_argument("--json", default=None, help="also write the tables here")
     args = parser.parse_args()
-    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(var, value)
-    from opfuse.backend.runtime import cublasmp, cudnn_frontend
 
-    print(f"cuDNN frontend: {cudnn_frontend.describe()}\ncuBLASMp: {cublasmp.describe()}", flush=True)
-    tables = []
-    if "norms" in args.part:
-        tables.append(bench_norms(args.tokens, args.hidden))
-    if "grouped" in args.part:
-        tables.append(bench_grouped([(32768, 32, 7168, 2048), (256, 32, 7168, 2048)]))
-    if "epilogue" in args.part:
-        tables.append(bench_epilogue([128, 2048, 8192], args.k, args.ffn // 2))
-    if "cublasmp" in args.part:
-        tables.append(bench_cublasmp(args.world, args.m, args.k, args.ffn))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"tables": tables, "notes": notes}, handle, indent=1)
-    print()
-    for text in tables:
-        print(text + "\n")
-    for note in notes:
+    def measure():
+        for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                           ("NVSHMEM_DISABLE_NVLS", "1")):
+            os.environ.setdefault(var, value)
+        from opfuse.backend.runtime import cublasmp, cudnn_frontend
+
+        data = {"libraries": [cudnn_frontend.describe(), cublasmp.describe()], "hidden": args.hidden}
+        if "norms" in args.part:
+            data["norms"] = measure_norms(args.tokens, args.hidden)
+        if "grouped" in args.part:
+            data["grouped"] = measure_grouped([(32768, 32, 7168, 2048), (256, 32, 7168, 2048)])
+        if "epilogue" in args.part:
+            data["epilogue"] = measure_epilogue([128, 2048, 8192], args.k, args.ffn // 2)
+        if "cublasmp" in args.part:
+            data["cublasmp"] = measure_cublasmp(args.world, args.m, args.k, args.ffn)
+        data["notes"] = notes
+        return data
+
+    data = common.results(args, "nvidia_libs", 1, measure)
+    if data is None:
+        return 0
+    print("\n".join(f"library: {line}" for line in data["libraries"]) + "\n")
+    tables = {"norms": lambda rows: table_norms(rows, data["hidden"]), "grouped": table_grouped,
+              "epilogue": table_epilogue, "cublasmp": table_cublasmp}
+    for part, table in tables.items():
+        if data.get(part):
+            print(table(data[part]) + "\n")
+    for note in data["notes"]:
         print(f"note: {note}")
+    common.finish(args, data, series=ratio_series(data), xlabel="tokens (norms) / M (comm + GEMM)",
+                  ylabel="time ratio (1 = opfuse's implementation)",
+                  title="NVIDIA libraries: time over opfuse's implementation")
     return 0
 
 

@@ -27,7 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.fixture(autouse=True)
-def _fresh_libraries():
+def _fresh_libraries(monkeypatch):
+    # Specs below describe world-2 groups; another test may have left a one-rank default group.
+    monkeypatch.setattr(mp_impl.dist, "is_initialized", lambda: False)
     cudnn_frontend._reset_for_tests()
     cublasmp._reset_for_tests()
     yield
@@ -107,6 +109,12 @@ def test_checks_reject_before_asking_for_the_library():
         _collective_spec(op="linear_reduce_scatter", tokens=24, world=2))  # 12 tokens per rank
     with pytest.raises(Exception, match="not divisible by the world size 3"):
         mp_impl.check_linear_reduce_scatter(_collective_spec(op="linear_reduce_scatter", tokens=16, world=3))
+
+
+def test_cublasmp_needs_a_world_spanning_group(monkeypatch):
+    monkeypatch.setattr(mp_impl.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(mp_impl.dist, "get_world_size", lambda group=None: 4)
+    assert "group of 2 ranks inside a world of 4" in mp_impl.check_all_gather_linear(_collective_spec())
 
 
 # A fake cuDNN frontend: what the checks ask of it -----------------------------------------------------------------

@@ -39,11 +39,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...ops import group as groups
-from ...ops.base import OpInputError, dtype_name
+from ...ops.base import OpInputError
 from ...ops.collectives import raw_all_reduce
 from ...ops.norm import compute_dtype
 from ..runtime import cublasmp as mp
 from ..runtime.device import current_stream, is_capturing
+from .operands import operand_reason
 
 __all__ = ["NAME", "check_all_gather_linear", "check_linear_reduce_scatter", "prepare",
            "all_gather_linear_forward", "all_gather_linear_backward", "linear_reduce_scatter_forward",
@@ -256,19 +257,10 @@ def _run(ctx: _Group, plan: _Plan, a: Tensor, b: Tensor, d: Tensor) -> None:
 
 
 def _check(spec) -> Optional[str]:
-    x, w, b = spec.x, spec.inputs["weight"], spec.inputs.get("bias")
-    if torch.device(x.device).type != "cuda":
-        return f"needs CUDA tensors (x is on {x.device})"
-    if x.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype_name(x.dtype)} not supported (bfloat16, float16)"
-    if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-        return "mixed dtypes (x, weight and bias must share one)"
-    if spec.world_size < 2 or spec.group_name is None:
-        return "group has one rank: nothing to overlap"
-    world = dist.get_world_size() if dist.is_initialized() else spec.world_size
-    if spec.world_size != world:
-        return (f"group of {spec.world_size} ranks inside a world of {world}: cuBLASMp 0.7 initialises NVSHMEM "
-                f"once per process over every rank, so only world-spanning groups run here")
+    reason = operand_reason(spec)
+    if reason:
+        return reason
+    x, w = spec.x, spec.inputs["weight"]
     rows, cols = x.tokens, x.features
     if spec.op == "linear_reduce_scatter" and rows % spec.world_size:
         raise OpInputError(
@@ -279,6 +271,10 @@ def _check(spec) -> Optional[str]:
                        ("out_features per rank", w.shape[0])):
         if size % _ALIGN or size == 0:
             return f"{what} = {size} is not a positive multiple of {_ALIGN}"
+    world = dist.get_world_size() if dist.is_initialized() else spec.world_size
+    if spec.world_size != world:
+        return (f"group of {spec.world_size} ranks inside a world of {world}: cuBLASMp 0.7 initialises NVSHMEM "
+                f"once per process over every rank, so only world-spanning groups run here")
     reason = mp.status()
     if reason:
         return reason

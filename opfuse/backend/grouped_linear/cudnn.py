@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from ...ops.base import dtype_name
 from ..runtime import cudnn_frontend as frontend
 from ..runtime.device import is_capturing
 from . import torch_mm, triton_impl
@@ -99,21 +98,14 @@ def check(spec) -> str | None:
     """Capable on CUDA for bfloat16/float16 without bias when cuDNN has an engine for the forward
     node here; for training, pieces cuDNN cannot run go to the Triton kernels (which must then be
     available)."""
-    if spec.device.type != "cuda":
-        return "needs a CUDA device"
-    if spec.dtype not in SUPPORTED_DTYPES or spec.inputs["weight"].dtype != spec.dtype:
-        return (f"dtype {dtype_name(spec.dtype)} / weight {dtype_name(spec.inputs['weight'].dtype)} not supported "
-                f"(bfloat16 or float16, one dtype)")
     if spec.inputs.get("bias") is not None:
         return "cuDNN's MoE grouped matmul has no bias input"
-    if spec.x.tokens == 0:
-        return "no tokens"
+    reason = frontend.spec_reason(spec, SUPPORTED_DTYPES, ("weight",))
+    if reason:
+        return reason
     reason = triton_impl.triton_status()
     if reason:
         return f"needs triton for its tail-row fix-up: {reason}"
-    reason = frontend.status()
-    if reason:
-        return reason
     device, graphs = _spec_graphs(spec)
     if is_capturing() and any(frontend.cached_plan(key) is None for key, _ in graphs.values()):
         return "cuDNN graphs cannot be built during CUDA-graph capture"

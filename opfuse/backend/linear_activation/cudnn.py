@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ...ops.base import dtype_name
 from ..runtime import cudnn_frontend as frontend
 from ..runtime.device import is_capturing
 
@@ -59,18 +58,9 @@ def _graph(spec):
 def check(spec) -> str | None:
     """Capable on CUDA for bfloat16/float16 when every operand has the input's dtype and cuDNN
     has an engine for the fused graph here."""
-    if spec.device.type != "cuda":
-        return "needs a CUDA device"
-    if spec.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype_name(spec.dtype)} not supported (bfloat16, float16)"
-    for name in ("weight", "bias"):
-        if spec.inputs[name].dtype != spec.dtype:
-            return f"{name} is {dtype_name(spec.inputs[name].dtype)}, input is {dtype_name(spec.dtype)}"
     if spec.attrs["activation"] not in _GELU:
         return f"activation {spec.attrs['activation']!r} has no cuDNN graph here (accepted: {sorted(_GELU)})"
-    if spec.x.tokens == 0:
-        return "no tokens"
-    reason = frontend.status()
+    reason = frontend.spec_reason(spec, SUPPORTED_DTYPES, ("weight", "bias"))
     if reason:
         return reason
     key, device, builder = _graph(spec)

@@ -21,7 +21,6 @@ import functools
 
 import torch
 
-from ...ops.base import dtype_name
 from ..runtime import cudnn_frontend as frontend
 from ..runtime.device import is_capturing
 
@@ -140,19 +139,9 @@ def _spec_graphs(spec):
 def check(spec) -> str | None:
     """Capable on CUDA for float32/bfloat16/float16 with a norm weight of the input's dtype, when
     the frontend imports and cuDNN has engines for the program's graphs."""
-    if spec.device.type != "cuda":
-        return "needs a CUDA device"
-    if spec.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype_name(spec.dtype)} not supported (float32, bfloat16, float16)"
     if spec.inputs.get("weight") is None:
         return "the cuDNN norm graphs here take a norm weight (the norm has elementwise_affine=False)"
-    for name in ("residual", "bias", "weight", "norm_bias"):
-        meta = spec.inputs.get(name)
-        if meta is not None and meta.dtype != spec.dtype:
-            return f"{name} is {dtype_name(meta.dtype)}, input is {dtype_name(spec.dtype)} (one dtype per graph)"
-    if spec.x.tokens == 0:
-        return "no tokens"
-    reason = frontend.status()
+    reason = frontend.spec_reason(spec, SUPPORTED_DTYPES, ("residual", "bias", "weight", "norm_bias"))
     if reason:
         return reason
     graphs = _spec_graphs(spec)

@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["PACKAGE", "status", "module", "describe", "backend_version", "data_type", "handle", "Plan",
-           "supported", "plan", "cached_plan", "execute", "clear"]
+__all__ = ["PACKAGE", "status", "module", "describe", "backend_version", "data_type", "spec_reason", "handle",
+           "Plan", "supported", "plan", "cached_plan", "execute", "clear"]
 
 PACKAGE = "nvidia-cudnn-frontend"
 _INSTALL_HINT = "pip install opfuse[cudnn]"
@@ -99,6 +99,27 @@ def data_type(dtype: torch.dtype):
         return table[dtype]
     except KeyError:
         raise TypeError(f"cuDNN frontend: no data type for {dtype}; accepted: {sorted(map(str, table))}") from None
+
+
+def spec_reason(spec, dtypes, operands=()) -> str | None:
+    """What every cuDNN implementation checks first (pure): a CUDA device, the input's dtype in
+    ``dtypes``, each of the ``operands`` present in the input's dtype (one dtype per graph), some
+    tokens, and the frontend importing."""
+    if spec.device.type != "cuda":
+        return "needs a CUDA device"
+    if spec.dtype not in dtypes:
+        return f"dtype {_name(spec.dtype)} not supported ({', '.join(_name(d) for d in dtypes)})"
+    for operand in operands:
+        meta = spec.inputs.get(operand)
+        if meta is not None and meta.dtype != spec.dtype:
+            return f"{operand} is {_name(meta.dtype)}, input is {_name(spec.dtype)} (one dtype per graph)"
+    if spec.x.tokens == 0:
+        return "no tokens"
+    return status()
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 _handles: dict[int, Any] = {}
