@@ -16,6 +16,8 @@
 #                                      # crossover sweep (world 2, 3, 4) and the table fitted from it
 #                                      # (allreduce-bench ~4.5 min / allreduce-crossover ~3 min, build included)
 #                                      # FlashInfer needs .thirdparty/ (tools/fetch_flashinfer.py) carried along
+#   tools/gpu_session.sh nvidia-libs   # 1-2 GPUs: cuDNN frontend + cuBLASMp implementations (the
+#                                      # wheels carried in .whl/ are installed first), tests + bench
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
 stage=${1:-single}; shift || true
@@ -111,6 +113,19 @@ case "$stage" in
       echo "=== crossovers"; sed -n '/^summary: automatic/,$p' "$OUT/crossover_sweep.log" 2>/dev/null
       cat "$OUT/crossover_table.log" 2>/dev/null
     }
+    ;;
+  nvidia-libs)
+    # Carried wheels (nvidia-cudnn-frontend 1.32.0, nvidia-cublasmp-cu13 0.7.0.125; --no-deps: the
+    # frontend's cutlass-dsl / tvm-ffi dependencies serve only Blackwell kernels) into /tmp/site.
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+    export PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1
+    step doctor 90 python3 -m opfuse doctor
+    step nvidia_tests 300 python3 -m pytest -q -rs tests/gpu/test_nvidia_libs.py "$@"
+    step nvidia_bench 240 python3 bench/nvidia_libs.py --tokens 1 128 2048 8192 --world 2 --m 512 2048 8192 \
+      --json "$OUT/nvidia_libs.json"
+    grep -E "^  (cuDNN frontend|cuBLASMp|    implementation)" "$OUT/doctor.log"
+    grep -E "^(note:|library:|cudnn faster|cublasmp faster)" "$OUT/nvidia_bench.log"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import functools
 
+from .collective_linear import cublasmp as collective_cublasmp
 from .collective_linear import p2p as collective_p2p
 from .collective_linear import reference as collective_reference
+from .grouped_linear import cudnn as grouped_cudnn
 from .grouped_linear import reference as grouped_reference
 from .gated_activation import reference as gated_reference
 from .gated_activation import triton_impl as gated_triton
@@ -21,9 +23,11 @@ from .grouped_linear import torch_mm, triton_impl
 from .horizontal_linear import checks as horizontal_checks
 from .horizontal_linear import reference as horizontal_reference
 from .linear_activation import cublaslt
+from .linear_activation import cudnn as activation_cudnn
 from .linear_activation import reference as activation_reference
 from .registry import Implementation, ImplementationError
 from .residual_norm import cuda as norm_cuda
+from .residual_norm import cudnn as norm_cudnn
 from .residual_norm import reference as norm_reference
 
 __all__ = ["TABLE", "for_op", "get", "names"]
@@ -44,6 +48,9 @@ def _residual_norm(norm: str, reduces: bool) -> list[Implementation]:
     if not reduces:
         return [Implementation("cuda", norm_cuda.check_local, bind(norm_cuda.local_forward), backward,
                                description="fused (bias +) residual add + norm kernel"),
+                Implementation(norm_cudnn.NAME, norm_cudnn.check, bind(norm_cudnn.forward), bind(norm_cudnn.backward),
+                               norm_cudnn.prepare, "torch add, then cuDNN frontend norm graphs (forward; backward "
+                                                   "with recomputed statistics); optional: opfuse[cudnn]"),
                 reference]
     return [
         Implementation("cuda_oneshot", norm_cuda.check_oneshot, bind(norm_cuda.oneshot_forward), backward,
@@ -70,6 +77,11 @@ TABLE: dict[str, list[Implementation]] = {
                        collective_p2p.prepare,
                        "token all-gather pushed over peer memory (copy engine) while cuBLAS GEMMs each arrived shard; "
                        "backward: dgrad reduce-scatter + input re-gather for wgrad"),
+        Implementation(collective_cublasmp.NAME, collective_cublasmp.check_all_gather_linear,
+                       collective_cublasmp.all_gather_linear_forward, collective_cublasmp.all_gather_linear_backward,
+                       collective_cublasmp.prepare,
+                       "cuBLASMp 0.7 all-gather matmul (split P2P pipeline); backward: cuBLASMp reduce-scatter "
+                       "matmul for dgrad, NCCL re-gather for wgrad; optional: opfuse[cublasmp]"),
         Implementation("reference", _always, collective_reference.ag_linear_forward,
                        collective_reference.ag_linear_backward, description="all-gather, then one GEMM"),
     ],
@@ -79,6 +91,11 @@ TABLE: dict[str, list[Implementation]] = {
                        collective_p2p.prepare,
                        "GEMM sub-chunks whose partial sums are pushed over peer memory and summed on their owner "
                        "(ring or direct); backward: dy all-gather overlapped with dgrad"),
+        Implementation(collective_cublasmp.NAME, collective_cublasmp.check_linear_reduce_scatter,
+                       collective_cublasmp.linear_reduce_scatter_forward,
+                       collective_cublasmp.linear_reduce_scatter_backward, collective_cublasmp.prepare,
+                       "cuBLASMp 0.7 reduce-scatter matmul (split P2P pipeline); backward: cuBLASMp all-gather "
+                       "matmul for dgrad, NCCL gather of dy for wgrad; optional: opfuse[cublasmp]"),
         Implementation("reference", _always, collective_reference.linear_rs_forward,
                        collective_reference.linear_rs_backward, description="one GEMM, then reduce-scatter"),
     ],
@@ -98,6 +115,10 @@ TABLE: dict[str, list[Implementation]] = {
     "linear_bias_activation": [
         Implementation("cublaslt_epilogue", cublaslt.check, cublaslt.forward, activation_reference.backward,
                        description="cuBLASLt GEMM with bias+GELU(tanh) epilogue"),
+        Implementation(activation_cudnn.NAME, activation_cudnn.check, activation_cudnn.forward,
+                       activation_reference.backward, activation_cudnn.prepare,
+                       "cuDNN frontend matmul + bias + GELU (exact or tanh) graph, pre-activation kept for "
+                       "training; optional: opfuse[cudnn]"),
         Implementation("reference", _always, activation_reference.forward, activation_reference.backward,
                        description="addmm, then gelu"),
     ],
@@ -108,6 +129,10 @@ TABLE: dict[str, list[Implementation]] = {
                        description="Triton grouped GEMM, TMA loads, device group sizes, fused bias, zeroed tail"),
         Implementation("torch_grouped_mm", torch_mm.check, torch_mm.forward, torch_mm.backward,
                        description="torch._grouped_mm (CUTLASS) with device offsets, tail and empty groups zeroed"),
+        Implementation(grouped_cudnn.NAME, grouped_cudnn.check, grouped_cudnn.forward, grouped_cudnn.backward,
+                       grouped_cudnn.prepare,
+                       "cuDNN MoE grouped matmul with device offsets (dgrad/wgrad on cuDNN where it has engines, "
+                       "else the Triton kernels); optional: opfuse[cudnn]"),
         Implementation("reference", _always, grouped_reference.reference_forward,
                        grouped_reference.reference_backward, description="loop of matmuls over host group sizes (syncs "
                                                                            "on a GPU)"),

@@ -11,8 +11,15 @@ import torch
 
 import opfuse
 from opfuse.backend import implementations
-from opfuse.backend.runtime import extension
+from opfuse.backend.runtime import cublasmp, cudnn_frontend, extension
 from opfuse.debug.html import find_dot
+
+#: The implementations each optional NVIDIA library provides (``doctor`` says why they can run or not).
+OPTIONAL_LIBRARIES = (
+    ("cuDNN frontend", cudnn_frontend, "cudnn", ("add_rmsnorm", "add_layernorm", "linear_bias_activation",
+                                                 "grouped_linear")),
+    ("cuBLASMp", cublasmp, "cublasmp", ("all_gather_linear", "linear_reduce_scatter")),
+)
 
 
 def main_doctor(argv) -> int:
@@ -41,6 +48,16 @@ def main_doctor(argv) -> int:
     dot = find_dot()
     print(f"graphviz: {dot} (lays out dump('html'))" if dot else
           "graphviz: not found (dump('html') lays itself out with the vendored dagre)")
+    print("optional libraries:")
+    for title, library, impl, ops in OPTIONAL_LIBRARIES:
+        print(f"  {title}: {library.describe()}")
+        if library.status() is not None:
+            verdict = "not capable: the library is missing"
+        elif not torch.cuda.is_available():
+            verdict = "not capable here: no CUDA device"
+        else:
+            verdict = "available; each program's capability check decides (dtypes, shapes, world, engine support)"
+        print(f"    implementation {impl!r} of {', '.join(ops)}: {verdict}")
     for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
         print(f"{var}={os.environ.get(var, '(unset)')}")
     print("settings:")

@@ -33,18 +33,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...ops.base import OpInputError, dtype_name
+from ...ops.base import OpInputError
 from ...ops.norm import compute_dtype
 from ...ops.collectives import raw_all_reduce
 from ..runtime import symm_pool
 from ..runtime.device import is_capturing
 from . import plans, policy, reference, resources
+from .operands import HALF_DTYPES, operand_reason
 
 __all__ = ["NAME", "check_all_gather_linear", "check_linear_reduce_scatter", "prepare", "all_gather_linear_forward",
            "all_gather_linear_backward", "linear_reduce_scatter_forward", "linear_reduce_scatter_backward"]
 
 NAME = "p2p_overlap"
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = HALF_DTYPES
 
 
 # Capability checks (pure) -----------------------------------------------------------------------
@@ -62,18 +63,9 @@ def _requests(spec) -> list:
 
 
 def _basic_reason(spec) -> Optional[str]:
-    x, w, b = spec.x, spec.inputs["weight"], spec.inputs.get("bias")
-    if torch.device(x.device).type != "cuda":
-        return f"needs CUDA tensors (x is on {x.device})"
-    if x.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype_name(x.dtype)} not supported (bfloat16, float16; float32 runs the reference)"
-    if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-        return (f"mixed dtypes (x {dtype_name(x.dtype)}, weight {dtype_name(w.dtype)}"
-                f"{', bias ' + dtype_name(b.dtype) if b is not None else ''})")
-    if spec.world_size < 2:
-        return "group has one rank: nothing to overlap"
-    if spec.group_name is None:
-        return "no process group"
+    reason = operand_reason(spec)
+    if reason:
+        return reason
     if is_capturing():
         return "cannot reserve symmetric memory during CUDA-graph capture"
     return None
