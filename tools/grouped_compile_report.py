@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--odd", action="store_true",
+                        help="integer arguments without divisibility by 16 (odd K/N), as odd shapes launch")
     args = parser.parse_args(argv)
 
     import triton
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
                               "WARP_SPECIALIZE": t.warp_specialize}
                 for name in constexprs:
                     signature[name] = "constexpr"
-                attrs = {(i,): div16 for i in (2, 3, 4, 5, 6, 8)}
+                attrs = {(i,): div16 for i in ((2, 3, 4) if args.odd else (2, 3, 4, 5, 6, 8))}
                 label = (f"{cls:8s} {'fwd  ' if nk else 'dgrad'} {t.bm}x{t.bn}x{t.bk} w{t.num_warps} s{t.num_stages}"
                          f"{' ws' if t.warp_specialize else ''} x{t.programs_per_sm}")
                 compile_report(label, grouped_mm_persistent_kernel, signature, constexprs, attrs, t.num_warps,

@@ -82,7 +82,7 @@ CANDIDATES: dict[str, tuple[tuning.Tiles, ...]] = {
     "large_m": (
         tuning.Tiles(128, 256, 64, num_warps=8, num_stages=3),
         tuning.Tiles(128, 128, 64, num_warps=4, num_stages=4, warp_specialize=True),
-        tuning.Tiles(128, 128, 64, num_warps=8, num_stages=3, programs_per_sm=2),
+        tuning.Tiles(128, 128, 64, num_warps=8, num_stages=3),
     ),
 }
 
