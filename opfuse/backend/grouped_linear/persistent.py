@@ -24,9 +24,9 @@ import functools
 import torch
 from torch import Tensor
 
-from ...ops.base import dtype_name
 from . import tuning
-from .triton_impl import _INT32_MAX, _next_pow2, _tma_status, m_tile_bound, triton_status
+from .triton_impl import (_INT32_MAX, _next_pow2, _tma_status, make_backward, m_tile_bound,
+                          triton_gpu_reason, wgrad_outputs)
 
 __all__ = ["NAME", "default_tiles", "CANDIDATES", "tiles", "WgradTiles", "WGRAD_TILES", "grouped_mm_persistent",
            "grouped_wgrad_tma", "check", "forward", "backward"]
@@ -209,14 +209,8 @@ def grouped_wgrad_tma(dy: Tensor, x: Tensor, sizes: Tensor, groups: int, *, need
     dy, x = _aligned(dy), _aligned(x)
     tokens, n = dy.shape
     k = x.shape[1]
-    if dw is None:
-        dw = dy.new_empty(groups, n, k)
-    if need_db and db is None:
-        db = dy.new_empty(groups, n)
+    dw, db = wgrad_outputs(dy, groups, k, need_db, dw, db)
     if tokens == 0:
-        dw.zero_()
-        if need_db:
-            db.zero_()
         return dw, db
     cfg = WGRAD_TILES
     bn, bk = _fit(cfg.bn, n), _fit(cfg.bk, k)
@@ -247,22 +241,13 @@ def _device_descriptor_status() -> str | None:
 def check(spec) -> str | None:
     """Capability: CUDA sm90+, triton with host and device tensor descriptors, bfloat16/float16,
     16-byte rows of ``x``, the weight and ``dy`` (``K`` and ``N`` multiples of 8)."""
-    if spec.device.type != "cuda":
-        return "needs a CUDA device"
-    reason = triton_status()
+    reason = triton_gpu_reason(spec, _DTYPES, 9)
     if reason:
         return reason
-    if spec.dtype not in _DTYPES:
-        return f"dtype {dtype_name(spec.dtype)} not supported (bfloat16, float16: TMA tiles of 16-bit operands)"
-    weight = spec.inputs["weight"]
-    if weight.dtype != spec.dtype:
-        return f"weight dtype {dtype_name(weight.dtype)} differs from x dtype {dtype_name(spec.dtype)}"
-    major, minor = torch.cuda.get_device_capability(spec.device)
-    if major < 9:
-        return f"TMA needs compute capability >= 9.0, got {major}.{minor}"
     reason = _tma_status() or _device_descriptor_status()
     if reason:
         return reason
+    weight = spec.inputs["weight"]
     groups, n, k = weight.shape
     if groups > _MAX_PERSISTENT_GROUPS:
         return f"{groups} groups (at most {_MAX_PERSISTENT_GROUPS})"
@@ -279,12 +264,4 @@ def forward(x, group_sizes, weight, bias):
     return grouped_mm_persistent(x, group_sizes, weight, nk=True, bias=bias)
 
 
-def backward(dy, x, group_sizes, weight, *, need_dx, need_dw, need_db):
-    empty = dy.new_empty(0)
-    dx = grouped_mm_persistent(dy, group_sizes, weight, nk=False) if need_dx else empty
-    dw, db = empty, empty
-    if need_dw or need_db:
-        dw, db = grouped_wgrad_tma(dy, x, group_sizes, weight.shape[0], need_db=need_db)
-        db = db if need_db else empty
-        dw = dw if need_dw else empty
-    return dx, dw, db
+backward = make_backward(lambda dy, sizes, w: grouped_mm_persistent(dy, sizes, w, nk=False), grouped_wgrad_tma)

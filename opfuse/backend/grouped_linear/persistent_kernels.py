@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import _group_rows, _pick
+from .triton_kernels import _group_rows, _pick, _wgrad_tile
 
 __all__ = ["grouped_tile_map_kernel", "grouped_mm_persistent_kernel", "grouped_wgrad_tma_kernel"]
 
@@ -132,14 +132,7 @@ def grouped_wgrad_tma_kernel(
     ``BT``-row steps need no masks. (Device-side descriptors need a global scratch allocation per
     program: the launcher sets triton's allocator for the launch.)
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    num_k = tl.cdiv(K, BK)
-    g = pid // (num_n * num_k)
-    rest = pid % (num_n * num_k)
-    # k-tiles fastest: programs running together share the group's dy columns.
-    pid_n = rest // num_k
-    pid_k = rest % num_k
+    g, pid_n, pid_k = _wgrad_tile(N, K, BN, BK)
     n0 = pid_n * BN
     k0 = pid_k * BK
 

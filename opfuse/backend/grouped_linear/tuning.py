@@ -21,6 +21,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .triton_impl import GemmConfig
+
 __all__ = ["SIZE_CLASSES", "ORDER", "PERSISTENT_TILES", "Tiles", "size_class", "class_key", "device_name",
            "measured_order", "order", "tiles_for"]
 
@@ -34,15 +36,9 @@ _SMALL_SIDE = 256
 
 
 @dataclasses.dataclass(frozen=True)
-class Tiles:
+class Tiles(GemmConfig):
     """Tile configuration of the persistent grouped GEMM (forward and dgrad)."""
 
-    bm: int
-    bn: int
-    bk: int
-    num_warps: int
-    num_stages: int
-    group_m: int = 8
     #: Programs per SM of the persistent grid (decode wants several, to keep more weight bytes in flight).
     programs_per_sm: int = 1
     #: Triton's automatic warp specialisation of the work-item loop (a TMA producer warpgroup and
