@@ -62,6 +62,11 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:160] if text else type(error).__name__
+
+
 def capable(x, counts, w, name: str, requires_grad=False):
     """The implementation ``name`` if it can run this call, else ``None`` (reason printed)."""
     entry = implementations.get(OP, name)
@@ -113,7 +118,11 @@ def bench_shape(name, tokens, experts, k, n, args, hbm_gbs) -> dict:
             entry = capable(x, counts, w, impl)
             if entry is None:
                 continue
-            y = entry.forward(x, counts, w, None)
+            try:
+                y = entry.forward(x, counts, w, None)
+            except Exception as error:  # noqa: BLE001 - one implementation's failure is a line of the report
+                print(f"  [{name}] {impl}: FAILED: {first_line(error)}")
+                continue
             print(f"  [{name}] {impl}: rel. diff vs torch._grouped_mm {rel(y, y_torch):.2e}")
             fns[f"  forced {impl}"] = lambda i, entry=entry: entry.forward(x, counts, w, None)
         rows = interleaved_us(fns, args.reps, args.calls)
@@ -152,8 +161,14 @@ def bench_training(x, counts, offs, w, layer, args) -> dict:
     fns = {"torch._grouped_mm autograd": theirs, f"ours ({impl})": ours}
     for name in gpu_impls():
         entry = capable(x, counts, w, name, requires_grad=True)
-        if entry is not None:
-            fns[f"  forced {name}"] = direct(entry)
+        if entry is None:
+            continue
+        try:
+            direct(entry)(0)
+        except Exception as error:  # noqa: BLE001
+            print(f"  [train] {name}: FAILED: {first_line(error)}")
+            continue
+        fns[f"  forced {name}"] = direct(entry)
     rows = interleaved_us(fns, args.reps, max(1, args.calls // 2))
     layer.requires_grad_(False)
     return {"rows": rows, "impl": impl}
@@ -193,7 +208,7 @@ def report(res) -> None:
 def summary(results) -> None:
     """One line per shape (and fwd+bwd): ours, the best forced implementation, and the targets."""
     print("\nsummary (throughput ratios, same run; targets from issue 22)")
-    print(f"  {'case':13s} {'chosen':18s} {'ours us':>9s} {'best forced':>24s} {'vs grouped_mm':>13s} "
+    print(f"  {'case':13s} {'chosen':18s} {'ours us':>9s} {'best forced':>27s} {'vs grouped_mm':>13s} "
           f"{'target':>7s} {'floor':>26s} {'of floor':>8s} {'target':>7s}")
     for res in results:
         rows = res["rows"]
@@ -206,14 +221,14 @@ def summary(results) -> None:
         else:
             floor_us, floor = res["bytes"] / res["hbm_gbs"] / 1e3, f"weights @ {res['hbm_gbs']:.0f} GB/s"
             torch_target, floor_target = "-", ">=0.90"
-        print(f"  {res['name']:13s} {res['chosen']:18s} {ours:9.1f} {best:>15s} {best_us:8.1f} {vs_torch:12.2f}x "
+        print(f"  {res['name']:13s} {res['chosen']:18s} {ours:9.1f} {best:>18s} {best_us:8.1f} {vs_torch:12.2f}x "
               f"{torch_target:>7s} {floor:>17s} {floor_us:8.1f} {floor_us / ours:7.2f}x {floor_target:>7s}")
         if "train" in res:
             t = res["train"]["rows"]
             ours_t = _ours(t)
             best, best_us = _best_forced(t)
             vs = t["torch._grouped_mm autograd"] / ours_t
-            print(f"  {res['name'] + ' fwd+bwd':13s} {res['train']['impl']:18s} {ours_t:9.1f} {best:>15s} "
+            print(f"  {res['name'] + ' fwd+bwd':13s} {res['train']['impl']:18s} {ours_t:9.1f} {best:>18s} "
                   f"{best_us:8.1f} {vs:12.2f}x {'>=1.00':>7s} {'-':>26s} {'-':>8s} {'-':>7s}")
     print("  (chosen within 3% of the best forced implementation is the dispatch target; 'of floor' = floor us / "
           "ours us)")

@@ -95,7 +95,8 @@ def correct(label: str, forward, inp: Inputs) -> bool:
         got = forward(inp)
         err = rel(got, reference_forward(inp.x, inp.counts, inp.w, None))
     except Exception as error:  # noqa: BLE001 - one candidate's failure is a line of the report
-        print(f"    {label}: FAILED to run: {str(error).strip().splitlines()[0][:160] if str(error).strip() else error}")
+        text = str(error).strip()
+        print(f"    {label}: FAILED to run: {text.splitlines()[0][:160] if text else type(error).__name__}")
         return False
     if not err <= TOL:
         print(f"    {label}: WRONG (rel. error {err:.2e} > {TOL})")

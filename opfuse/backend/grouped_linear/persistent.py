@@ -71,6 +71,7 @@ def default_tiles(cls: str) -> tuning.Tiles:
 CANDIDATES: dict[str, tuple[tuning.Tiles, ...]] = {
     "decode": (
         tuning.Tiles(16, 64, 128, num_warps=4, num_stages=4, programs_per_sm=2),
+        tuning.Tiles(32, 64, 128, num_warps=4, num_stages=3, programs_per_sm=3),
         tuning.Tiles(32, 128, 128, num_warps=4, num_stages=3, programs_per_sm=1),
         tuning.Tiles(64, 64, 128, num_warps=4, num_stages=3, programs_per_sm=2),
     ),
