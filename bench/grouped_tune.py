@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402  (bench/common.py)
 from opfuse.backend import implementations  # noqa: E402
 from opfuse.backend.grouped_linear import persistent, tuning  # noqa: E402
 from opfuse.backend.grouped_linear.reference import reference_forward  # noqa: E402
@@ -193,9 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--classes", nargs="+", default=list(tuning.SIZE_CLASSES), choices=tuning.SIZE_CLASSES)
     parser.add_argument("--json", help="also write the entries and times to this file")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/grouped_tune.py needs a CUDA GPU")
-        return 1
+    if common.skip_without_gpus("grouped_tune", 1):
+        return 0
     import triton
 
     begin = time.perf_counter()
@@ -225,6 +225,7 @@ def main(argv=None) -> int:
                 order[key] = tuple(sorted(ranked, key=ranked.get))
         del shape_sets
         torch.cuda.empty_cache()
+        common.progress(f"{cls} done")
 
     print("\n=== tuning-table entries for this GPU (paste into opfuse/backend/grouped_linear/tuning.py)")
     print("ORDER:")
