@@ -36,6 +36,7 @@ BENCHMARKS = {
     "overlap": (2, "all-gather + GEMM and GEMM + reduce-scatter overlap vs the GEMM alone and NCCL"),
     "block": (2, "the whole tensor-parallel MLP block vs torch.nn and torch.compile (--cpu: gloo dry run)"),
     "grouped": (1, "MoE grouped GEMM vs torch._grouped_mm and a dense GEMM"),
+    "grouped_tune": (1, "grouped GEMM implementations and persistent tiles per size class: this GPU's table entries"),
     "horizontal": (1, "gate and up as one GEMM over the joined weight (horizontal_gemm) vs two GEMMs"),
     "nvidia_libs": (1, "cuDNN frontend and cuBLASMp implementations vs opfuse's and torch (optional libraries)"),
     "push_bandwidth": (2, "copy-engine push bandwidth into peers vs NCCL all-gather"),

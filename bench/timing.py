@@ -1,4 +1,4 @@
-"""CUDA-graph timing shared by the benchmarks.
+"""Timing shared by the benchmarks.
 
 ``graphs_replay_us({name: fn}, calls, replays)`` does the same for several variants, capturing
 each once and then timing their replays round-robin, so clock and power drift over a run affects
@@ -13,15 +13,23 @@ baselines can start from the same data every time.
 
 Also shared: the ceilings a benchmark measures at its start to print floors (``device_copy_gbs``,
 ``peer_egress_gbs``) and the all-reduce + norm bandwidth floor (``allreduce_floor_us``).
+
+``interleaved_us(fns, reps, calls)`` times eager calls with CUDA events, round-robin across the
+functions (one batch of ``calls`` of each per rep), and returns each one's median per call:
+clock and thermal drift during a run then hit every function alike instead of whichever ran
+first. ``warm_up_gpu()`` runs matmuls until the clocks are up.
 """
 
 from __future__ import annotations
+
+import time
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["graph_replay_us", "graphs_replay_us", "max_over_ranks", "median", "device_copy_gbs", "peer_egress_gbs",
-           "allreduce_floor_us"]
+           "allreduce_floor_us", "interleaved_us", "warm_up_gpu"]
 
 
 def max_over_ranks(value: float) -> float:
@@ -160,3 +168,34 @@ def allreduce_floor_us(message_bytes: int, world: int, peer_gbs: float, hbm_gbs:
         nvlink = 2 * (world - 1) / world * message_bytes / peer_gbs / 1e3
     hbm = 4 * message_bytes / hbm_gbs / 1e3
     return (nvlink, "nvlink") if nvlink >= hbm else (hbm, "hbm")
+
+
+def interleaved_us(fns: Mapping[str, Callable[[int], object]], reps: int, calls: int,
+                   warmup: int = 2) -> dict[str, float]:
+    """Median microseconds per call of every ``fns[name](i)`` (``i`` = call index, for rotating
+    inputs), timed round-robin: each rep times one batch of ``calls`` calls of every function."""
+    for fn in fns.values():
+        for i in range(warmup):
+            fn(i)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(calls):
+                fn(i)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / calls)
+    return {name: median(values) for name, values in times.items()}
+
+
+def warm_up_gpu(seconds: float = 0.5) -> None:
+    """Run bf16 matmuls for ``seconds`` so the first measurement does not pay for clock ramp-up."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()

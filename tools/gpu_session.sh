@@ -5,6 +5,7 @@
 #   tools/gpu_session.sh validate  # 1-2 GPUs: every GPU test (world 2 where 2 GPUs), no benchmarks
 #   tools/gpu_session.sh validate-multi  # the same without the grouped-GEMM tests
 #   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
+#   tools/gpu_session.sh grouped   # 1 GPU: grouped-GEMM tests, bench/grouped.py, bench/grouped_tune.py (~4 min)
 #   tools/gpu_session.sh multi-tests   # 2-4 GPUs: NCCL tests at world 2 and 4
 #   tools/gpu_session.sh multi-bench   # 2-4 GPUs: allreduce+norm and overlap benchmarks
 #   tools/gpu_session.sh overlap       # 2-4 GPUs: overlap + graphed-block tests, overlap benchmark
@@ -35,7 +36,8 @@ step() {  # step NAME TIMEOUT CMD...
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'triton', triton.__version__)" >> "$OUT/gpus.txt" 2>&1
-step build 300 python3 -m opfuse.backend.runtime.extension --build
+# The grouped GEMM is Triton and torch only: its stage skips the extension build.
+[ "$stage" = grouped ] || step build 300 python3 -m opfuse.backend.runtime.extension --build
 case "$stage" in
   validate-multi)
     step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
@@ -58,6 +60,11 @@ case "$stage" in
     step grouped_bench 240 python3 bench/grouped.py
     step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
     step horizontal_bench 150 python3 bench/horizontal.py
+    ;;
+  grouped)
+    step grouped_tests 200 python3 -m pytest -q --maxfail=10 tests/gpu/test_grouped.py "$@"
+    step grouped_bench 100 python3 bench/grouped.py
+    step grouped_tune 150 python3 bench/grouped_tune.py --reps 5 --json "$OUT/grouped_tune.json"
     ;;
   multi-tests)
     step kernels 120 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
@@ -131,5 +138,9 @@ case "$stage" in
 esac
 cat "$OUT/gpus.txt"
 for f in "$OUT"/*.log; do echo "=== tail $(basename "$f")"; grep -vE '^\s*$' "$f" | grep -E 'Error|error|FAIL|assert|Traceback|^\|' | head -40; done
+if [ "$stage" = grouped ]; then
+  echo "=== grouped bench summary"; sed -n '/^HBM bandwidth/p; /^summary/,$p' "$OUT/grouped_bench.log"
+  echo "=== grouped tuning"; sed -n '/^=== tuning-table/,$p' "$OUT/grouped_tune.log"
+fi
 echo "=== summary"; printf '%s\n' "${summary[@]}"
 if declare -F final_summary >/dev/null; then final_summary; fi

@@ -4,13 +4,16 @@ This list is the registration (nothing registers itself on import). A program's
 ``select_implementations`` pass takes the first capable implementation of each fused op
 (:func:`opfuse.backend.registry.choose`) and records it in ``Program.fusions``; the reference
 implementation at the end of each list always runs (torch ops + ``torch.distributed``, CPU and
-gloo included). The order follows measurements (docs/PERF_NOTES*.md). Adding an implementation is
-one line here; adding a fused op is one entry here plus its family folder and its rule.
+gloo included). The order follows measurements (docs/PERF_NOTES*.md); an op in
+``MEASURED_ORDER`` is reordered per call from measurements per GPU kind and size class. Adding an
+implementation is one line here; adding a fused op is one entry here plus its family folder and
+its rule.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, Sequence
 
 from .collective_linear import cublasmp as collective_cublasmp
 from .collective_linear import p2p as collective_p2p
@@ -19,18 +22,20 @@ from .grouped_linear import cudnn as grouped_cudnn
 from .grouped_linear import reference as grouped_reference
 from .gated_activation import reference as gated_reference
 from .gated_activation import triton_impl as gated_triton
+from .grouped_linear import persistent as grouped_persistent
 from .grouped_linear import torch_mm, triton_impl
+from .grouped_linear import tuning as grouped_tuning
 from .horizontal_linear import checks as horizontal_checks
 from .horizontal_linear import reference as horizontal_reference
 from .linear_activation import cublaslt
 from .linear_activation import cudnn as activation_cudnn
 from .linear_activation import reference as activation_reference
-from .registry import Implementation, ImplementationError
+from .registry import CallSpec, Implementation, ImplementationError
 from .residual_norm import cuda as norm_cuda
 from .residual_norm import cudnn as norm_cudnn
 from .residual_norm import reference as norm_reference
 
-__all__ = ["TABLE", "for_op", "get", "names"]
+__all__ = ["TABLE", "MEASURED_ORDER", "for_op", "get", "names"]
 
 
 def _always(spec) -> None:
@@ -129,6 +134,10 @@ TABLE: dict[str, list[Implementation]] = {
                        description="Triton grouped GEMM, TMA loads, device group sizes, fused bias, zeroed tail"),
         Implementation("torch_grouped_mm", torch_mm.check, torch_mm.forward, torch_mm.backward,
                        description="torch._grouped_mm (CUTLASS) with device offsets, tail and empty groups zeroed"),
+        Implementation(grouped_persistent.NAME, grouped_persistent.check, grouped_persistent.forward,
+                       grouped_persistent.backward,
+                       description="persistent Triton grouped GEMM (sm90+): TMA loads, device tile map, warp-specialised "
+                                   "large tiles; weight gradient through device-side TMA descriptors"),
         Implementation(grouped_cudnn.NAME, grouped_cudnn.check, grouped_cudnn.forward, grouped_cudnn.backward,
                        grouped_cudnn.prepare,
                        "cuDNN MoE grouped matmul with device offsets (dgrad/wgrad on cuDNN where it has engines, "
@@ -139,15 +148,24 @@ TABLE: dict[str, list[Implementation]] = {
     ],
 }
 
+#: Fused ops whose order also depends on measurements on the running GPU: a pure function
+#: ``(spec, implementations in table order) -> implementations in the order to try``.
+MEASURED_ORDER: dict[str, Callable[[CallSpec, Sequence[Implementation]], list[Implementation]]] = {
+    "grouped_linear": grouped_tuning.order,
+}
+
 _BY_NAME = {op: {impl.name: impl for impl in impls} for op, impls in TABLE.items()}
 
 
-def for_op(op: str) -> list[Implementation]:
-    """``op``'s implementations in the order tried."""
+def for_op(op: str, spec: CallSpec | None = None) -> list[Implementation]:
+    """``op``'s implementations in the order tried: the table's, or for a call (``spec``) of an op
+    in :data:`MEASURED_ORDER`, the measured order of the running GPU and size class."""
     try:
-        return TABLE[op]
+        impls = TABLE[op]
     except KeyError:
         raise ImplementationError(f"no fused op {op!r} in the implementation table; known: {sorted(TABLE)}") from None
+    reorder = MEASURED_ORDER.get(op)
+    return impls if spec is None or reorder is None else reorder(spec, impls)
 
 
 def get(op: str, name: str) -> Implementation:

@@ -37,7 +37,7 @@ def select_implementations(gm: fx.GraphModule, ctx) -> None:
         metas = [a.meta.get("opfuse_meta") if isinstance(a, fx.Node) else None for a in node.args]
         spec = op.call_spec(metas)
         _open_peer_memory(spec)
-        impls = implementations.for_op(op.name)
+        impls = implementations.for_op(op.name, spec)
         want = forced.get(op.name, forced.get(None))
         if want is not None and op.name not in forced and want not in {i.name for i in impls}:
             want = None  # a bare forced name applies to the ops that have an implementation of that name

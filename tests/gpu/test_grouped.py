@@ -1,8 +1,9 @@
 """GroupedLinear on CUDA: every GPU implementation of ``grouped_linear`` against a float32/float64
 loop of matmuls (bf16/fp16/fp32, uneven, empty and truncated groups, odd sizes, gradients), with
-outputs poisoned (NaN) before the kernels run; no host sync under
-``torch.cuda.set_sync_debug_mode("error")``; CUDA-graph capture of forward + backward replayed with
-new group sizes computed on the device. Skipped without CUDA."""
+outputs poisoned (NaN) before the kernels run; every tile configuration the tuning script may pick
+for the persistent kernel; no host sync under ``torch.cuda.set_sync_debug_mode("error")``;
+CUDA-graph capture of forward + backward replayed with new group sizes computed on the device; the
+measured order of this GPU. Skipped without CUDA."""
 
 import math
 import zlib
@@ -14,12 +15,13 @@ import opfuse
 from opfuse import ops
 from opfuse.backend import implementations
 from opfuse.backend.registry import CallSpec
-from opfuse.backend.grouped_linear import torch_mm, triton_impl
+from opfuse.backend.grouped_linear import persistent, torch_mm, triton_impl, tuning
+from opfuse.backend.registry import choose
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 DEV = "cuda"
-GPU_IMPLS = ["triton_tma", "torch_grouped_mm", "triton"]
+GPU_IMPLS = ["triton_tma", "torch_grouped_mm", "triton", "triton_persistent"]
 # Norm-wise relative error against a float64 loop; fp32 runs exact ("ieee") products.
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}
 
@@ -159,6 +161,37 @@ def test_triton_launchers_write_every_element(use_tma, dtype):
         assert rel_err(got, want) <= TOL[dtype], name
 
 
+# One shape per size class: rows 16-byte aligned but K and N no multiples of the tiles, empty
+# groups (first and middle) and a tail past sum(sizes).
+CLASS_SHAPES = {"decode": (96, 16, 264, 200), "small_m": (1200, 16, 264, 200), "large_m": (2600, 6, 520, 328)}
+
+
+@pytest.mark.parametrize("cls", tuning.SIZE_CLASSES)
+def test_persistent_tiles_match_loop(cls):
+    """Every tile configuration of the class (default and the tuning candidates, warp-specialised
+    ones included) computes forward and dgrad right."""
+    tokens, groups, k, n = CLASS_SHAPES[cls]
+    assert tuning.size_class(tokens, groups, k, n) == cls
+    require("triton_persistent", torch.bfloat16, tokens, groups, k, n, True)
+    gen = torch.Generator().manual_seed(zlib.crc32(cls.encode()))
+    sizes = random_sizes(gen, groups, tokens, empty=(0, 3), tail=13)
+    x = torch.randn(tokens, k, generator=gen).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(groups, n, k, generator=gen) / math.sqrt(k)).to(torch.bfloat16).to(DEV)
+    b = torch.randn(groups, n, generator=gen).to(torch.bfloat16).to(DEV)
+    dy = torch.randn(tokens, n, generator=gen).to(torch.bfloat16).to(DEV)
+    counts = torch.tensor(sizes, dtype=torch.int32, device=DEV)
+    ry, rdx, _, _ = loop(x, sizes, w, b, dy)
+    end = clamped(sizes, tokens)[-1][1]
+    for tiles in (persistent.default_tiles(cls), *persistent.CANDIDATES[cls]):
+        nan = lambda *shape: torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEV)  # noqa: E731
+        y = persistent.grouped_mm_persistent(x, counts, w, nk=True, bias=b, out=nan(tokens, n), config=tiles)
+        dx = persistent.grouped_mm_persistent(dy, counts, w, nk=False, out=nan(tokens, k), config=tiles)
+        torch.cuda.synchronize()
+        assert rel_err(y, ry) <= TOL[torch.bfloat16], tiles
+        assert rel_err(dx, rdx) <= TOL[torch.bfloat16], tiles
+        assert torch.equal(y[end:], torch.zeros_like(y[end:])), tiles
+
+
 def build_block(dtype, groups, k, n, bias, gen):
     layer = ops.GroupedLinear(groups, k, n, bias=bias, device=DEV, dtype=dtype)
     with torch.no_grad():
@@ -243,6 +276,24 @@ def test_cuda_graph_replays_new_device_sizes(impl):
             for g, count in enumerate(sizes):
                 if count == 0:
                     assert torch.equal(layer.weight.grad[g], torch.zeros_like(layer.weight.grad[g]))
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("tokens", [256, 4096, 32768])
+def test_measured_order_of_this_gpu_picks_its_first_capable_entry(tokens, training):
+    """On a GPU kind with measurements, the dispatch takes the fastest capable implementation of
+    the call's size class; elsewhere the table order."""
+    s = spec_for(torch.bfloat16, tokens, 32, 7168, 2048, False)
+    s = CallSpec(s.op, s.inputs, s.attrs, requires_grad=training)
+    measured = tuning.measured_order(s)
+    choice = choose(s, implementations.for_op("grouped_linear", s))
+    capable = [name for name in measured if implementations.get("grouped_linear", name).check(s) is None]
+    if capable:
+        assert choice.name == capable[0]
+    else:
+        assert [impl.name for impl in implementations.for_op("grouped_linear", s)] == \
+            implementations.names()["grouped_linear"]
+    assert choice.name != "reference"
 
 
 def test_gpu_dispatch_picks_a_kernel():

@@ -216,7 +216,7 @@ def spec(dtype=torch.bfloat16, device="cuda", k=64, n=64, groups=8, bias=False):
 
 def test_dispatch_table_order_and_cpu_choice():
     names = [impl.name for impl in implementations.for_op("grouped_linear")]
-    assert names == ["triton", "triton_tma", "torch_grouped_mm", "cudnn", "reference"]
+    assert names == ["triton", "triton_tma", "torch_grouped_mm", "triton_persistent", "cudnn", "reference"]
     choice = choose(spec(torch.float32, "cpu"), implementations.for_op("grouped_linear"))
     assert choice.name == "reference"
     assert dict(choice.skipped) == {name: "needs a CUDA device" for name in names[:-1]}

@@ -24,6 +24,7 @@ from torch import Tensor
 from ...ops.base import dtype_name
 
 __all__ = ["GemmConfig", "gemm_config", "m_tile_bound", "wgrad_config", "grouped_mm", "grouped_wgrad", "check",
+           "triton_gpu_reason", "wgrad_outputs", "make_backward",
            "check_tma", "forward", "backward", "forward_tma", "backward_tma", "triton_status"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -60,6 +61,8 @@ def _next_pow2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
+    """Tiles ``BM x BN x BK`` of a grouped GEMM, warps, pipeline stages, m-tiles per super-row."""
+
     bm: int
     bn: int
     bk: int
@@ -179,6 +182,22 @@ def grouped_mm(a: Tensor, sizes: Tensor, weight: Tensor, *, nk: bool, bias: Tens
     return out
 
 
+def wgrad_outputs(dy: Tensor, groups: int, k: int, need_db: bool, dw: Tensor | None,
+                  db: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The weight-gradient outputs ``dw [G, N, K]`` and (``need_db``) ``db [G, N]``, allocated
+    where ``None``; zeroed when ``dy`` has no rows (no kernel runs then)."""
+    n = dy.shape[1]
+    if dw is None:
+        dw = dy.new_empty(groups, n, k)
+    if need_db and db is None:
+        db = dy.new_empty(groups, n)
+    if dy.shape[0] == 0:
+        dw.zero_()
+        if need_db:
+            db.zero_()
+    return dw, db
+
+
 def grouped_wgrad(dy: Tensor, x: Tensor, sizes: Tensor, groups: int, *, need_db: bool,
                   dw: Tensor | None = None, db: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """``dw[g] = dy[rows of g].T @ x[rows of g]`` (``[G, N, K]``) and, with ``need_db``,
@@ -191,14 +210,8 @@ def grouped_wgrad(dy: Tensor, x: Tensor, sizes: Tensor, groups: int, *, need_db:
     dy, x = dy.contiguous(), x.contiguous()
     tokens, n = dy.shape
     k = x.shape[1]
-    if dw is None:
-        dw = dy.new_empty(groups, n, k)
-    if need_db and db is None:
-        db = dy.new_empty(groups, n)
+    dw, db = wgrad_outputs(dy, groups, k, need_db, dw, db)
     if tokens == 0:
-        dw.zero_()
-        if need_db:
-            db.zero_()
         return dw, db
     aligned = (n * dy.element_size()) % 16 == 0 and (k * x.element_size()) % 16 == 0
     cfg = wgrad_config(tokens, groups, n, k, dy.dtype, aligned)
@@ -213,21 +226,32 @@ def grouped_wgrad(dy: Tensor, x: Tensor, sizes: Tensor, groups: int, *, need_db:
 # Dispatch-table entries ---------------------------------------------------------------------------
 
 
-def check(spec) -> str | None:
-    """Capability of the pointer-load kernels."""
+def triton_gpu_reason(spec, dtypes: tuple[torch.dtype, ...], min_major: int) -> str | None:
+    """The conditions every opfuse Triton kernel shares: a CUDA device of compute capability
+    ``min_major``.0 or newer, triton importable, ``x`` and the weight of one dtype in ``dtypes``."""
     if spec.device.type != "cuda":
         return "needs a CUDA device"
     reason = triton_status()
     if reason:
         return reason
-    if spec.dtype not in _DTYPES:
-        return f"dtype {dtype_name(spec.dtype)} not supported (bfloat16, float16, float32)"
+    if spec.dtype not in dtypes:
+        accepted = ", ".join(dtype_name(d) for d in dtypes)
+        return f"dtype {dtype_name(spec.dtype)} not supported ({accepted})"
     weight = spec.inputs["weight"]
     if weight.dtype != spec.dtype:
         return f"weight dtype {dtype_name(weight.dtype)} differs from x dtype {dtype_name(spec.dtype)}"
     major, minor = torch.cuda.get_device_capability(spec.device)
-    if major < 8:
-        return f"compute capability {major}.{minor} < 8.0"
+    if major < min_major:
+        return f"compute capability {major}.{minor} < {min_major}.0"
+    return None
+
+
+def check(spec) -> str | None:
+    """Capability of the pointer-load kernels."""
+    reason = triton_gpu_reason(spec, _DTYPES, 8)
+    if reason:
+        return reason
+    weight = spec.inputs["weight"]
     groups, n, k = weight.shape
     if groups > _MAX_GROUPS:
         return f"{groups} groups (at most {_MAX_GROUPS})"
@@ -254,13 +278,15 @@ def check_tma(spec) -> str | None:
     return None
 
 
-def _backward(use_tma: bool):
+def make_backward(dgrad, wgrad):
+    """A ``backward`` entry from ``dgrad(dy, sizes, weight) -> dx`` and ``wgrad(dy, x, sizes,
+    groups, need_db=) -> (dw, db)``; outputs not asked for are empty tensors."""
     def backward(dy, x, group_sizes, weight, *, need_dx, need_dw, need_db):
         empty = dy.new_empty(0)
-        dx = grouped_mm(dy, group_sizes, weight, nk=False, use_tma=use_tma) if need_dx else empty
+        dx = dgrad(dy, group_sizes, weight) if need_dx else empty
         dw, db = empty, empty
         if need_dw or need_db:
-            dw, db = grouped_wgrad(dy, x, group_sizes, weight.shape[0], need_db=need_db)
+            dw, db = wgrad(dy, x, group_sizes, weight.shape[0], need_db=need_db)
             db = db if need_db else empty
             dw = dw if need_dw else empty
         return dx, dw, db
@@ -276,5 +302,5 @@ def forward_tma(x, group_sizes, weight, bias):
     return grouped_mm(x, group_sizes, weight, nk=True, bias=bias, use_tma=True)
 
 
-backward = _backward(False)
-backward_tma = _backward(True)
+backward = make_backward(lambda dy, sizes, w: grouped_mm(dy, sizes, w, nk=False), grouped_wgrad)
+backward_tma = make_backward(lambda dy, sizes, w: grouped_mm(dy, sizes, w, nk=False, use_tma=True), grouped_wgrad)

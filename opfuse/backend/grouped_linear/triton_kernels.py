@@ -45,6 +45,18 @@ def _pick(lanes, values, index):
 
 
 @triton.jit
+def _wgrad_tile(N, K, BN: tl.constexpr, BK: tl.constexpr):
+    """``(g, pid_n, pid_k)`` of this program of a weight-gradient grid over ``(g, n-tile,
+    k-tile)``, k-tiles fastest (programs running together share the group's dy columns)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    num_k = tl.cdiv(K, BK)
+    g = pid // (num_n * num_k)
+    rest = pid % (num_n * num_k)
+    return g, rest // num_k, rest % num_k
+
+
+@triton.jit
 def grouped_mm_kernel(
     a_src, b_src, C, Bias, Sizes,
     T, N, KC, G, M_TILES,
@@ -148,14 +160,7 @@ def grouped_wgrad_kernel(
     One program per ``(g, n-tile, k-tile)``: a static grid. A group without rows runs its loop
     zero times and stores zeros, so empty groups never keep stale gradients.
     """
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BN)
-    num_k = tl.cdiv(K, BK)
-    g = pid // (num_n * num_k)
-    rest = pid % (num_n * num_k)
-    pid_n = rest // num_k
-    pid_k = rest % num_k
-
+    g, pid_n, pid_k = _wgrad_tile(N, K, BN, BK)
     lanes, starts, ends = _group_rows(Sizes, G, T, GP)
     row_start = _pick(lanes, starts, g)
     count = (_pick(lanes, ends, g) - row_start).to(tl.int32)
