@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..ops.base import BasicOp
+from ..ops.base import BasicOp, output_meta
 from ..ops.expansion import Step, evaluate
 from ..ops.sharding import Sharding
 from .rewrite import add_submodule, snake_case
@@ -42,7 +42,7 @@ def _expand(gm: fx.GraphModule, node: fx.Node, op: BasicOp) -> None:
         name = add_submodule(gm, f"{node.target}_{label}", basic)
         inputs = [*args, *taken]
         value = graph.call_module(name, tuple(inputs))
-        value.meta["opfuse_meta"] = basic.infer_meta(*(a.meta["opfuse_meta"] for a in inputs))
+        value.meta["opfuse_meta"] = output_meta(basic, *(a.meta["opfuse_meta"] for a in inputs))
         value.meta["opfuse_path"] = f"{path}.{label}"
         shardings = [a.meta["opfuse_sharding"] for a in inputs]
         value.meta["opfuse_sharding"] = basic.propagate_sharding(*shardings)

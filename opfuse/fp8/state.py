@@ -1,0 +1,55 @@
+"""``opfuse.fp8.autocast``: the recipe in force for the block calls it wraps.
+
+The recipe is read when a block is compiled (it is part of the compile-cache key, so a block
+called both inside and outside autocast keeps one program for each) and is fixed in that program:
+the backward of a call runs with the recipe of its forward, wherever ``backward()`` is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+from .recipe import Recipe, TensorScaling
+
+__all__ = ["autocast", "current_recipe"]
+
+_state = threading.local()
+
+
+def current_recipe() -> Recipe | None:
+    """The recipe of the innermost active :func:`autocast` (``None`` outside, or where disabled)."""
+    return getattr(_state, "recipe", None)
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[Recipe | None]:
+    """Run the GEMMs of opfuse blocks called inside this ``with`` block in FP8.
+
+    Parameters
+    ----------
+    enabled:
+        ``False`` turns FP8 off inside an outer ``autocast``.
+    recipe:
+        :class:`~opfuse.fp8.TensorScaling` (the default) or :class:`~opfuse.fp8.RowwiseScaling`.
+
+    Linear GEMMs (forward, data gradient and, per recipe, weight gradient), their all-gathers and
+    the grouped GEMMs of ``GroupedLinear`` run on FP8 operands; parameters stay in their dtype
+    (the master weights) and are quantized when used. Thread-local.
+
+    Examples
+    --------
+    >>> with opfuse.fp8.autocast(recipe=opfuse.fp8.TensorScaling()):   # doctest: +SKIP
+    ...     y, residual = block(x, residual)
+    >>> (y * dy).sum().backward()        # backward uses the forward's recipe   # doctest: +SKIP
+    """
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"opfuse.fp8.autocast: recipe={recipe!r}; expected opfuse.fp8.TensorScaling() or "
+                        f"opfuse.fp8.RowwiseScaling()")
+    previous = current_recipe()
+    _state.recipe = (recipe or TensorScaling()) if enabled else None
+    try:
+        yield _state.recipe
+    finally:
+        _state.recipe = previous
