@@ -19,7 +19,7 @@ from ...fp8.recipe import recipe_from_key
 from ...ops import group as groups
 from ...ops.collectives import raw_all_gather, raw_reduce_scatter, start_reduce_scatter
 from ..fp8_linear import scaled_mm
-from ..fp8_linear.reference import reshape_out
+from ..fp8_linear.reference import payload_out
 from ..quantize import kernels
 from . import fp8_common
 
@@ -45,7 +45,7 @@ def ag_forward(x, x_data, x_scale, weight, bias, group, recipe):
     xq = fp8_common.local_operand(x, x_data, x_scale, r, pg, kernels.quantize, _amax)
     y = scaled_mm.scaled_mm(fp8_common.gather(xq, pg), scaled_mm.weight_operand(weight, r), x.dtype, bias)
     out = y.reshape((x.shape[0] * groups.world_size(pg),) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-    _, data, scale = reshape_out(xq.data, x, weight, xq, x_data is not None)
+    data, scale = payload_out(x, xq, x_data is not None)
     return out, data, scale
 
 
@@ -79,7 +79,7 @@ def rs_forward(x, x_data, x_scale, weight, bias, group, recipe):
     if bias is not None:
         y = y + bias
     out = y.reshape((x.shape[0] // groups.world_size(pg),) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-    _, data, scale = reshape_out(xq.data, x, weight, xq, x_data is not None)
+    data, scale = payload_out(x, xq, x_data is not None)
     return out, data, scale
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ...fp8.recipe import E4M3, recipe_from_key
 from ...ops import group as groups
 from ..fp8_linear import scaled_mm
-from ..fp8_linear.reference import reshape_out
+from ..fp8_linear.reference import payload_out
 from ..quantize import kernels
 from ..runtime import symm_pool
 from ..runtime.device import is_capturing
@@ -64,13 +64,13 @@ def forward(x, x_data, x_scale, weight, bias, group, recipe):
                                E4M3, scaled=True)
     if not bound or xq.scale_inv.numel() != 1:
         return fp8_nccl.ag_forward(x, xq.data.reshape(x.shape), xq.scale_inv, weight, bias, group, recipe)[0], \
-            *reshape_out(xq.data, x, weight, xq, x_data is not None)[1:]
+            *payload_out(x, xq, x_data is not None)
     wq = scaled_mm.weight_operand(weight, r)
     out = x.new_empty((ctx.world * xq.data.shape[0], n))
     bound(wq.data.t(), a=xq.data.contiguous(), out=out, biasin=None if bias is None else bias.reshape(1, n),
           sa=xq.scale_inv.reshape(()), sb=wq.scale_inv.reshape(()), odt=x.dtype)
     y = out.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:-1]) + (n,))
-    _, data, scale = reshape_out(xq.data, x, weight, xq, x_data is not None)
+    data, scale = payload_out(x, xq, x_data is not None)
     return y, data, scale
 
 

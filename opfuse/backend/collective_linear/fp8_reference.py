@@ -16,7 +16,7 @@ from ...fp8.numerics import Quantized
 from ...fp8.recipe import recipe_from_key
 from ...ops import group as groups
 from ...ops.collectives import raw_all_gather, raw_reduce_scatter
-from ..fp8_linear.reference import reshape_out
+from ..fp8_linear.reference import payload_out
 from . import fp8_common
 
 __all__ = ["ag_forward", "ag_backward", "rs_forward", "rs_backward"]
@@ -32,7 +32,7 @@ def ag_forward(x, x_data, x_scale, weight, bias, group, recipe):
     y = fp8_linear.emulated_forward(fp8_common.gather(xq, pg), weight, bias, r, x.dtype)
     world = groups.world_size(pg)
     out = y.reshape((x.shape[0] * world,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-    _, data, scale = reshape_out(xq.data, x, weight, xq, x_data is not None)
+    data, scale = payload_out(x, xq, x_data is not None)
     return out, data, scale
 
 
@@ -56,7 +56,7 @@ def rs_forward(x, x_data, x_scale, weight, bias, group, recipe):
     if bias is not None:
         y = y + bias
     out = y.reshape((x.shape[0] // groups.world_size(pg),) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-    _, data, scale = reshape_out(xq.data, x, weight, xq, x_data is not None)
+    data, scale = payload_out(x, xq, x_data is not None)
     return out, data, scale
 
 

@@ -7,7 +7,7 @@ from ...fp8 import linear as fp8_linear
 from ...fp8.numerics import Quantized
 from ...fp8.recipe import recipe_from_key
 
-__all__ = ["forward", "backward", "reshape_out"]
+__all__ = ["forward", "backward", "reshape_out", "payload_out"]
 
 
 def forward(x, x_data, x_scale, weight, bias, recipe):
@@ -22,10 +22,15 @@ def forward(x, x_data, x_scale, weight, bias, recipe):
 
 def reshape_out(y2d, x, weight, xq, given: bool):
     """``(y, x_data, x_scale)`` in the op's shapes (empty payload when ``x`` came quantized)."""
-    y = y2d.reshape(tuple(x.shape[:-1]) + (weight.shape[0],))
+    return (y2d.reshape(tuple(x.shape[:-1]) + (weight.shape[0],)),) + payload_out(x, xq, given)
+
+
+def payload_out(x, xq, given: bool):
+    """``(x_data, x_scale)`` as the FP8 ops return them: the operand they quantized, or empty
+    tensors when ``x`` came quantized (outputs never alias inputs)."""
     if given:
-        return y, xq.data.new_empty(0), xq.scale_inv.new_empty(0)
-    return y, xq.data.reshape(x.shape), xq.scale_inv
+        return xq.data.new_empty(0), xq.scale_inv.new_empty(0)
+    return xq.data.reshape(x.shape), xq.scale_inv
 
 
 def backward(dy, x_data, x_scale, weight, recipe, need_dx, need_dw, need_db):
