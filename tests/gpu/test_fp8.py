@@ -188,3 +188,76 @@ def test_graphed_fp8_block_replays_fresh_data():
                 for p in block.parameters():
                     p.mul_(0.99)
             block.zero_grad(set_to_none=True)
+
+
+# Grouped -------------------------------------------------------------------------------------------------
+
+
+GROUPED_CASES = [  # tokens, groups, K, N, sizes (several non-empty groups: a kernel that computes only the
+    # first group fails), bias
+    (64, 4, 128, 64, [16, 0, 20, 28], False),
+    (333, 8, 256, 512, [40, 0, 0, 100, 7, 90, 1, 60], True),   # odd sizes, empty groups, a 35-row tail
+    (1024, 3, 512, 256, [0, 0, 0], False),                      # no tokens at all
+    (4096, 16, 1024, 2048, [256] * 16, True),
+]
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["tensor", "row"])
+@pytest.mark.parametrize("case", range(len(GROUPED_CASES)))
+def test_scaled_grouped_mm_matches_emulation(recipe, case):
+    from opfuse.backend.fp8_grouped_linear import reference as grouped_reference
+    from opfuse.backend.fp8_grouped_linear import scaled_grouped_mm
+
+    tokens, groups, k, n, sizes, bias = GROUPED_CASES[case]
+    key = RECIPES[recipe].key()
+    x, w = randn(tokens, k, seed=1, scale=2.0), randn(groups, n, k, seed=2, scale=k ** -0.5)
+    b = randn(groups, n, seed=3) if bias else None
+    dy = randn(tokens, n, seed=4)
+    sizes = torch.tensor(sizes, device=DEV, dtype=torch.int32)
+    with torch.cuda.device(DEV):
+        torch.cuda.set_sync_debug_mode("error")  # device group sizes: no host sync in the kernels
+        try:
+            y = scaled_grouped_mm.forward(x, sizes, w, b, "", groups, key)
+            grads = scaled_grouped_mm.backward(dy, x, sizes, w, b, "", groups, key, True, True, bias)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    y_ref = grouped_reference.forward(x, sizes, w, b, "", groups, key)
+    grads_ref = grouped_reference.backward(dy, x, sizes, w, b, "", groups, key, True, True, bias)
+    valid = int(sizes.sum())
+    assert (y[valid:] == 0).all(), "rows past sum(group_sizes) must be zero"
+    if valid:
+        assert rel(y, y_ref) < 4e-3
+    for name, got, want in zip(("dx", "dw", "db"), grads, grads_ref):
+        if want.numel() and want.abs().sum() > 0:
+            assert rel(got, want) < 4e-3, name
+        elif want.numel():
+            assert (got == 0).all(), name
+    if valid:  # FP8 error against the unquantized grouped GEMM, not garbage
+        starts = [0] + torch.cumsum(sizes, 0).tolist()[:-1]
+        full = torch.cat([x[s:s + c].double() @ w[g].double().t() + (b[g].double() if bias else 0)
+                          for g, (s, c) in enumerate(zip(starts, sizes.tolist()))])
+        assert rel(y[:valid], full) < 0.08
+
+
+@needs_fp8
+def test_grouped_fp8_graph_replays_new_routing():
+    layer = ops.GroupedLinear(8, 256, 128, device=DEV, dtype=torch.bfloat16)
+    block = ops.Sequential(layer)
+    tokens = 512
+    x = randn(tokens, 256, seed=1).requires_grad_()
+    sizes = torch.tensor([64] * 8, device=DEV, dtype=torch.int32)
+    with fp8.autocast():
+        graphed = opfuse.graphed(block, x, sizes)
+        assert opfuse.compile(block, x, sizes).fusions[0].impl == "scaled_grouped_mm"
+        for step in range(4):
+            gen = torch.Generator(device=DEV).manual_seed(step)
+            new_sizes = torch.randint(0, 90, (8,), generator=gen, device=DEV, dtype=torch.int32)
+            xs = randn(tokens, 256, seed=10 + step).requires_grad_()
+            y = graphed(xs, new_sizes).clone()
+            y.float().sum().backward()
+            xe = xs.detach().clone().requires_grad_()
+            with opfuse.config.override(force_impl="grouped_linear_fp8=reference"):
+                ye = block(xe, new_sizes)
+            ye.float().sum().backward()
+            assert rel(y, ye) < 1e-2 and rel(xs.grad, xe.grad) < 1e-2, step

@@ -53,8 +53,15 @@ def offsets(group_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
 def _weight(weight, fsdp_group, num_groups, r) -> Quantized:
     if fsdp_group:  # shards change on every rank: no cache
         return common.weight_operand(weight, fsdp_group, num_groups, r)
-    return weight_cache.cached(weight, f"{r.key()}/grouped-w",
-                               lambda: common.weight_operand(weight, fsdp_group, num_groups, r))
+
+    def build():
+        if not r.rowwise:  # one scale per expert: the reference quantizer
+            return common.weight_operand(weight, fsdp_group, num_groups, r)
+        groups, n, k = weight.shape
+        q = kernels.quantize(weight.reshape(groups * n, k), r.forward_dtype, True)
+        return Quantized(q.data.view(groups, n, k), q.scale_inv.view(groups, n))
+
+    return weight_cache.cached(weight, f"{r.key()}/grouped-w", build)
 
 
 def _weight_t(weight, wq, fsdp_group, r) -> Quantized:
