@@ -15,9 +15,9 @@ sequence parallel (training). Variants: ``bf16`` (no autocast), ``tensor`` and `
   train   8192 tokens, forward + backward (``torch.autograd.grad`` of inputs and parameters with fixed
           output gradients); the FP8 weight cache is cleared before every step, so each step pays
           the weight quantization a training step pays after its optimizer update
-  decode  1, 16, 64 tokens, forward under ``torch.no_grad``: eager (FP8 weights cached: inference)
-          and a CUDA graph of CALLS calls (the graph re-quantizes the weights on every replay, so
-          that it would see weight updates)
+  decode  1, 16, 64 tokens, forward under ``torch.no_grad``, ``fp8.autocast(frozen_weights=True)``
+          (inference: FP8 weights quantized once, also read by the captured graphs): eager, and a
+          CUDA graph of CALLS calls
 Grouped: GroupedLinear of 32 experts, K=7168, N=2048 (bench/grouped.py's shape), random routing,
 32768 and 256 routed tokens; bf16 (the implementation opfuse picks) against FP8 (x quantized in
 the call), forward (weights cached: inference) and forward+backward (weights quantized in every
@@ -125,7 +125,8 @@ def block_rows(rank, world, o):
         row = {"case": case, "tokens": tokens, "us": {}, "err": {}, "impls": {}}
         outputs = {}
         for name, recipe in VARIANTS.items():
-            with fp8.autocast(enabled=recipe is not None, recipe=recipe):
+            # Decode is inference: frozen weights (graphs read the FP8 weights quantized before capture).
+            with fp8.autocast(enabled=recipe is not None, recipe=recipe, frozen_weights=case == "decode"):
                 if case == "train":
                     xl, rl = x.clone().requires_grad_(), r.clone().requires_grad_()
                     leaves = [xl, rl] + list(block.parameters())

@@ -15,9 +15,9 @@ This package depends on torch only.
 from .linear import fp8_linear
 from .numerics import Quantized, dequantize, emulated_mm, quantize
 from .recipe import E4M3, E5M2, Recipe, RowwiseScaling, TensorScaling, recipe_from_key
-from .state import autocast, current_recipe
+from .state import autocast, current_recipe, weights_frozen
 from .tensor import Float8Activation, payload, quantize_activation
 
-__all__ = ["autocast", "current_recipe", "Recipe", "TensorScaling", "RowwiseScaling", "recipe_from_key", "E4M3",
+__all__ = ["autocast", "current_recipe", "weights_frozen", "Recipe", "TensorScaling", "RowwiseScaling", "recipe_from_key", "E4M3",
            "E5M2", "Float8Activation", "quantize_activation", "payload", "Quantized", "quantize", "dequantize",
            "emulated_mm", "fp8_linear"]

@@ -8,9 +8,12 @@ unused):
 GEMM       computes                       A operand, scales               B operand, scales
 =========  =============================  ==============================  =====================
 forward    ``y_g = x_g @ W_g.T``          x, E4M3, ``[T]``                W, E4M3, ``[G, N]``
-dgrad      ``dx_g = dy_g @ W_g``          dy, E4M3 per row, ``[T]``       W.T, E4M3, ``[G, K]``
+dgrad      ``dx_g = dy_g @ W_g``          dy, E4M3 per row, ``[T]``       W.T, E4M3, ``[G, K]`` (*)
 wgrad      ``dW_g = dy_g.T @ x_g``        in float32 accumulation, the parameter dtype (not FP8)
 =========  =============================  ==============================  =====================
+
+(*) One scale per expert: W's bytes transposed. One per row: W.T quantized along N from the
+high-precision weight (under FSDP the backward gathers the weight shards in their dtype).
 
 The gradient operand is E4M3 with one scale per token whatever the recipe: torch's grouped FP8
 GEMM takes E4M3 operands only, and per-token scales give E4M3 the range gradients need. The
@@ -72,16 +75,15 @@ def weight_rows_operand(rows: torch.Tensor, first_row: int, out_features: int, n
     return Quantized(data, scale_inv[group_of_row])
 
 
-def weight_t_operand(wq: Quantized, recipe: Recipe) -> Quantized:
-    """W.T per expert (``data [G, K, N]``, ``scale_inv [G, K]``) from the forward operand
-    (``data [G, N, K]``, ``scale_inv [G, N]``): the same bytes transposed with one scale per expert,
-    quantized again along N (from the dequantized weight) with one per row."""
+def weight_t_operand(wq: Quantized | None, recipe: Recipe, weight: torch.Tensor | None = None) -> Quantized:
+    """W.T per expert (``data [G, K, N]``, ``scale_inv [G, K]``): with one scale per expert, the forward
+    operand's bytes transposed (``wq``: ``data [G, N, K]``, ``scale_inv [G, N]``); with one per row,
+    the high-precision ``weight [G, N, K]`` quantized along N."""
     if not recipe.rowwise:
         groups, _, k = wq.data.shape
         return Quantized(wq.data.transpose(1, 2).contiguous(), wq.scale_inv[:, :1].expand(groups, k).contiguous())
-    full = wq.data.float() * wq.scale_inv.unsqueeze(-1)
-    groups, n, k = full.shape
-    q = quantize(full.transpose(1, 2).reshape(groups * k, n), recipe.forward_dtype, True)
+    groups, n, k = weight.shape
+    q = quantize(weight.transpose(1, 2).reshape(groups * k, n), recipe.forward_dtype, True)
     return Quantized(q.data.view(groups, k, n), q.scale_inv.view(groups, k))
 
 
@@ -116,10 +118,10 @@ def emulated_forward(xq: Quantized, group_sizes: torch.Tensor, wq: Quantized, bi
     return y.to(out_dtype)
 
 
-def emulated_backward(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, wq: Quantized | None,
-                      recipe: Recipe, need_dx: bool, need_dw: bool, need_db: bool, shape) -> tuple:
-    """``(dx [T, K], dW [G, N, K], db [G, N])`` (empty when not needed): dx from FP8 operands,
-    dW and db in float32, rounded to ``dy``'s dtype. ``shape`` = ``(G, N, K)``."""
+def emulated_backward(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, wt: Quantized | None,
+                      need_dx: bool, need_dw: bool, need_db: bool, shape) -> tuple:
+    """``(dx [T, K], dW [G, N, K], db [G, N])`` (empty when not needed): dx from FP8 operands (``wt``:
+    :func:`weight_t_operand`), dW and db in float32, rounded to ``dy``'s dtype. ``shape`` = ``(G, N, K)``."""
     ct = torch.float64 if dy.dtype == torch.float64 else torch.float32
     groups, n, k = shape
     tokens = dy.shape[0]
@@ -128,7 +130,7 @@ def emulated_backward(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tens
     dw = torch.zeros(groups, n, k, dtype=ct, device=dy.device) if need_dw else empty
     db = torch.zeros(groups, n, dtype=ct, device=dy.device) if need_db else empty
     if need_dx:
-        dyq, wt = grad_operand(dy), weight_t_operand(wq, recipe)
+        dyq = grad_operand(dy)
     for g, (start, end) in enumerate(host_bounds(group_sizes, tokens)):
         if end == start:
             continue

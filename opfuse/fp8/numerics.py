@@ -64,13 +64,13 @@ def amax(x: torch.Tensor, rowwise: bool, valid_rows: torch.Tensor | None = None)
     rows = x.shape[0]
     if x.numel() == 0:
         return torch.zeros((rows if rowwise else 1, 1), dtype=torch.float32, device=x.device)
-    a = x.abs()
     mask = row_mask(rows, valid_rows, x.device)
     if mask is not None:
-        a = a.masked_fill(~mask, 0)
+        x = x.masked_fill(~mask, 0)
+    # The infinity norm is max |x| without an |x| temporary.
     if rowwise:
-        return a.amax(dim=-1, keepdim=True).float()
-    return a.amax().float().reshape(1, 1)
+        return torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).float()
+    return torch.linalg.vector_norm(x, float("inf")).float().reshape(1, 1)
 
 
 def scales_from_amax(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ parameter dtype (the most precision-sensitive of the three GEMMs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import torch
@@ -91,19 +92,22 @@ class RowwiseScaling(Recipe):
     """One scale per row of every GEMM operand along its contracting dim (per token for
     activations, per output channel for weights); gradients in E4M3 by default.
 
-    Finer scales follow outliers better than one per tensor. The transposed operands of the
-    backward GEMMs are scaled along their own contracting dim, so they are quantized again
-    (from the dequantized forward operand: no high-precision copy is kept).
+    Finer scales follow outliers better than one per tensor. The weight-gradient GEMM stays in
+    high precision by default (``fp8_wgrad=False``): its operands contract over the tokens, so in
+    FP8 they would have to be quantized again along that dim (from the dequantized forward
+    operands), two roundings for the GEMM that tolerates them least.
     """
 
     granularity: ClassVar[str] = "row"
     grad_dtype: torch.dtype = E4M3
+    fp8_wgrad: bool = False
 
 
 _BY_GRANULARITY = {"tensor": TensorScaling, "row": RowwiseScaling}
 _BY_SHORT = {v: k for k, v in _SHORT.items()}
 
 
+@functools.lru_cache(maxsize=None)
 def recipe_from_key(key: str) -> Recipe:
     """The recipe :meth:`Recipe.key` named."""
     try:

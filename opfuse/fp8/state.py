@@ -13,7 +13,7 @@ from typing import Iterator
 
 from .recipe import Recipe, TensorScaling
 
-__all__ = ["autocast", "current_recipe"]
+__all__ = ["autocast", "current_recipe", "weights_frozen"]
 
 _state = threading.local()
 
@@ -23,8 +23,14 @@ def current_recipe() -> Recipe | None:
     return getattr(_state, "recipe", None)
 
 
+def weights_frozen() -> bool:
+    """Whether the innermost :func:`autocast` declared its weights frozen (``frozen_weights=True``)."""
+    return getattr(_state, "frozen", False)
+
+
 @contextlib.contextmanager
-def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[Recipe | None]:
+def autocast(enabled: bool = True, recipe: Recipe | None = None,
+             frozen_weights: bool = False) -> Iterator[Recipe | None]:
     """Run the GEMMs of opfuse blocks called inside this ``with`` block in FP8.
 
     Parameters
@@ -33,6 +39,11 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[Rec
         ``False`` turns FP8 off inside an outer ``autocast``.
     recipe:
         :class:`~opfuse.fp8.TensorScaling` (the default) or :class:`~opfuse.fp8.RowwiseScaling`.
+    frozen_weights:
+        The weights do not change while CUDA graphs captured inside run (inference): captured
+        graphs then read the FP8 weights quantized before the capture instead of quantizing them on
+        every replay. Without it a captured graph re-quantizes its weights on each replay (it sees
+        optimizer steps); eager calls reuse FP8 weights while the parameter is unchanged either way.
 
     Linear GEMMs (forward, data gradient and, per recipe, weight gradient), their all-gathers and
     the grouped GEMMs of ``GroupedLinear`` run on FP8 operands; parameters stay in their dtype
@@ -47,9 +58,10 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None) -> Iterator[Rec
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"opfuse.fp8.autocast: recipe={recipe!r}; expected opfuse.fp8.TensorScaling() or "
                         f"opfuse.fp8.RowwiseScaling()")
-    previous = current_recipe()
+    previous = current_recipe(), weights_frozen()
     _state.recipe = (recipe or TensorScaling()) if enabled else None
+    _state.frozen = bool(frozen_weights) and enabled
     try:
         yield _state.recipe
     finally:
-        _state.recipe = previous
+        _state.recipe, _state.frozen = previous

@@ -115,13 +115,16 @@ class _Fp8GroupedFn(torch.autograd.Function):
         op = ctx.op
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_db = bias is not None and ctx.needs_input_grad[3]
-        wq = None
-        if need_dx:
+        wt = None
+        if need_dx and op.recipe.rowwise:  # W.T from the high-precision weight (gathered as it is)
+            wt = fp8_grouped.weight_t_operand(None, op.recipe, op.full_weight_value(weight))
+        elif need_dx:  # the FP8 weight's bytes transposed (gathered as FP8)
             wq = fp8_grouped_weight(weight, op.num_groups, op.out_features, op.recipe,
                                     op.fsdp_group if op.fsdp else None)
+            wt = fp8_grouped.weight_t_operand(wq, op.recipe)
         shape = (op.num_groups, op.out_features, op.in_features)
-        dx, dw, db = fp8_grouped.emulated_backward(dy.contiguous(), x, group_sizes, wq, op.recipe, need_dx, need_dw,
-                                                   need_db, shape)
+        dx, dw, db = fp8_grouped.emulated_backward(dy.contiguous(), x, group_sizes, wt, need_dx, need_dw, need_db,
+                                                   shape)
         if op.fsdp:
             if need_dw:
                 dw = coll.raw_reduce_scatter(dw.reshape(-1, op.in_features), op.fsdp_group)
@@ -219,6 +222,12 @@ class BasicGroupedLinear(BasicOp):
         """The same grouped GEMM (sharing the parameters) with FP8 ``recipe``."""
         return BasicGroupedLinear(self.num_groups, self.in_features, self.out_features, weight=self.weight,
                                   bias=self.bias, fsdp_group=self.fsdp_group, fsdp=self.fsdp, recipe=recipe)
+
+    def full_weight_value(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[G, N, K]`` weight from this rank's ``weight`` (gathered under FSDP; not differentiable)."""
+        if not self.fsdp:
+            return weight
+        return coll.raw_all_gather(weight, self.fsdp_group).view(self.num_groups, self.out_features, self.in_features)
 
     def full_bias_value(self, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``[G, N]`` bias from this rank's ``bias`` (gathered under FSDP; not differentiable)."""

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DEV = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = {"tensor": fp8.TensorScaling(), "row": fp8.RowwiseScaling(), "tensor-hp-wgrad": fp8.TensorScaling(
-    fp8_wgrad=False)}
+    fp8_wgrad=False), "row-fp8-wgrad": fp8.RowwiseScaling(fp8_wgrad=True)}
 
 
 def fp8_gemms() -> bool:
@@ -261,3 +261,17 @@ def test_grouped_fp8_graph_replays_new_routing():
                 ye = block(xe, new_sizes)
             ye.float().sum().backward()
             assert rel(y, ye) < 1e-2 and rel(xs.grad, xe.grad) < 1e-2, step
+
+
+@needs_fp8
+def test_frozen_weights_graph_reads_the_cached_fp8_weights():
+    block = mlp(256, 1024)
+    x, r = randn(16, 256, seed=1), randn(16, 256, seed=2)
+    with torch.no_grad(), fp8.autocast(frozen_weights=True):
+        eager, _ = block(x, r)
+        graph = torch.cuda.CUDAGraph()
+        static = block(x, r)  # warm: FP8 weights cached
+        with torch.cuda.graph(graph):
+            static = block(x, r)
+        graph.replay()
+        assert rel(static[0], eager) < 1e-6

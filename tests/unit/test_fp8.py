@@ -18,8 +18,8 @@ from opfuse.fp8 import numerics
 from ..fp8_reference import E4M3, E5M2, fq, grouped_reference, linear_reference
 
 RECIPES = [fp8.TensorScaling(), fp8.RowwiseScaling(), fp8.TensorScaling(fp8_wgrad=False),
-           fp8.RowwiseScaling(grad_dtype=E5M2)]
-IDS = ["tensor", "row", "tensor-hp-wgrad", "row-e5m2"]
+           fp8.RowwiseScaling(grad_dtype=E5M2, fp8_wgrad=True)]
+IDS = ["tensor", "row", "tensor-hp-wgrad", "row-e5m2-fp8-wgrad"]
 
 
 def rel(got, want):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from ...fp8 import grouped as fp8_grouped
 from ...fp8.numerics import Quantized
 from ...ops import group as groups
 from ...ops.collectives import raw_all_gather, raw_reduce_scatter
 from ...ops.grouped import fp8_grouped_weight
 
-__all__ = ["fsdp_group_of", "shape_of", "weight_operand", "full_bias", "reduce_grads"]
+__all__ = ["fsdp_group_of", "shape_of", "weight_operand", "weight_t_operand", "full_weight", "full_bias",
+           "reduce_grads"]
 
 
 def fsdp_group_of(name: str):
@@ -30,6 +32,21 @@ def weight_operand(weight: torch.Tensor, fsdp_group: str, num_groups: int, recip
     gloo, a weight shard's FP8 bytes moved as ``uint8``)."""
     _, n, _ = shape_of(weight, fsdp_group, num_groups)
     return fp8_grouped_weight(weight, num_groups, n, recipe, fsdp_group_of(fsdp_group))
+
+
+def full_weight(weight: torch.Tensor, fsdp_group: str, num_groups: int) -> torch.Tensor:
+    """``[G, N, K]`` in the weight's dtype (all-gathered under FSDP)."""
+    if not fsdp_group:
+        return weight
+    return raw_all_gather(weight, fsdp_group_of(fsdp_group)).view(shape_of(weight, fsdp_group, num_groups))
+
+
+def weight_t_operand(weight: torch.Tensor, fsdp_group: str, num_groups: int, recipe) -> Quantized:
+    """W.T for dgrad (:func:`opfuse.fp8.grouped.weight_t_operand`): from the FP8 operand (gathered in
+    FP8) with one scale per expert, from the gathered high-precision weight with one per row."""
+    if recipe.rowwise:
+        return fp8_grouped.weight_t_operand(None, recipe, full_weight(weight, fsdp_group, num_groups))
+    return fp8_grouped.weight_t_operand(weight_operand(weight, fsdp_group, num_groups, recipe), recipe)
 
 
 def full_bias(bias: torch.Tensor | None, fsdp_group: str, num_groups: int) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ def forward(x, group_sizes, weight, bias, fsdp_group, num_groups, recipe):
 def backward(dy, x, group_sizes, weight, bias, fsdp_group, num_groups, recipe, need_dx, need_dw, need_db):
     r = recipe_from_key(recipe)
     shape = common.shape_of(weight, fsdp_group, num_groups)
-    wq = common.weight_operand(weight, fsdp_group, num_groups, r) if need_dx else None
-    dx, dw, db = fp8_grouped.emulated_backward(dy, x, group_sizes, wq, r, need_dx, need_dw, need_db, shape)
+    wt = common.weight_t_operand(weight, fsdp_group, num_groups, r) if need_dx else None
+    dx, dw, db = fp8_grouped.emulated_backward(dy, x, group_sizes, wt, need_dx, need_dw, need_db, shape)
     dw, db = common.reduce_grads(dw, db, fsdp_group, need_dw, need_db, shape[2])
     return dx, dw.to(weight.dtype) if need_dw else dw, db

@@ -55,19 +55,29 @@ def _weight(weight, fsdp_group, num_groups, r) -> Quantized:
         return common.weight_operand(weight, fsdp_group, num_groups, r)
 
     def build():
-        if not r.rowwise:  # one scale per expert: the reference quantizer
-            return common.weight_operand(weight, fsdp_group, num_groups, r)
         groups, n, k = weight.shape
-        q = kernels.quantize(weight.reshape(groups * n, k), r.forward_dtype, True)
+        amax = None
+        if not r.rowwise:  # one scale per expert: its amax on each of its rows
+            amax = torch.linalg.vector_norm(weight.reshape(groups, -1), float("inf"), dim=1).float()
+            amax = amax.repeat_interleave(n)
+        q = kernels.quantize(weight.reshape(groups * n, k), r.forward_dtype, True, amax_value=amax)
         return Quantized(q.data.view(groups, n, k), q.scale_inv.view(groups, n))
 
     return weight_cache.cached(weight, f"{r.key()}/grouped-w", build)
 
 
-def _weight_t(weight, wq, fsdp_group, r) -> Quantized:
+def _weight_t(weight, fsdp_group, num_groups, r) -> Quantized:
     if fsdp_group:
-        return fp8_grouped.weight_t_operand(wq, r)
-    return weight_cache.cached(weight, f"{r.key()}/grouped-wt", lambda: fp8_grouped.weight_t_operand(wq, r))
+        return common.weight_t_operand(weight, fsdp_group, num_groups, r)
+
+    def build():
+        if not r.rowwise:
+            return fp8_grouped.weight_t_operand(_weight(weight, fsdp_group, num_groups, r), r)
+        groups, n, k = weight.shape
+        q = kernels.quantize(weight.transpose(1, 2).reshape(groups * k, n), r.forward_dtype, True)
+        return Quantized(q.data.view(groups, k, n), q.scale_inv.view(groups, k))
+
+    return weight_cache.cached(weight, f"{r.key()}/grouped-wt", build)
 
 
 def _group_of_row(offs: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -113,8 +123,7 @@ def backward(dy, x, group_sizes, weight, bias, fsdp_group, num_groups, recipe, n
         offs = offsets(group_sizes, tokens)
         valid = fp8_grouped.valid_rows(group_sizes, tokens)
         if need_dx:
-            wq = _weight(weight, fsdp_group, num_groups, r)
-            wt = _weight_t(weight, wq, fsdp_group, r)
+            wt = _weight_t(weight, fsdp_group, num_groups, r)
             dyq = kernels.quantize(dy, torch.float8_e4m3fn, True)
             dx = torch._scaled_grouped_mm(_aligned(dyq.data), wt.data.transpose(-2, -1), dyq.scale_inv.reshape(-1),
                                           wt.scale_inv, offs=offs, out_dtype=dy.dtype)

@@ -6,7 +6,8 @@ bit: float32 products, round-to-nearest-even casts, IEEE divisions for the scale
 * :func:`cast_kernel`: ``saturate(x * scale)`` with ``scale = fp8_max / amax`` read on the device,
   optionally also writing the transposed bytes (the operand of a backward GEMM); program 0
   writes ``scale_inv``.
-* :func:`rowwise_kernel`: one program per row: its amax, scale, cast and ``scale_inv``.
+* :func:`rowwise_kernel`: one program per row: its amax (or one given per row), scale, cast and
+  ``scale_inv``.
 
 Imported only on CUDA hosts with triton.
 """
@@ -46,8 +47,6 @@ def cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, strid
     y = tl.minimum(tl.maximum(x.to(tl.float32) * scale, -FMAX), FMAX)
     tl.store(q_ptr + offs_m[:, None].to(tl.int64) * cols + offs_n[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     if WRITE_T:
-        # Transpose the float32 tile, then cast (a transposed FP8 tile came out wrong from float32
-        # inputs with triton 3.6).
         tl.store(qt_ptr + offs_n[:, None].to(tl.int64) * rows + offs_m[None, :],
                  tl.trans(y).to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
     if pid_m == 0 and pid_n == 0:
@@ -55,16 +54,21 @@ def cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, strid
 
 
 @triton.jit
-def rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, cols, stride, FMAX: tl.constexpr, BN: tl.constexpr):
+def rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, amax_ptr, cols, stride, FMAX: tl.constexpr, GIVEN_AMAX: tl.constexpr,
+                   BN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     src = x_ptr + row * stride
     dst = q_ptr + row * cols
-    acc = tl.zeros([BN], dtype=tl.float32)
-    for start in range(0, cols, BN):
-        offs = start + tl.arange(0, BN)
-        x = tl.load(src + offs, mask=offs < cols, other=0.0)
-        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-    scale = _scale(tl.max(acc, axis=0), FMAX)
+    if GIVEN_AMAX:  # each row's amax computed elsewhere (e.g. one per expert, repeated over its rows)
+        amax = tl.load(amax_ptr + row)
+    else:
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for start in range(0, cols, BN):
+            offs = start + tl.arange(0, BN)
+            x = tl.load(src + offs, mask=offs < cols, other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        amax = tl.max(acc, axis=0)
+    scale = _scale(amax, FMAX)
     for start in range(0, cols, BN):
         offs = start + tl.arange(0, BN)
         x = tl.load(src + offs, mask=offs < cols, other=0.0)
