@@ -31,8 +31,9 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def amax(x: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 ``[1, 1]``: ``max |x|`` of 2-D ``x`` (rows at or past ``valid_rows`` skipped)."""
-    if x.numel() == 0 or fast_path_reason(x):
+    """float32 ``[1, 1]``: ``max |x|`` of 2-D ``x`` (rows at or past ``valid_rows`` skipped: a
+    Triton kernel; without them torch's infinity-norm reduction, one launch)."""
+    if x.numel() == 0 or valid_rows is None or fast_path_reason(x):
         return numerics.amax(x, False, valid_rows)
     from .triton_kernels import amax_kernel
 

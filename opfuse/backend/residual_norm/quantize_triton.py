@@ -84,10 +84,12 @@ def forward(x, bias, residual, weight, norm_bias, eps, write_residual, dtype, ro
             pg = groups.from_name(amax_group)
             if dist.get_world_size(pg) > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=pg)
-        scale_inv = numerics.scales_from_amax(amax, fp8)[1]
         if rows:
-            _launch(kernel, rows, *operands(row_amax, amax), eps=float(eps), cols=hidden, **flags,
+            scale_inv = torch.empty((1, 1), dtype=torch.float32, device=x.device)
+            _launch(kernel, rows, *operands(scale_inv, amax), eps=float(eps), cols=hidden, **flags,
                     WRITE_H=False, MODE=2)
+        else:
+            scale_inv = numerics.scales_from_amax(amax, fp8)[1]
         if rowwise:  # zero rows: an empty per-row scale
             scale_inv = scale_inv.new_empty((0, 1))
     y = Float8Activation(q.view(x.shape), scale_inv, x.dtype)

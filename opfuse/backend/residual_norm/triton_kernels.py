@@ -5,7 +5,8 @@ One program per row (the whole row in registers). ``MODE``:
 
 * 0: per-row scale: the row's amax, its scale, the FP8 row and ``scale_inv[row]``;
 * 1: first pass of one scale per tensor: writes ``h`` (if asked) and the row's amax of ``y``;
-* 2: second pass: recomputes ``y`` from the inputs and casts it with the scale from ``amax[0]``.
+* 2: second pass: recomputes ``y`` from the inputs and casts it with the scale from ``amax[0]``;
+  program 0 writes ``scale_inv``.
 
 Imported only on CUDA hosts with triton.
 """
@@ -55,5 +56,8 @@ def add_norm_quantize_kernel(x_ptr, bias_ptr, res_ptr, w_ptr, nb_ptr, h_ptr, q_p
         scale = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), amax), 1.0)
         q = tl.minimum(tl.maximum(y * scale, -FMAX), FMAX)
         tl.store(q_ptr + base + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
         if MODE == 0:
-            tl.store(aux_ptr + row, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+            tl.store(aux_ptr + row, scale_inv)
+        elif row == 0:
+            tl.store(aux_ptr, scale_inv)
