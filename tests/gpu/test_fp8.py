@@ -79,12 +79,16 @@ def test_scaled_mm_matches_emulation(recipe, m, k, n, bias):
     w = randn(n, k, seed=n, scale=0.05)
     b = randn(n, seed=3) if bias else None
     dy = randn(m, n, seed=7)
-    y, data, scale = scaled_mm.forward(x, None, None, w, b, key)
-    y_ref, data_ref, scale_ref = linear_reference.forward(x, None, None, w, b, key)
-    assert torch.equal(data.view(torch.uint8), data_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
-    assert rel(y, y_ref) < 4e-3
-    grads = scaled_mm.backward(dy, data, scale, w, key, True, True, bias)
-    grads_ref = linear_reference.backward(dy, data_ref, scale_ref, w, key, True, True, bias)
+    for weight in (w, w.clone().requires_grad_()):  # a trained weight: x's transposed bytes come with it
+        y, data, scale, data_t = scaled_mm.forward(x, None, None, weight, b, key)
+        y_ref, data_ref, scale_ref, _ = linear_reference.forward(x, None, None, weight, b, key)
+        assert torch.equal(data.view(torch.uint8), data_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+        if data_t.numel():
+            assert torch.equal(data_t.view(torch.uint8), data.t().contiguous().view(torch.uint8))
+        assert rel(y, y_ref) < 4e-3
+    w = w.detach()
+    grads = scaled_mm.backward(dy, data, scale, data_t, w, key, True, True, bias)
+    grads_ref = linear_reference.backward(dy, data_ref, scale_ref, data_t, w, key, True, True, bias)
     for name, got, want in zip(("dx", "dw", "db"), grads, grads_ref):
         if want.numel():
             assert rel(got, want) < 4e-3, name

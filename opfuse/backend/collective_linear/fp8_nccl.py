@@ -45,11 +45,10 @@ def ag_forward(x, x_data, x_scale, weight, bias, group, recipe):
     xq = fp8_common.local_operand(x, x_data, x_scale, r, pg, kernels.quantize, _amax)
     y = scaled_mm.scaled_mm(fp8_common.gather(xq, pg), scaled_mm.weight_operand(weight, r), x.dtype, bias)
     out = y.reshape((x.shape[0] * groups.world_size(pg),) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-    data, scale = payload_out(x, xq, x_data is not None)
-    return out, data, scale
+    return (out,) + payload_out(x, xq, x_data is not None)
 
 
-def ag_backward(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw, need_db):
+def ag_backward(dy, x_data, x_scale, x_data_t, weight, group, recipe, need_dx, need_dw, need_db):
     r, pg = recipe_from_key(recipe), groups.from_name(group)
     n, k = weight.shape
     dy2 = dy.reshape(-1, n)
@@ -72,18 +71,15 @@ def ag_backward(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw, ne
 
 def rs_forward(x, x_data, x_scale, weight, bias, group, recipe):
     r, pg = recipe_from_key(recipe), groups.from_name(group)
-    k = weight.shape[1]
-    xq = Quantized(x_data.reshape(-1, k), x_scale) if x_data is not None else \
-        kernels.quantize(x.reshape(-1, k), r.forward_dtype, r.rowwise)
+    xq, xt = scaled_mm.quantize_input(x, x_data, x_scale, weight, r, recipe)
     y = raw_reduce_scatter(scaled_mm.scaled_mm(xq, scaled_mm.weight_operand(weight, r), x.dtype), pg)
     if bias is not None:
         y = y + bias
     out = y.reshape((x.shape[0] // groups.world_size(pg),) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-    data, scale = payload_out(x, xq, x_data is not None)
-    return out, data, scale
+    return (out,) + payload_out(x, xq, x_data is not None, xt)
 
 
-def rs_backward(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw, need_db):
+def rs_backward(dy, x_data, x_scale, x_data_t, weight, group, recipe, need_dx, need_dw, need_db):
     r, pg = recipe_from_key(recipe), groups.from_name(group)
     n, k = weight.shape
     dy2 = dy.reshape(-1, n)
@@ -96,6 +92,7 @@ def rs_backward(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw, ne
         local = fp8_common.shared_quantize(dy2, r.grad_dtype, r.rowwise, pg, kernels.quantize, _amax)
         dyq = fp8_common.gather(local, pg)
         dyt = scaled_mm.grad_t_operand(dyq, r) if need_dw else None
-    dx, dw = scaled_mm.backward_gemms(dy2 if dy_full is None else dy_full, dyq, dyt, xq, weight, r, need_dx, need_dw)
+    dx, dw = scaled_mm.backward_gemms(dy2 if dy_full is None else dy_full, dyq, dyt, xq, weight, r, need_dx, need_dw,
+                                      x_data_t)
     db = dy2.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else dy.new_empty(0)
     return (dx.reshape(x_data.shape) if need_dx else dx), dw, db

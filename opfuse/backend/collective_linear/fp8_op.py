@@ -7,11 +7,12 @@ reduce-scatter of its partial sums, in the activation dtype; bias after the redu
 quantizes: for the all-gather, with one scale per tensor shared by the group's ranks (the amax is
 all-reduced) or one per row. Implementations::
 
-    forward(x, x_data | None, x_scale | None, weight, bias | None, group, recipe) -> (y, x_data, x_scale)
-    backward(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw, need_db) -> (dx, dw, db)
+    forward(x, x_data | None, x_scale | None, weight, bias | None, group, recipe) -> (y, x_data, x_scale, x_data_t)
+    backward(dy, x_data, x_scale, x_data_t, weight, group, recipe, need_dx, need_dw, need_db) -> (dx, dw, db)
 
 ``forward`` returns this rank's quantized ``x`` when it quantized it (empty tensors otherwise): what
-backward keeps, one byte per element.
+backward keeps, one byte per element; ``x_data_t`` as for ``fp8_linear`` (the reduce-scatter op's
+GPU implementation writes it; the all-gather's backward transposes the gathered ``x`` instead).
 """
 
 from typing import Optional, Sequence
@@ -24,18 +25,19 @@ from ...fp8.tensor import payload
 from ...ops import group as groups
 from ...ops.base import TensorMeta
 from .. import implementations
+from ..fp8_linear.reference import payload_fake
 from ..registry import CallSpec, FusedOp, define_fused_op
 
 __all__ = ["AllGatherLinearFp8", "LinearReduceScatterFp8"]
 
 
 def _forward(x: Tensor, x_data: Optional[Tensor], x_scale: Optional[Tensor], weight: Tensor, bias: Optional[Tensor],
-             group: str, recipe: str, impl: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Prototype: ``(y, x_data, x_scale)``."""
+             group: str, recipe: str, impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Prototype: ``(y, x_data, x_scale, x_data_t)``."""
 
 
-def _backward(dy: Tensor, x_data: Tensor, x_scale: Tensor, weight: Tensor, group: str, recipe: str, need_dx: bool,
-              need_dw: bool, need_db: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(dy: Tensor, x_data: Tensor, x_scale: Tensor, x_data_t: Tensor, weight: Tensor, group: str, recipe: str,
+              need_dx: bool, need_dw: bool, need_db: bool, impl: str) -> tuple[Tensor, Tensor, Tensor]:
     """Prototype: ``(dx, dw, db)``, each empty when not needed."""
 
 
@@ -44,15 +46,13 @@ def _fake(tokens_factor):
         world = groups.world_size(groups.from_name(group))
         rows = x.shape[0] * world if tokens_factor > 0 else x.shape[0] // world
         y = x.new_empty((rows,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-        if x_data is not None:
-            return y, x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float32)
-        scale_rows = x.reshape(-1, x.shape[-1]).shape[0] if recipe.startswith("row") else 1
-        return y, x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((scale_rows, 1), dtype=torch.float32)
+        # Only the reduce-scatter op's GPU implementation writes the transposed bytes.
+        return (y,) + payload_fake(x, x_data, weight, recipe, impl if tokens_factor < 0 else "reference")
 
     return fake
 
 
-def _backward_fake(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw, need_db, impl):
+def _backward_fake(dy, x_data, x_scale, x_data_t, weight, group, recipe, need_dx, need_dw, need_db, impl):
     return (x_data.new_empty(x_data.shape, dtype=dy.dtype) if need_dx else dy.new_empty(0),
             torch.empty_like(weight) if need_dw else dy.new_empty(0),
             dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0))
@@ -60,20 +60,20 @@ def _backward_fake(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw,
 
 def _setup(ctx, inputs, output):
     x, x_data, x_scale, weight, bias, group, recipe, impl = inputs
-    _, data, scale = output
-    ctx.mark_non_differentiable(data, scale)
+    _, data, scale, data_t = output
+    ctx.mark_non_differentiable(data, scale, data_t)
     if x_data is not None:
         data, scale = x_data, x_scale
-    ctx.save_for_backward(data, scale, weight)
+    ctx.save_for_backward(data, scale, data_t, weight)
     ctx.group, ctx.recipe, ctx.impl, ctx.has_bias = group, recipe, impl, bias is not None
 
 
 def _autograd(backward_op):
-    def backward(ctx, dy, _ddata, _dscale):
-        data, scale, weight = ctx.saved_tensors
+    def backward(ctx, dy, _ddata, _dscale, _ddata_t):
+        data, scale, data_t, weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
         need_db = ctx.has_bias and ctx.needs_input_grad[4]
-        dx, dw, db = backward_op(dy.contiguous(), data, scale, weight, ctx.group, ctx.recipe, need_dx, need_dw,
+        dx, dw, db = backward_op(dy.contiguous(), data, scale, data_t, weight, ctx.group, ctx.recipe, need_dx, need_dw,
                                  need_db, ctx.impl)
         return dx if need_dx else None, None, None, dw if need_dw else None, db if need_db else None, None, None, None
 
@@ -115,7 +115,7 @@ class _CollectiveLinearFp8(FusedOp):
 
     def forward(self, x):
         q = payload(x)
-        y, _, _ = self.custom_op(x, None if q is None else q.data, None if q is None else q.scale_inv, self.weight,
+        y, _, _, _ = self.custom_op(x, None if q is None else q.data, None if q is None else q.scale_inv, self.weight,
                                  self.bias, groups.group_name(self.group), self.recipe.key(), self._impl())
         return y
 

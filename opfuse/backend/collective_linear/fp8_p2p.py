@@ -63,15 +63,14 @@ def forward(x, x_data, x_scale, weight, bias, group, recipe):
     bound = ctx and p2p._bound(ctx, plans.gather_request(xq.data.shape[0], k, n, bias=bias is not None, itemsize=1),
                                E4M3, scaled=True)
     if not bound or xq.scale_inv.numel() != 1:
-        return fp8_nccl.ag_forward(x, xq.data.reshape(x.shape), xq.scale_inv, weight, bias, group, recipe)[0], \
-            *payload_out(x, xq, x_data is not None)
+        y = fp8_nccl.ag_forward(x, xq.data.reshape(x.shape), xq.scale_inv, weight, bias, group, recipe)[0]
+        return (y,) + payload_out(x, xq, x_data is not None)
     wq = scaled_mm.weight_operand(weight, r)
     out = x.new_empty((ctx.world * xq.data.shape[0], n))
     bound(wq.data.t(), a=xq.data.contiguous(), out=out, biasin=None if bias is None else bias.reshape(1, n),
           sa=xq.scale_inv.reshape(()), sb=wq.scale_inv.reshape(()), odt=x.dtype)
     y = out.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:-1]) + (n,))
-    data, scale = payload_out(x, xq, x_data is not None)
-    return y, data, scale
+    return (y,) + payload_out(x, xq, x_data is not None)
 
 
 backward = fp8_nccl.ag_backward

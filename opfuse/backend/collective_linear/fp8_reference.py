@@ -32,11 +32,10 @@ def ag_forward(x, x_data, x_scale, weight, bias, group, recipe):
     y = fp8_linear.emulated_forward(fp8_common.gather(xq, pg), weight, bias, r, x.dtype)
     world = groups.world_size(pg)
     out = y.reshape((x.shape[0] * world,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-    data, scale = payload_out(x, xq, x_data is not None)
-    return out, data, scale
+    return (out,) + payload_out(x, xq, x_data is not None)
 
 
-def ag_backward(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw, need_db):
+def ag_backward(dy, x_data, x_scale, x_data_t, weight, group, recipe, need_dx, need_dw, need_db):
     r, pg = recipe_from_key(recipe), groups.from_name(group)
     k = weight.shape[1]
     full = fp8_common.gather(Quantized(x_data.reshape(-1, k), x_scale), pg)
@@ -56,11 +55,10 @@ def rs_forward(x, x_data, x_scale, weight, bias, group, recipe):
     if bias is not None:
         y = y + bias
     out = y.reshape((x.shape[0] // groups.world_size(pg),) + tuple(x.shape[1:-1]) + (weight.shape[0],))
-    data, scale = payload_out(x, xq, x_data is not None)
-    return out, data, scale
+    return (out,) + payload_out(x, xq, x_data is not None)
 
 
-def rs_backward(dy, x_data, x_scale, weight, group, recipe, need_dx, need_dw, need_db):
+def rs_backward(dy, x_data, x_scale, x_data_t, weight, group, recipe, need_dx, need_dw, need_db):
     r, pg = recipe_from_key(recipe), groups.from_name(group)
     n, k = weight.shape
     dy2 = dy.reshape(-1, n)

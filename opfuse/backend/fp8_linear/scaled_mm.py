@@ -22,12 +22,13 @@ from ...fp8.numerics import Quantized
 from ...fp8.recipe import recipe_from_key
 from ...ops.base import dtype_name
 from ..quantize import kernels, weight_cache
-from .reference import reshape_out
+from .reference import reshape_out, transposes_x
 
 __all__ = ["check", "forward", "backward", "scaled_mm", "weight_operand", "weight_t_operand", "pad_tokens",
-           "grad_operands", "backward_gemms"]
+           "grad_operands", "backward_gemms", "quantize_input", "NAME"]
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+NAME = "scaled_mm"
 
 
 def check(spec) -> str | None:
@@ -71,19 +72,30 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
     return torch._scaled_mm(a.data, b.data.t(), sa, sb, bias=bias, out_dtype=out_dtype, **kwargs)
 
 
+def _training(weight: torch.Tensor) -> bool:
+    # Grad mode is off inside the op's autograd function: a weight that requires grad is taken as
+    # trained (its W.T is then made with W, in the same pass).
+    return weight.requires_grad
+
+
+def _weight_pair(weight: torch.Tensor, recipe) -> tuple[Quantized, Quantized]:
+    """W and W.T with one scale per tensor, written by one pass (training needs both)."""
+    return weight_cache.cached(weight, f"{recipe.key()}/w+wt",
+                               lambda: kernels.quantize(weight, recipe.forward_dtype, False, transpose=True))
+
+
 def weight_operand(weight: torch.Tensor, recipe) -> Quantized:
+    if not recipe.rowwise and _training(weight):
+        return _weight_pair(weight, recipe)[0]
     return weight_cache.cached(weight, f"{recipe.key()}/w",
                                lambda: kernels.quantize(weight, recipe.forward_dtype, recipe.rowwise))
 
 
 def weight_t_operand(weight: torch.Tensor, recipe) -> Quantized:
-    def build():
-        if recipe.rowwise:
-            return kernels.quantize(weight.t().contiguous(), recipe.forward_dtype, True)
-        wq = weight_operand(weight, recipe)
-        return Quantized(wq.data.t().contiguous(), wq.scale_inv)
-
-    return weight_cache.cached(weight, f"{recipe.key()}/wt", build)
+    if not recipe.rowwise:
+        return _weight_pair(weight, recipe)[1]
+    return weight_cache.cached(weight, f"{recipe.key()}/wt",
+                               lambda: kernels.quantize(weight.t().contiguous(), recipe.forward_dtype, True))
 
 
 def pad_tokens(q: Quantized, multiple: int = 16) -> Quantized:
@@ -96,15 +108,22 @@ def pad_tokens(q: Quantized, multiple: int = 16) -> Quantized:
     return Quantized(data, q.scale_inv)
 
 
-def forward(x, x_data, x_scale, weight, bias, recipe):
-    r = recipe_from_key(recipe)
+def quantize_input(x, x_data, x_scale, weight, r, recipe: str):
+    """``(xq, xt)``: x's FP8 operand (the given payload or quantized here) and, when this pass can
+    write them (:func:`.op.transposes_x`), its transposed bytes for the wgrad GEMM (else ``None``)."""
     k = weight.shape[1]
     if x_data is not None:
-        xq = Quantized(x_data.reshape(-1, k), x_scale)
-    else:
-        xq = kernels.quantize(x.reshape(-1, k), r.forward_dtype, r.rowwise)
+        return Quantized(x_data.reshape(-1, k), x_scale), None
+    if transposes_x(False, weight, recipe, NAME):
+        return kernels.quantize(x.reshape(-1, k), r.forward_dtype, False, transpose=True)
+    return kernels.quantize(x.reshape(-1, k), r.forward_dtype, r.rowwise), None
+
+
+def forward(x, x_data, x_scale, weight, bias, recipe):
+    r = recipe_from_key(recipe)
+    xq, xt = quantize_input(x, x_data, x_scale, weight, r, recipe)
     y = scaled_mm(xq, weight_operand(weight, r), x.dtype, bias)
-    return reshape_out(y, x, weight, xq, x_data is not None)
+    return reshape_out(y, x, weight, xq, x_data is not None, xt)
 
 
 def grad_operands(dy2: torch.Tensor, r, need_dx: bool, need_dw: bool, amax_value=None):
@@ -127,14 +146,17 @@ def grad_t_operand(dyq: Quantized, r) -> Quantized:
     return kernels.quantize(dyq.dequantize().t().contiguous(), r.grad_dtype, r.rowwise)
 
 
-def input_t_operand(xq: Quantized, r) -> Quantized:
-    """x.T for wgrad (:func:`opfuse.fp8.linear.input_t_operand`)."""
+def input_t_operand(xq: Quantized, r, data_t: torch.Tensor | None = None) -> Quantized:
+    """x.T for wgrad (:func:`opfuse.fp8.linear.input_t_operand`); ``data_t``: the transposed bytes
+    written with ``xq`` (one scale per tensor), if any."""
+    if data_t is not None and data_t.numel():
+        return Quantized(data_t, xq.scale_inv)
     if not r.rowwise and xq.scale_inv.numel() == 1:
         return Quantized(xq.data.t().contiguous(), xq.scale_inv)
     return kernels.quantize(xq.dequantize().t().contiguous(), r.forward_dtype, r.rowwise)
 
 
-def backward_gemms(dy2, dyq, dyt, xq, weight, r, need_dx: bool, need_dw: bool):
+def backward_gemms(dy2, dyq, dyt, xq, weight, r, need_dx: bool, need_dw: bool, x_data_t=None):
     """``(dx, dw)`` from the quantized operands (empty when not needed; a high-precision wgrad
     reads ``dy2``)."""
     empty = dy2.new_empty(0)
@@ -142,18 +164,18 @@ def backward_gemms(dy2, dyq, dyt, xq, weight, r, need_dx: bool, need_dw: bool):
     dw = empty
     if need_dw:
         if r.fp8_wgrad:
-            dw = scaled_mm(pad_tokens(dyt), pad_tokens(input_t_operand(xq, r)), weight.dtype)
+            dw = scaled_mm(pad_tokens(dyt), pad_tokens(input_t_operand(xq, r, x_data_t)), weight.dtype)
         else:
             dw = dy2.t().mm(xq.dequantize(dy2.dtype))
     return dx, dw
 
 
-def backward(dy, x_data, x_scale, weight, recipe, need_dx, need_dw, need_db):
+def backward(dy, x_data, x_scale, x_data_t, weight, recipe, need_dx, need_dw, need_db):
     r = recipe_from_key(recipe)
     n, k = weight.shape
     dy2 = dy.reshape(-1, n)
     xq = Quantized(x_data.reshape(-1, k), x_scale)
     dyq, dyt = grad_operands(dy2, r, need_dx, need_dw)
-    dx, dw = backward_gemms(dy2, dyq, dyt, xq, weight, r, need_dx, need_dw)
+    dx, dw = backward_gemms(dy2, dyq, dyt, xq, weight, r, need_dx, need_dw, x_data_t)
     db = dy2.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else dy.new_empty(0)
     return dx, dw, db
