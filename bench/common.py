@@ -37,6 +37,7 @@ BENCHMARKS = {
     "block": (2, "the whole tensor-parallel MLP block vs torch.nn and torch.compile (--cpu: gloo dry run)"),
     "grouped": (1, "MoE grouped GEMM vs torch._grouped_mm and a dense GEMM"),
     "horizontal": (1, "gate and up as one GEMM over the joined weight (horizontal_gemm) vs two GEMMs"),
+    "fp8": (1, "FP8 vs bf16: the MLP block (training, decode), the grouped GEMM, a short training run"),
     "push_bandwidth": (2, "copy-engine push bandwidth into peers vs NCCL all-gather"),
     "host_primitives": (1, "host issue cost of each torch primitive an eager overlap plan calls"),
     "host_overhead": (0, "host overhead of a compiled Sequential call over its ops (runs on CPU)"),

@@ -4,9 +4,10 @@ GEMM of a mixture-of-experts layer, and a short training run.
     PYTHONPATH=. python3 bench/fp8.py --world 1 2          # hidden 8192, ffn 28672; 32 experts
     PYTHONPATH=. python3 bench/fp8.py --world 2 --quick    # small sizes, a smoke test
     PYTHONPATH=. python3 bench/fp8.py --only grouped       # block | grouped | training
+    (+ the common flags: --json FILE, --plot FILE, --from-json FILE; bench/common.py)
 
-Without a CUDA GPU (sm89+) it prints one line and exits 0 (the training comparison runs on CPU
-in emulation as tests/unit/test_fp8.py).
+Without a CUDA GPU it prints one line and exits 0 (the training comparison runs on CPU in
+emulation as tests/unit/test_fp8.py); a GPU without FP8 tensor cores (before sm89) likewise.
 
 Block: RMSNorm -> Linear -> GELU(tanh) -> Linear (+ bias) -> + residual -> RMSNorm (as bench/block.py),
 bf16 parameters, as ``ops.Sequential``; world 1 unsharded, world 2 tensor parallel (decode) and
@@ -35,11 +36,8 @@ FP8 grouped GEMM >= 1.5x bf16 at 32768 tokens; the training run's final loss wit
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -51,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import opfuse  # noqa: E402
 from opfuse import fp8, ops  # noqa: E402
 from opfuse.backend.quantize import weight_cache  # noqa: E402
-from opfuse.cli.launch import run  # noqa: E402
+import common  # noqa: E402  (bench/common.py)
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 
 VARIANTS = {"bf16": None, "tensor": fp8.TensorScaling(), "row": fp8.RowwiseScaling()}
@@ -153,11 +151,13 @@ def block_rows(rank, world, o):
         del block, outputs
         torch.cuda.empty_cache()
         if rank == 0:
-            print(f"  block world {world} {case} T={tokens}: done", file=sys.stderr, flush=True)
+            common.progress(f"block world {world} {case} T={tokens} done")
     return rows
 
 
 def block_worker(rank, world, o, out_path):
+    import json
+
     rows = block_rows(rank, world, o)
     if rank == 0:
         with open(out_path, "w") as handle:
@@ -208,7 +208,7 @@ def grouped_rows(o):
         row["us"]["gemm:fp8"] = eager_us(lambda: torch._scaled_grouped_mm(
             xq.data, wq.data.transpose(-2, -1), xq.scale_inv, wq.scale_inv, offs=offs, out_dtype=torch.bfloat16), 10, 5)
         rows.append(row)
-        print(f"  grouped T={tokens}: done", file=sys.stderr, flush=True)
+        common.progress(f"grouped T={tokens} done")
     return rows
 
 
@@ -221,7 +221,7 @@ def training_rows(o):
         losses = train(recipe, steps=o["steps"], hidden=o["run_hidden"], ffn=o["run_ffn"], tokens=o["run_tokens"])
         rows.append({"variant": name, "first": losses[0], "final": smoothed(losses),
                      "seconds": time.perf_counter() - t0})
-    print("  training run: done", file=sys.stderr, flush=True)
+    common.progress("training run done")
     return rows
 
 
@@ -292,46 +292,50 @@ def print_training(rows, summary):
                             abs(diff) <= TARGETS["loss"]))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    parser = common.parser("fp8", __doc__)
     parser.add_argument("--world", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--only", nargs="+", choices=["block", "grouped", "training"],
                         default=["block", "grouped", "training"])
-    parser.add_argument("--json", default=None, help="also write every row here")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        print("no GPU: fp8 needs a CUDA GPU with FP8 tensor cores (sm89+); skipped")
-        return 0
+    args = parser.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    o = QUICK if args.quick else FULL
-    summary, results, started = [], {}, time.perf_counter()
-    if "block" in args.only:
-        for world in args.world:
-            if torch.cuda.device_count() < world:
-                print(f"world {world}: skipped, {torch.cuda.device_count()} GPUs")
-                continue
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-                path = handle.name
-            run(block_worker, world, o, path, backend="nccl", timeout=900)
-            with open(path) as handle:
-                results[f"block{world}"] = json.load(handle)
-            os.unlink(path)
-            print_block(world, results[f"block{world}"], summary)
-    if "grouped" in args.only:
-        results["grouped"] = grouped_rows(o)
+    started = time.perf_counter()
+
+    def measure():
+        if torch.cuda.get_device_capability() < (8, 9):
+            major, minor = torch.cuda.get_device_capability()
+            print(f"no FP8: fp8 needs FP8 tensor cores (sm89+), this GPU is sm{major}{minor}; skipped")
+            return None
+        o = QUICK if args.quick else FULL
+        results = {}
+        if "block" in args.only:
+            for world in common.worlds(args.world):
+                results[f"block{world}"] = common.run_ranks(block_worker, world, o, backend="nccl")
+        if "grouped" in args.only:
+            results["grouped"] = grouped_rows(o)
+        if "training" in args.only:
+            results["training"] = training_rows(o)
+        return {"opts": o, "device": torch.cuda.get_device_name(), "results": results}
+
+    data = common.results(args, "fp8", 1, measure)
+    if data is None:
+        return 0
+    summary, results = [], data["results"]
+    print(f"{data['device']}, {', '.join(f'{k}={v}' for k, v in data['opts'].items() if k in ('hidden', 'ffn'))}")
+    for key in sorted(k for k in results if k.startswith("block")):
+        print_block(int(key[len("block"):]), results[key], summary)
+    if "grouped" in results:
         print_grouped(results["grouped"], summary)
-    if "training" in args.only:
-        results["training"] = training_rows(o)
+    if "training" in results:
         print_training(results["training"], summary)
     print(f"\nsummary (targets of issue 17; {time.perf_counter() - started:.0f} s)")
     print("| measure | value | target | met |\n|---|---|---|---|")
     for what, value, target, met in summary:
         print(f"| {what} | {fmt(value, 3)} | {target} | {'yes' if met else 'NO'} |")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"opts": o, "results": results}, handle, indent=1)
+    common.finish(args, data, bars={what: value for what, value, _t, _m in summary if value is not None},
+                  title="FP8 vs bf16 (speedups; loss: relative difference)", xlabel="value")
     return 0
 
 

@@ -16,6 +16,8 @@
 #                                      # crossover sweep (world 2, 3, 4) and the table fitted from it
 #                                      # (allreduce-bench ~4.5 min / allreduce-crossover ~3 min, build included)
 #                                      # FlashInfer needs .thirdparty/ (tools/fetch_flashinfer.py) carried along
+#   tools/gpu_session.sh fp8           # 1+ GPU (sm90): FP8 tests and benchmark at world 1
+#   tools/gpu_session.sh fp8-multi     # 2 GPUs: FP8 NCCL tests and benchmark at world 2
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
 stage=${1:-single}; shift || true
@@ -111,6 +113,14 @@ case "$stage" in
       echo "=== crossovers"; sed -n '/^summary: automatic/,$p' "$OUT/crossover_sweep.log" 2>/dev/null
       cat "$OUT/crossover_table.log" 2>/dev/null
     }
+    ;;
+  fp8)
+    step fp8_tests 300 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
+    step fp8_bench 300 python3 bench/fp8.py --world 1 --json "$OUT/fp8_w1.json"
+    ;;
+  fp8-multi)
+    step fp8_dist_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8_dist.py "$@"
+    step fp8_bench 300 python3 bench/fp8.py --world 2 --json "$OUT/fp8_w2.json"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
