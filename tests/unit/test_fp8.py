@@ -15,7 +15,7 @@ import opfuse
 from opfuse import fp8, ops
 from opfuse.fp8 import numerics
 
-from ..fp8_reference import E4M3, E5M2, fq, grouped_reference, linear_reference
+from ..fp8_reference import E4M3, E5M2, grouped_reference, linear_reference
 
 RECIPES = [fp8.TensorScaling(), fp8.RowwiseScaling(), fp8.TensorScaling(fp8_wgrad=False),
            fp8.RowwiseScaling(grad_dtype=E5M2, fp8_wgrad=True)]

@@ -10,6 +10,7 @@ or per output channel; see :mod:`opfuse.fp8.grouped`). Implementations::
 gradients come back in the parameters' shapes (reduce-scattered under FSDP).
 """
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -19,7 +20,8 @@ from ...fp8.recipe import Recipe
 from ...ops import group as groups
 from ...ops.base import TensorMeta
 from .. import implementations
-from ..registry import CallSpec, FusedOp, define_fused_op
+from ..grouped_linear.op import GroupedGemm
+from ..registry import CallSpec, define_fused_op
 
 __all__ = ["GroupedGemmFp8"]
 
@@ -72,44 +74,28 @@ GROUPED_LINEAR_FP8, _ = define_fused_op(
     backward_fake=_backward_fake, setup_context=_setup, autograd=_autograd)
 
 
-class GroupedGemmFp8(FusedOp):
-    """``y = grouped_linear(x, group_sizes)`` on FP8 operands (fused op ``grouped_linear_fp8``)."""
+class GroupedGemmFp8(GroupedGemm):
+    """``y = grouped_linear(x, group_sizes)`` on FP8 operands (fused op ``grouped_linear_fp8``): the
+    grouped GEMM's module with a recipe."""
 
     name = "grouped_linear_fp8"
 
-    def __init__(self, *, weight, bias, num_groups: int, in_features: int, out_features: int, recipe: Recipe,
-                 fsdp: bool = False, fsdp_group=None):
-        super().__init__()
-        self.weight, self.bias = weight, bias
-        self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
-        self.recipe, self.fsdp, self.fsdp_group = recipe, fsdp, fsdp_group
+    def __init__(self, *, recipe: Recipe, **kwargs):
+        super().__init__(**kwargs)
+        self.recipe = recipe
 
     @classmethod
     def from_op(cls, op) -> "GroupedGemmFp8":
         return cls(weight=op.weight, bias=op.bias, num_groups=op.num_groups, in_features=op.in_features,
                    out_features=op.out_features, recipe=op.recipe, fsdp=op.fsdp, fsdp_group=op.fsdp_group)
 
-    def _fsdp_name(self) -> str:
-        return groups.group_name(self.fsdp_group) if self.fsdp else ""
-
     def extra_repr(self) -> str:
-        text = f"num_groups={self.num_groups}, in={self.in_features}, out={self.out_features}, {self.recipe.describe()}"
-        if self.bias is not None:
-            text += ", bias"
-        if self.fsdp:
-            text += f", fsdp_group={self._fsdp_name()}"
-        return text + (f", impl={self.impl}" if self.impl else "")
+        text, _, tail = super().extra_repr().partition(", impl=")
+        return f"{text}, {self.recipe.describe()}" + (f", impl={tail}" if tail else "")
 
     def call_spec(self, metas: Sequence[TensorMeta]) -> CallSpec:
-        x, sizes = metas[0], metas[1]
-        full = TensorMeta((self.num_groups, self.out_features, self.in_features), self.weight.dtype,
-                          self.weight.device, self.weight.requires_grad)
-        bias = None if self.bias is None else TensorMeta((self.num_groups, self.out_features), self.bias.dtype,
-                                                         self.bias.device, self.bias.requires_grad)
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        requires_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
-        return CallSpec(op=self.name, inputs={"x": x, "group_sizes": sizes, "weight": full, "bias": bias},
-                        attrs={"fsdp": self.fsdp, "recipe": self.recipe}, requires_grad=requires_grad)
+        spec = super().call_spec(metas)
+        return dataclasses.replace(spec, op=self.name, attrs={**spec.attrs, "recipe": self.recipe})
 
     def forward(self, x, group_sizes):
         return GROUPED_LINEAR_FP8(x, group_sizes, self.weight, self.bias, self._fsdp_name(), self.num_groups,

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from ...fp8 import numerics
 from ...fp8.tensor import Float8Activation
 from ...ops import group as groups
-from ...ops.base import dtype_name
 from ..quantize.reference import DTYPES
 from ..runtime import extension
 from ..runtime.device import triton_status
@@ -27,18 +26,10 @@ from . import reference
 __all__ = ["check", "forward", "backward", "MAX_HIDDEN"]
 
 MAX_HIDDEN = 32768
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def check(spec) -> str | None:
-    if spec.device.type != "cuda":
-        return "needs a CUDA device"
-    if spec.dtype not in _DTYPES:
-        return f"dtype {dtype_name(spec.dtype)} not supported (bfloat16, float16, float32)"
-    for name in ("residual", "bias", "weight", "norm_bias"):
-        meta = spec.inputs.get(name)
-        if meta is not None and meta.dtype != spec.dtype:
-            return f"{name} is {dtype_name(meta.dtype)}, input is {dtype_name(spec.dtype)} (the kernel takes one dtype)"
+    reason = norm_cuda.one_dtype_reason(spec)
+    if reason:
+        return reason
     if spec.x.features > MAX_HIDDEN:
         return f"hidden size {spec.x.features} > {MAX_HIDDEN} (one row per program)"
     return triton_status()
