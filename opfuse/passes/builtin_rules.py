@@ -7,19 +7,29 @@ rule                           pattern                                          
 =============================  ==================================================================  ====
 allreduce_add_rmsnorm          AllReduce -> [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm   40
 allreduce_add_layernorm        same, LayerNorm                                                       40
+add_rmsnorm_quantize           [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm -> Quantize  35
+add_layernorm_quantize         same, LayerNorm                                                       35
+all_gather_linear_fp8          [Quantize] -> AllGather -> BasicLinear(fp8) -> [Bias]                 30
+linear_reduce_scatter_fp8      [Quantize] -> BasicLinear(fp8) -> ReduceScatter -> [Bias]             30
 all_gather_linear              AllGather -> BasicLinear -> [Bias]                                    30
 linear_reduce_scatter          BasicLinear -> ReduceScatter -> [Bias]                                30
 linear_bias_reduce_scatter     BasicLinear -> Bias -> ReduceScatter                                  30
 add_rmsnorm                    [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm             20
 add_layernorm                  same, LayerNorm                                                       20
+fp8_linear                     [Quantize] -> BasicLinear(fp8) -> [Bias]                              16
 linear_bias_activation         BasicLinear -> Bias -> GELU                                           15
 allreduce                      AllReduce -> [Bias]                                                   10
+grouped_linear_fp8             BasicGroupedLinear(fp8)                                                5
 grouped_linear                 BasicGroupedLinear                                                     5
+quantize                       Quantize                                                               1
 =============================  ==================================================================  ====
 
 Each rule's replacement is the fused op of the same name, except ``linear_bias_reduce_scatter``
 (``linear_reduce_scatter`` with the bias on every partial sum). ``grouped_linear`` merges nothing:
-it moves the grouped GEMM onto the implementation table.
+it moves the grouped GEMM onto the implementation table. ``(fp8)``: GEMMs the FP8 pass marked
+(under :func:`opfuse.fp8.autocast`); the bf16 GEMM rules refuse them (``not_fp8``). The norms that
+emit FP8 outrank the FP8 all-gather so that, in a sequence-parallel block, the norm quantizes and
+the all-gather moves its bytes.
 """
 
 from __future__ import annotations
