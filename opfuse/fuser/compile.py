@@ -57,7 +57,7 @@ def build_program(seq, inputs) -> Program:
     steps = itertools.count()
 
     def after_pass(name: str, module: fx.GraphModule) -> None:
-        if name in ("partition", "fp8"):  # the unfused program: partitioned, FP8 GEMMs marked
+        if name == "partition":  # the unfused program: partitioned (FP8 GEMMs marked under autocast)
             ctx.unfused = _light_copy(module)
         if dump_dir is not None:
             stem = os.path.join(dump_dir, f"{next(steps):02d}_{name}")

@@ -1,5 +1,5 @@
-"""The FP8 pass (under :func:`opfuse.fp8.autocast`): every GEMM becomes an FP8 GEMM and its input
-activation is quantized by a ``Quantize`` op.
+"""The FP8 step of partitioning (under :func:`opfuse.fp8.autocast`): every GEMM becomes an FP8 GEMM
+and its input activation is quantized by a ``Quantize`` op.
 
 Where the ``Quantize`` goes: in front of the GEMM, moved up past the ops that only move its input
 (``AllGather``, ``GradAllReduce``) so that what they move is FP8. An all-gathered activation with
@@ -8,9 +8,10 @@ gathered tensor has one scale too; with one scale per row each row travels with 
 ``GroupedLinear`` quantizes its input inside the grouped GEMM (one scale per tensor must ignore the
 rows past ``sum(group_sizes)``, which only the grouped op knows).
 
-The graph after this pass (``OPFUSE_DUMP``: ``02_fp8.py``) is the unfused FP8 program: every op in
-it has a reference that emulates the FP8 numerics in float32, which the fusion rules then replace
-with FP8 kernels.
+It runs at the end of the partition pass, so the partitioned graph (``OPFUSE_DUMP``:
+``01_partition.py``; ``Program.dump(graph="unfused")``) is the unfused FP8 program: every op in it
+has a reference that emulates the FP8 numerics in float32, which the passes and fusion rules after
+it start from (``horizontal_gemm`` leaves FP8 GEMMs alone).
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ Each pass is ``fn(graph_module, ctx) -> None`` and edits the graph in place (``c
 :class:`~.context.PassContext`). The built-in passes, in order::
 
     partition               expand composite ops, insert the collectives their layouts need
-    fp8                     under fp8.autocast: FP8 GEMMs and the Quantize ops of their inputs
     horizontal_gemm         GEMMs reading the same value -> one GEMM (registered with register_pass)
     fuse                    fusion rules by priority, to a fixed point
     cleanup                 drop identities and dead values
@@ -26,7 +25,6 @@ from torch import fx
 from ..config import config
 from .cleanup import cleanup
 from .context import PassContext
-from .fp8 import insert_fp8
 from .fusion import fuse
 from .horizontal import horizontal_gemm
 from .partition import partition
@@ -46,7 +44,6 @@ def _builtin(name: str, fn, required: bool = False) -> Pass:
 #: The stages every program goes through, in order.
 BUILTIN_PASSES: tuple[Pass, ...] = (
     _builtin("partition", partition, required=True),
-    _builtin("fp8", insert_fp8),  # under fp8.autocast: FP8 GEMMs, Quantize ops (the unfused program after it)
     _builtin("fuse", fuse),
     _builtin("cleanup", cleanup),
     _builtin("select_implementations", select_implementations, required=True),
@@ -106,7 +103,7 @@ def get_pass_registry() -> PassRegistry:
 
 
 # Built-in passes registered through the public API (they could live outside opfuse).
-register_pass(horizontal_gemm, name="horizontal_gemm", after="fp8")
+register_pass(horizontal_gemm, name="horizontal_gemm", after="partition")
 
 
 def _run_registered(item: Pass, gm: fx.GraphModule, ctx: PassContext,
