@@ -39,6 +39,7 @@ BENCHMARKS = {
     "grouped_tune": (1, "grouped GEMM implementations and persistent tiles per size class: this GPU's table entries"),
     "horizontal": (1, "gate and up as one GEMM over the joined weight (horizontal_gemm) vs two GEMMs"),
     "nvidia_libs": (1, "cuDNN frontend and cuBLASMp implementations vs opfuse's and torch (optional libraries)"),
+    "fp8": (1, "FP8 vs bf16: the MLP block (training, decode), the grouped GEMM, a short training run"),
     "push_bandwidth": (2, "copy-engine push bandwidth into peers vs NCCL all-gather"),
     "host_primitives": (1, "host issue cost of each torch primitive an eager overlap plan calls"),
     "host_overhead": (0, "host overhead of a compiled Sequential call over its ops (runs on CPU)"),

@@ -6,7 +6,7 @@ all-reduce -> add -> RMSNorm into single implementations, and caches the result 
 :class:`Program` (see :func:`compile`).
 """
 
-from . import ops, passes
+from . import fp8, ops, passes
 from .checkpoint import load_unsharded_state_dict, unsharded_state_dict
 from .config import config  # the settings object (shadows the module name on purpose)
 from .fuser import Program, compile
@@ -15,5 +15,5 @@ from .ops.collectives import sync_sequence_parallel_grads
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "passes", "config", "compile", "graphed", "Program", "sync_sequence_parallel_grads",
+__all__ = ["ops", "passes", "fp8", "config", "compile", "graphed", "Program", "sync_sequence_parallel_grads",
            "unsharded_state_dict", "load_unsharded_state_dict", "__version__"]

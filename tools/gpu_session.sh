@@ -19,6 +19,8 @@
 #                                      # FlashInfer needs .thirdparty/ (tools/fetch_flashinfer.py) carried along
 #   tools/gpu_session.sh nvidia-libs   # 1-2 GPUs: cuDNN frontend + cuBLASMp implementations (the
 #                                      # wheels carried in .whl/ are installed first), tests + bench
+#   tools/gpu_session.sh fp8           # 1+ GPU (sm90): FP8 tests and benchmark at world 1
+#   tools/gpu_session.sh fp8-multi     # 2 GPUs: FP8 NCCL tests and benchmark at world 2
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
 stage=${1:-single}; shift || true
@@ -133,6 +135,14 @@ case "$stage" in
       --json "$OUT/nvidia_libs.json"
     grep -E "^  (cuDNN frontend|cuBLASMp|    implementation)" "$OUT/doctor.log"
     grep -E "^(note:|library:|cudnn faster|cublasmp faster)" "$OUT/nvidia_bench.log"
+    ;;
+  fp8)
+    step fp8_tests 300 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
+    step fp8_bench 300 python3 bench/fp8.py --world 1 --json "$OUT/fp8_w1.json"
+    ;;
+  fp8-multi)
+    step fp8_dist_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8_dist.py "$@"
+    step fp8_bench 300 python3 bench/fp8.py --world 2 --json "$OUT/fp8_w2.json"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

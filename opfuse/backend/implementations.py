@@ -16,7 +16,14 @@ import functools
 from typing import Callable, Sequence
 
 from .collective_linear import cublasmp as collective_cublasmp
+from .collective_linear import fp8_nccl as collective_fp8_nccl
+from .collective_linear import fp8_p2p as collective_fp8_p2p
+from .collective_linear import fp8_reference as collective_fp8_reference
 from .collective_linear import p2p as collective_p2p
+from .fp8_grouped_linear import reference as fp8_grouped_reference
+from .fp8_grouped_linear import scaled_grouped_mm
+from .fp8_linear import reference as fp8_linear_reference
+from .fp8_linear import scaled_mm
 from .collective_linear import reference as collective_reference
 from .grouped_linear import cudnn as grouped_cudnn
 from .grouped_linear import reference as grouped_reference
@@ -30,9 +37,12 @@ from .horizontal_linear import reference as horizontal_reference
 from .linear_activation import cublaslt
 from .linear_activation import cudnn as activation_cudnn
 from .linear_activation import reference as activation_reference
+from .quantize import reference as quantize_reference
+from .quantize import triton_impl as quantize_triton
 from .registry import CallSpec, Implementation, ImplementationError
 from .residual_norm import cuda as norm_cuda
 from .residual_norm import cudnn as norm_cudnn
+from .residual_norm import quantize_triton as norm_quantize_triton
 from .residual_norm import reference as norm_reference
 
 __all__ = ["TABLE", "MEASURED_ORDER", "for_op", "get", "names"]
@@ -70,12 +80,28 @@ def _residual_norm(norm: str, reduces: bool) -> list[Implementation]:
     ]
 
 
+def _norm_quantize(norm: str) -> list[Implementation]:
+    def bind(fn):
+        return functools.partial(fn, norm=norm)
+
+    return [
+        Implementation("triton", norm_quantize_triton.check, bind(norm_quantize_triton.forward),
+                       bind(norm_quantize_triton.backward),
+                       description="one Triton kernel per row: (bias +) residual add + norm + FP8 cast (per tensor: "
+                                   "an amax pass, then the cast pass)"),
+        Implementation("reference", _always, bind(norm_reference.forward_quantize), bind(norm_reference.backward),
+                       description="the reference add + norm, then the reference quantizer"),
+    ]
+
+
 TABLE: dict[str, list[Implementation]] = {
     "allreduce_add_rmsnorm": _residual_norm("rms", reduces=True),
     "allreduce_add_layernorm": _residual_norm("layer", reduces=True),
     "add_rmsnorm": _residual_norm("rms", reduces=False),
     "add_layernorm": _residual_norm("layer", reduces=False),
     "allreduce": _residual_norm("none", reduces=True),
+    "add_rmsnorm_quantize": _norm_quantize("rms"),
+    "add_layernorm_quantize": _norm_quantize("layer"),
     "all_gather_linear": [
         Implementation(collective_p2p.NAME, collective_p2p.check_all_gather_linear,
                        collective_p2p.all_gather_linear_forward, collective_p2p.all_gather_linear_backward,
@@ -145,6 +171,47 @@ TABLE: dict[str, list[Implementation]] = {
         Implementation("reference", _always, grouped_reference.reference_forward,
                        grouped_reference.reference_backward, description="loop of matmuls over host group sizes (syncs "
                                                                            "on a GPU)"),
+    ],
+    "fp8_linear": [
+        Implementation("scaled_mm", scaled_mm.check, scaled_mm.forward, scaled_mm.backward,
+                       description="torch._scaled_mm FP8 GEMMs (forward, dgrad, wgrad), cached FP8 weights, Triton "
+                                   "quantizers"),
+        Implementation("reference", _always, fp8_linear_reference.forward, fp8_linear_reference.backward,
+                       description="float32 emulation of the FP8 GEMMs (quantize -> dequantize -> matmul)"),
+    ],
+    "all_gather_linear_fp8": [
+        Implementation("p2p_overlap", collective_fp8_p2p.check, collective_fp8_p2p.forward, collective_fp8_p2p.backward,
+                       collective_fp8_p2p.prepare,
+                       "FP8 bytes pushed over peer memory while torch._scaled_mm GEMMs each arriving shard (one scale "
+                       "per tensor); backward as nccl"),
+        Implementation("nccl", collective_fp8_nccl.check, collective_fp8_nccl.ag_forward,
+                       collective_fp8_nccl.ag_backward,
+                       description="NCCL all-gather of FP8 bytes and scales, one FP8 GEMM; backward: x re-gathered "
+                                   "under dgrad, dx reduce-scattered under wgrad"),
+        Implementation("reference", _always, collective_fp8_reference.ag_forward,
+                       collective_fp8_reference.ag_backward,
+                       description="all-gather of FP8 bytes, float32 emulation of the GEMMs"),
+    ],
+    "linear_reduce_scatter_fp8": [
+        Implementation("nccl", collective_fp8_nccl.check, collective_fp8_nccl.rs_forward,
+                       collective_fp8_nccl.rs_backward,
+                       description="FP8 GEMM, NCCL reduce-scatter of the partial sums; backward: dy gathered in FP8"),
+        Implementation("reference", _always, collective_fp8_reference.rs_forward,
+                       collective_fp8_reference.rs_backward,
+                       description="float32 emulation of the GEMMs, torch.distributed reduce-scatter"),
+    ],
+    "grouped_linear_fp8": [
+        Implementation("scaled_grouped_mm", scaled_grouped_mm.check, scaled_grouped_mm.forward,
+                       scaled_grouped_mm.backward,
+                       description="torch._scaled_grouped_mm (E4M3, per-row scales) with device offsets; wgrad "
+                                   "torch._grouped_mm in bfloat16"),
+        Implementation("reference", _always, fp8_grouped_reference.forward, fp8_grouped_reference.backward,
+                       description="float32 emulation, loop over host group sizes (syncs on a GPU)"),
+    ],
+    "quantize": [
+        Implementation("triton", quantize_triton.check, quantize_triton.forward,
+                       description="amax + cast kernels (per tensor) or one pass per row"),
+        Implementation("reference", _always, quantize_reference.forward, description="torch ops"),
     ],
 }
 

@@ -171,7 +171,9 @@ def _must_use_custom_op(args) -> bool:
     its fake implementation) must run; plain eager calls take the direct path."""
     if torch.compiler.is_compiling():
         return True
-    return any(isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
+    # Tensor types that mark themselves (opfuse.fp8.Float8Activation) are eager values, not tracers.
+    return any(isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter)
+               and not getattr(type(a), "_opfuse_eager", False) for a in args)
 
 
 class FusedCall:

@@ -12,6 +12,7 @@ from torch import fx
 from .. import log
 from ..config import config, version
 from ..debug.dump import render_python, render_text
+from ..fp8.state import current_recipe
 from ..ops.base import TensorMeta, structure_version
 from ..passes.pipeline import PassContext, run_pipeline
 from ..passes.registry import generation
@@ -26,7 +27,8 @@ _program_ids = itertools.count()
 def signature(seq, inputs) -> tuple:
     """Everything a compiled program depends on besides the block's structure."""
     shapes = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in inputs)
-    return shapes, seq.requires_grad_key(), torch.is_grad_enabled(), version(), generation(), structure_version()
+    return (shapes, seq.requires_grad_key(), torch.is_grad_enabled(), version(), generation(), structure_version(),
+            current_recipe())
 
 
 def _light_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -47,7 +49,7 @@ def _rank_tag() -> str:
 def build_program(seq, inputs) -> Program:
     metas = [TensorMeta.of(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     gm = lower(seq, metas)
-    ctx = PassContext()
+    ctx = PassContext(recipe=current_recipe())
     dump_dir = None
     if config.dump_dir:
         dump_dir = os.path.join(config.dump_dir, f"{_rank_tag()}program{next(_program_ids)}")
@@ -55,7 +57,7 @@ def build_program(seq, inputs) -> Program:
     steps = itertools.count()
 
     def after_pass(name: str, module: fx.GraphModule) -> None:
-        if name == "partition":
+        if name == "partition":  # the unfused program: partitioned (FP8 GEMMs marked under autocast)
             ctx.unfused = _light_copy(module)
         if dump_dir is not None:
             stem = os.path.join(dump_dir, f"{next(steps):02d}_{name}")

@@ -15,7 +15,7 @@ import operator
 import torch
 from torch import fx, nn
 
-from ..ops.base import OpInputError, TensorMeta
+from ..ops.base import OpInputError, TensorMeta, output_meta
 from ..ops.expansion import evaluate
 from ..ops.sharding import REPLICATED
 from ..passes.rewrite import snake_case
@@ -42,12 +42,12 @@ def _meta_and_sharding(op, args):
     if getattr(op, "is_composite", False):
         basics, out = op.expand(shardings[0])
         try:
-            meta = evaluate(basics, metas[0], metas[1:], lambda step, args, taken: step.op.infer_meta(*args, *taken))
+            meta = evaluate(basics, metas[0], metas[1:], lambda step, args, taken: output_meta(step.op, *args, *taken))
         except OpInputError as error:
             raise type(error)(f"{op.describe()}: {error}") from None
         return meta, out
     out = op.propagate_sharding(*shardings)
-    return op.infer_meta(*metas), out
+    return output_meta(op, *metas), out
 
 
 def lower(seq, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:

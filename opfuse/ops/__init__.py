@@ -13,6 +13,7 @@ from .gated import GatedLinear
 from .grouped import BasicGroupedLinear, GroupedLinear
 from .linear import BasicLinear, Bias, Linear
 from .norm import LayerNorm, RMSNorm
+from .quantize import Quantize
 from .sharding import Sharding
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "MakeExtraOutput",
     "OpInputError",
     "PartitionError",
+    "Quantize",
     "RMSNorm",
     "ReduceScatter",
     "Sequential",

@@ -16,8 +16,10 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
+from ..fp8.tensor import Float8Activation
+
 __all__ = ["BasicOp", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal", "dtype_name",
-           "structure_version"]
+           "structure_version", "output_meta"]
 
 _structure_version = 0
 
@@ -42,16 +44,23 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TensorMeta:
-    """Shape, dtype, device and requires_grad of a tensor, without its data."""
+    """Shape, dtype, device and requires_grad of a tensor, without its data.
+
+    ``quantized`` describes an FP8 activation (:class:`opfuse.fp8.Float8Activation`), e.g.
+    ``"e4m3/tensor"`` (format / what one scale covers); ``dtype`` is then the dtype the value
+    stands for (what autograd sees).
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool = False
+    quantized: str | None = None
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "TensorMeta":
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, bool(tensor.requires_grad))
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, bool(tensor.requires_grad),
+                   _quantized_tag(tensor))
 
     def with_(self, **changes) -> "TensorMeta":
         return dataclasses.replace(self, **changes)
@@ -77,7 +86,12 @@ class TensorMeta:
 
     def __str__(self) -> str:
         dims = ", ".join(str(s) for s in self.shape)
-        return f"{dtype_name(self.dtype)}[{dims}]@{self.device}"
+        dtype = dtype_name(self.dtype) if self.quantized is None else f"{self.quantized}~{dtype_name(self.dtype)}"
+        return f"{dtype}[{dims}]@{self.device}"
+
+
+def _quantized_tag(tensor: torch.Tensor) -> str | None:
+    return tensor.tag if isinstance(tensor, Float8Activation) else None
 
 
 def check_meta_equal(op: "BasicOp", what: str, got: TensorMeta, expected: TensorMeta) -> None:
@@ -90,6 +104,14 @@ def check_meta_equal(op: "BasicOp", what: str, got: TensorMeta, expected: Tensor
             raise OpInputError(
                 f"{op.describe()}: {what} has {label} {_fmt(have)}, expected {_fmt(want)}"
             )
+
+
+def output_meta(op: "BasicOp", *metas: TensorMeta) -> TensorMeta:
+    """``op.infer_meta(*metas)``, with the FP8 tag cleared unless the op keeps its input FP8."""
+    meta = op.infer_meta(*metas)
+    if meta.quantized is not None and not op.keeps_quantized:
+        meta = meta.with_(quantized=None)
+    return meta
 
 
 def _fmt(value) -> str:
@@ -129,6 +151,9 @@ class BasicOp(Described, nn.Module):
     is_collective: ClassVar[bool] = False
     #: True for composite ops that the partition pass expands into basic ops.
     is_composite: ClassVar[bool] = False
+    #: True for ops whose output is their FP8 input itself (moved, not recomputed), so it stays
+    #: an FP8 activation (``TensorMeta.quantized``); other ops see FP8 inputs dequantized.
+    keeps_quantized: ClassVar[bool] = False
 
     def __setattr__(self, name, value):
         global _structure_version

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..fp8.tensor import Float8Activation
 from . import group as groups
 from .base import BasicOp, OpInputError, PartitionError, TensorMeta
 from .sharding import REPLICATED, Sharding
@@ -39,6 +40,9 @@ __all__ = [
     "raw_all_reduce",
     "raw_all_gather",
     "raw_reduce_scatter",
+    "all_gather_fp8",
+    "start_all_gather",
+    "start_reduce_scatter",
     "sync_sequence_parallel_grads",
 ]
 
@@ -64,6 +68,38 @@ def raw_all_gather(x: torch.Tensor, group) -> torch.Tensor:
     out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
     _all_gather_tensor(out, x, group=pg)
     return out
+
+
+def start_all_gather(x: torch.Tensor, group):
+    """Begin concatenating every rank's ``x`` along dim 0: ``(out, work)``; ``out`` is ready after
+    ``work.wait()`` (the caller's stream then waits for the collective, the host does not)."""
+    pg = groups.resolve(group)
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * dist.get_world_size(pg),) + tuple(x.shape[1:]))
+    return out, _all_gather_tensor(out, x, group=pg, async_op=True)
+
+
+def start_reduce_scatter(x: torch.Tensor, group):
+    """Begin summing ``x`` over ranks and keeping this rank's block of dim 0: ``(out, work)``."""
+    pg = groups.resolve(group)
+    world = dist.get_world_size(pg)
+    if x.shape[0] % world:
+        raise OpInputError(f"ReduceScatter: dim 0 has size {x.shape[0]}, which is not divisible by the world size "
+                           f"{world}")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
+    return out, _reduce_scatter_tensor(out, x, group=pg, async_op=True)
+
+
+def all_gather_fp8(x: Float8Activation, group) -> Float8Activation:
+    """Every rank's FP8 activation concatenated along dim 0: the FP8 bytes and the scales move,
+    not the values. One scale per tensor becomes one per row (each rank's scale on its rows):
+    the exact value whether or not the ranks' scales agree."""
+    pg = groups.resolve(group)
+    data = raw_all_gather(x._data.view(torch.uint8), pg).view(x._data.dtype)
+    rows = x._data.reshape(-1, x._data.shape[-1]).shape[0] if x._data.dim() else 1
+    scale = x._scale_inv if x.rowwise else x._scale_inv.expand(rows, 1)
+    return Float8Activation(data, raw_all_gather(scale, pg), x.dtype)
 
 
 def raw_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
@@ -117,6 +153,8 @@ class _AllGatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        if isinstance(x, Float8Activation):
+            return all_gather_fp8(x, group)
         return raw_all_gather(x, group)
 
     @staticmethod
@@ -219,6 +257,8 @@ class GradAllReduce(_CollectiveOp):
     ``dx`` is a partial sum there.
     """
 
+    keeps_quantized = True
+
     def forward(self, x):
         return grad_all_reduce(x, self.group)
 
@@ -228,7 +268,11 @@ class GradAllReduce(_CollectiveOp):
 
 
 class AllGather(_CollectiveOp):
-    """Concatenate every rank's tokens along dim 0. Backward: reduce-scatter."""
+    """Concatenate every rank's tokens along dim 0. Backward: reduce-scatter.
+
+    An FP8 activation is gathered as FP8 bytes plus its scales (:func:`all_gather_fp8`)."""
+
+    keeps_quantized = True
 
     def forward(self, x):
         return all_gather(x, self.group)
@@ -245,7 +289,10 @@ class AllGather(_CollectiveOp):
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
-        return x.with_(shape=(x.shape[0] * self.world_size,) + x.shape[1:])
+        quantized = x.quantized
+        if quantized is not None and self.world_size > 1:
+            quantized = quantized.split("/")[0] + "/row"  # each rank's scale on its own rows
+        return x.with_(shape=(x.shape[0] * self.world_size,) + x.shape[1:], quantized=quantized)
 
 
 class ReduceScatter(_CollectiveOp):

@@ -45,6 +45,7 @@ class MakeExtraOutput(BasicOp):
     """
 
     num_extra_outputs = 1
+    keeps_quantized = True
     #: The extra output is the op's own output (no separate tensor).
     extra_output_is_main = True
 
@@ -60,6 +61,8 @@ class MakeExtraOutput(BasicOp):
 
 class Identity(BasicOp):
     """``y = x``."""
+
+    keeps_quantized = True
 
     def forward(self, x):
         return x

@@ -22,12 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8 import grouped as fp8_grouped
+from ..fp8.numerics import Quantized
+from ..fp8.recipe import Recipe
 from . import collectives as coll
 from . import group as groups
 from .base import BasicOp, OpInputError, PartitionError, TensorMeta, dtype_name
 from .sharding import REPLICATED, Sharding, reject_partial
 
-__all__ = ["GroupedLinear", "BasicGroupedLinear", "grouped_linear_reference", "check_group_sizes_meta"]
+__all__ = ["GroupedLinear", "BasicGroupedLinear", "grouped_linear_reference", "check_group_sizes_meta",
+           "fp8_grouped_weight"]
 
 _PARALLEL_MODES = (None, "expert", "fsdp", "expert+fsdp")
 _SIZE_DTYPES = (torch.int32, torch.int64)
@@ -66,6 +70,68 @@ def grouped_linear_reference(x: torch.Tensor, group_sizes: torch.Tensor, weight:
             if t is not None and t.requires_grad:
                 y = y + t.reshape(-1)[:0].sum()
     return y
+
+
+def fp8_grouped_weight(weight: torch.Tensor, num_groups: int, out_features: int, recipe: Recipe,
+                       fsdp_group=None) -> Quantized:
+    """The grouped GEMM's FP8 weight operand (``data [G, N, K]``, ``scale_inv [G, N]``) from this rank's
+    parameter: the whole ``[G, N, K]`` weight, or (``fsdp_group``) its shard of ``[G * N, K]`` rows,
+    quantized here and all-gathered as FP8 bytes and per-row scales (half the bytes of a bfloat16
+    gather). Reference implementation (torch ops, ``torch.distributed``)."""
+    k = weight.shape[-1]
+    if fsdp_group is None:
+        q = fp8_grouped.weight_rows_operand(weight.reshape(-1, k), 0, out_features, num_groups, recipe)
+        return Quantized(q.data.view(num_groups, out_features, k), q.scale_inv.view(num_groups, out_features))
+    pg = groups.resolve(fsdp_group)
+    world = groups.world_size(pg)
+
+    def reduce_amax(a):
+        if world > 1:
+            torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=pg)
+
+    first = groups.rank(pg) * weight.shape[0]
+    q = fp8_grouped.weight_rows_operand(weight, first, out_features, num_groups, recipe, reduce_amax)
+    data = coll.raw_all_gather(q.data.view(torch.uint8), pg).view(q.data.dtype)
+    scale = coll.raw_all_gather(q.scale_inv, pg)
+    return Quantized(data.view(num_groups, out_features, k), scale.view(num_groups, out_features))
+
+
+class _Fp8GroupedFn(torch.autograd.Function):
+    """The FP8 grouped GEMM, emulated (reference of ``BasicGroupedLinear`` with a recipe): forward
+    and dgrad on FP8 operands, wgrad in float32; FSDP weights gathered as FP8, gradients
+    reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x, group_sizes, weight, bias, op):
+        wq = fp8_grouped_weight(weight, op.num_groups, op.out_features, op.recipe, op.fsdp_group if op.fsdp else None)
+        xq = fp8_grouped.input_operand(x, group_sizes, op.recipe)
+        ctx.save_for_backward(x, group_sizes, weight, bias)
+        ctx.op = op
+        return fp8_grouped.emulated_forward(xq, group_sizes, wq, op.full_bias_value(bias), x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, group_sizes, weight, bias = ctx.saved_tensors
+        op = ctx.op
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        need_db = bias is not None and ctx.needs_input_grad[3]
+        wt = None
+        if need_dx and op.recipe.rowwise:  # W.T from the high-precision weight (gathered as it is)
+            wt = fp8_grouped.weight_t_operand(None, op.recipe, op.full_weight_value(weight))
+        elif need_dx:  # the FP8 weight's bytes transposed (gathered as FP8)
+            wq = fp8_grouped_weight(weight, op.num_groups, op.out_features, op.recipe,
+                                    op.fsdp_group if op.fsdp else None)
+            wt = fp8_grouped.weight_t_operand(wq, op.recipe)
+        shape = (op.num_groups, op.out_features, op.in_features)
+        dx, dw, db = fp8_grouped.emulated_backward(dy.contiguous(), x, group_sizes, wt, need_dx, need_dw, need_db,
+                                                   shape)
+        if op.fsdp:
+            if need_dw:
+                dw = coll.raw_reduce_scatter(dw.reshape(-1, op.in_features), op.fsdp_group)
+            if need_db:
+                db = coll.raw_reduce_scatter(db.reshape(-1), op.fsdp_group)
+        return (dx if need_dx else None, None, dw.to(weight.dtype) if need_dw else None,
+                db if need_db else None, None)
 
 
 def check_group_sizes_meta(op: BasicOp, x: TensorMeta, sizes: TensorMeta, num_groups: int) -> None:
@@ -117,13 +183,19 @@ class BasicGroupedLinear(BasicOp):
         The parameters (see above for their shapes under FSDP).
     fsdp_group:
         The process group the parameters are sharded over, or ``None``.
+    recipe:
+        An :mod:`opfuse.fp8` recipe: the GEMM and its data gradient run on FP8 operands (x
+        quantized here; FSDP weights gathered as FP8); the weight gradient stays in float32
+        accumulation and the parameter dtype. Set by the FP8 pass under :func:`opfuse.fp8.autocast`.
     """
 
     num_extra_inputs = 1
 
     def __init__(self, num_groups: int, in_features: int, out_features: int, *, weight: nn.Parameter,
-                 bias: nn.Parameter | None = None, fsdp_group=None, fsdp: bool = False):
+                 bias: nn.Parameter | None = None, fsdp_group=None, fsdp: bool = False,
+                 recipe: Recipe | None = None):
         super().__init__()
+        self.recipe = recipe
         self.num_groups = int(num_groups)
         self.in_features = int(in_features)
         self.out_features = int(out_features)
@@ -143,7 +215,25 @@ class BasicGroupedLinear(BasicOp):
     def extra_repr(self) -> str:
         text = (f"num_groups={self.num_groups}, in_features={self.in_features}, "
                 f"out_features={self.out_features}, bias={self.bias is not None}")
-        return text + (", fsdp" if self.fsdp else "")
+        text += ", fsdp" if self.fsdp else ""
+        return text + (f", fp8={self.recipe.describe()}" if self.recipe is not None else "")
+
+    def with_recipe(self, recipe: Recipe | None) -> "BasicGroupedLinear":
+        """The same grouped GEMM (sharing the parameters) with FP8 ``recipe``."""
+        return BasicGroupedLinear(self.num_groups, self.in_features, self.out_features, weight=self.weight,
+                                  bias=self.bias, fsdp_group=self.fsdp_group, fsdp=self.fsdp, recipe=recipe)
+
+    def full_weight_value(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[G, N, K]`` weight from this rank's ``weight`` (gathered under FSDP; not differentiable)."""
+        if not self.fsdp:
+            return weight
+        return coll.raw_all_gather(weight, self.fsdp_group).view(self.num_groups, self.out_features, self.in_features)
+
+    def full_bias_value(self, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``[G, N]`` bias from this rank's ``bias`` (gathered under FSDP; not differentiable)."""
+        if bias is None or not self.fsdp:
+            return bias
+        return coll.raw_all_gather(bias, self.fsdp_group).view(self.num_groups, self.out_features)
 
     def full_weight(self) -> torch.Tensor:
         """``[G, N, K]``: the parameter, or its all-gather under FSDP (differentiable)."""
@@ -158,6 +248,8 @@ class BasicGroupedLinear(BasicOp):
         return coll.all_gather(self.bias, self.fsdp_group).view(self.num_groups, self.out_features)
 
     def forward(self, x, group_sizes):
+        if self.recipe is not None:
+            return _Fp8GroupedFn.apply(x, group_sizes, self.weight, self.bias, self)
         return grouped_linear_reference(x, group_sizes, self.full_weight(), self.full_bias())
 
     def propagate_sharding(self, x: Sharding, *extra) -> Sharding:

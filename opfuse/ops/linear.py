@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8.linear import fp8_linear
+from ..fp8.recipe import Recipe
 from . import collectives as coll
 from . import group as groups
 from .base import BasicOp, OpInputError, PartitionError, TensorMeta
@@ -41,12 +43,19 @@ class BasicLinear(BasicOp):
     weight_sharding:
         ``None``, ``"in"`` (this is a K-shard of a row-parallel weight: the output is a partial
         sum) or ``"out"`` (an N-shard of a column-parallel weight). Set by the partition pass.
+    recipe:
+        An :mod:`opfuse.fp8` recipe: the GEMM runs on FP8 operands (forward, data gradient and,
+        per recipe, weight gradient; the reference emulates them in float32). Set by the FP8 pass
+        under :func:`opfuse.fp8.autocast`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None,
                  weight: nn.Parameter | None = None, fan_in: int | None = None,
-                 weight_sharding: str | None = None):
+                 weight_sharding: str | None = None, recipe: Recipe | None = None):
         super().__init__()
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise ValueError(f"BasicLinear: recipe={recipe!r}; expected an opfuse.fp8 recipe or None")
+        self.recipe = recipe
         if weight_sharding not in (None, "in", "out"):
             raise ValueError(f"BasicLinear: weight_sharding={weight_sharding!r}; accepted: None, 'in', 'out'")
         self.weight_sharding = weight_sharding
@@ -64,9 +73,17 @@ class BasicLinear(BasicOp):
 
     def extra_repr(self) -> str:
         text = f"in_features={self.in_features}, out_features={self.out_features}"
-        return text + (f", weight_sharding={self.weight_sharding!r}" if self.weight_sharding else "")
+        text += f", weight_sharding={self.weight_sharding!r}" if self.weight_sharding else ""
+        return text + (f", fp8={self.recipe.describe()}" if self.recipe is not None else "")
+
+    def with_recipe(self, recipe: Recipe | None) -> "BasicLinear":
+        """The same GEMM (sharing the weight) with FP8 ``recipe``."""
+        return BasicLinear(self.in_features, self.out_features, weight=self.weight,
+                           weight_sharding=self.weight_sharding, recipe=recipe)
 
     def forward(self, x):
+        if self.recipe is not None:
+            return fp8_linear(x, self.weight, None, self.recipe)
         return F.linear(x, self.weight)
 
     def propagate_sharding(self, x: Sharding, *extra) -> Sharding:

@@ -62,11 +62,14 @@ class PassContext:
     current:
         The pass running now (its ``name`` and ``source``).
     unfused:
-        A copy of the graph after partitioning, before fusion (set after the partition pass).
+        A copy of the graph after partitioning (and the FP8 pass), before fusion.
+    recipe:
+        The :mod:`opfuse.fp8` recipe the program is compiled for (``None``: no FP8).
     """
 
-    def __init__(self, graph_module: fx.GraphModule | None = None):
+    def __init__(self, graph_module: fx.GraphModule | None = None, recipe=None):
         self.graph_module = graph_module
+        self.recipe = recipe
         self.fusions: list[FusionRecord] = []
         self.notes: list[tuple[str, str]] = []
         self.current = None

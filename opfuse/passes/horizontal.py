@@ -140,7 +140,9 @@ def horizontal_gemm(gm: fx.GraphModule, ctx) -> None:
     for value in list(gm.graph.nodes):
         if value in erased:
             continue  # an AllGather absorbed by an earlier merge
-        linears = [u for u in value.users if ctx.kind(u) == "BasicLinear" and u.args[0] is value]
+        # FP8 GEMMs (under fp8.autocast) are left to the FP8 rules.
+        linears = [u for u in value.users if ctx.kind(u) == "BasicLinear" and u.args[0] is value
+                   and getattr(ctx.op(u), "recipe", None) is None]
         if len(linears) < 2:
             continue
         groups: dict = {}

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..ops.base import BasicOp
+from ..ops.base import BasicOp, output_meta
 from ..ops.expansion import Step, evaluate
 from ..ops.sharding import Sharding
+from .fp8 import insert_fp8
 from .rewrite import add_submodule, snake_case
 
 __all__ = ["partition"]
@@ -42,7 +43,7 @@ def _expand(gm: fx.GraphModule, node: fx.Node, op: BasicOp) -> None:
         name = add_submodule(gm, f"{node.target}_{label}", basic)
         inputs = [*args, *taken]
         value = graph.call_module(name, tuple(inputs))
-        value.meta["opfuse_meta"] = basic.infer_meta(*(a.meta["opfuse_meta"] for a in inputs))
+        value.meta["opfuse_meta"] = output_meta(basic, *(a.meta["opfuse_meta"] for a in inputs))
         value.meta["opfuse_path"] = f"{path}.{label}"
         shardings = [a.meta["opfuse_sharding"] for a in inputs]
         value.meta["opfuse_sharding"] = basic.propagate_sharding(*shardings)
@@ -59,7 +60,9 @@ def _expand(gm: fx.GraphModule, node: fx.Node, op: BasicOp) -> None:
 
 
 def partition(gm: fx.GraphModule, ctx) -> None:
-    """Expand composites; mark sequence-parallel parameters."""
+    """Expand composites; mark sequence-parallel parameters; under :func:`opfuse.fp8.autocast`,
+    make the GEMMs FP8 and quantize their inputs (:func:`.fp8.insert_fp8`: the partitioned program
+    is then the unfused FP8 program, what fusion passes and rules start from)."""
     for node in list(gm.graph.nodes):
         if node.op != "call_module":
             continue
@@ -68,3 +71,4 @@ def partition(gm: fx.GraphModule, ctx) -> None:
             _expand(gm, node, op)
         else:
             _mark_sequence_parallel_params(op, node.args[0].meta["opfuse_sharding"])
+    insert_fp8(gm, ctx)

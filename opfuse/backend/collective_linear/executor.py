@@ -127,14 +127,21 @@ class BoundPlan:
     api:
         Stream/event primitives (default: :func:`cuda_api` of the regions' device).
 
+    scaled:
+        The GEMMs are FP8 GEMMs (``torch._scaled_mm``; ``dtype`` is then an FP8 format): a call also
+        passes ``sa`` / ``sb`` (the float32 scales of ``a`` and ``b``, one element each) and ``odt``
+        (the output dtype). Only plans whose GEMMs overwrite their output (``mode="set"``) run so.
+
     A call: ``bound(b, a=..., out=..., x=..., biasin=...)``,
     ``b`` being ``[K, N]`` (any strides cuBLAS takes) and the buffers 2-D, ``biasin`` as
     ``[1, N]`` (a ``tmp`` argument is accepted and ignored: the plan owns its staging buffer).
     It returns when everything is enqueued; the caller's stream is ordered after all of it.
     """
 
-    def __init__(self, plan: Plan, regions: dict, dtype: torch.dtype, region_cols: dict, api=None):
+    def __init__(self, plan: Plan, regions: dict, dtype: torch.dtype, region_cols: dict, api=None,
+                 scaled: bool = False):
         self.plan = plan
+        self.scaled = scaled
         self.rank = plan.rank
         self.views: dict[tuple[str, int], torch.Tensor] = {}
         for name, region in regions.items():
@@ -255,7 +262,7 @@ class _Compiler:
         ns = self.ns
         ns.update(_current=api.current, _stream_of=api.stream, _streams=api.streams, _set=api.set,
                   _rec=api.record, _ewait=api.wait, _put=bound.handle.put_signal, _wsig=bound.handle.wait_signal,
-                  _barrier=bound.handle.barrier, _mm=torch.mm, _addmm=torch.addmm, _addmm_=torch.Tensor.addmm_,
+                  _barrier=bound.handle.barrier, _mm=torch.mm, _smm=getattr(torch, "_scaled_mm", None), _addmm=torch.addmm, _addmm_=torch.Tensor.addmm_,
                   _copy=torch.Tensor.copy_, _add=torch.add, _add_=torch.Tensor.add_, _sum=torch.sum)
         streams = {COMPUTE: "_cs"}
         switch = {COMPUTE: "_set(*_ck)"}
@@ -280,7 +287,7 @@ class _Compiler:
                 current = ins.stream
             for line, calls in body:
                 self.emit(line, calls)
-        head = ["def _run(b, a=None, out=None, tmp=None, x=None, biasin=None):",
+        head = ["def _run(b, a=None, out=None, tmp=None, x=None, biasin=None, sa=None, sb=None, odt=None):",
                 "    _T = _config.peer_timeout_ms",
                 "    _ck = _current()",
                 "    _cs = _streams.get(_ck)",
@@ -300,6 +307,8 @@ class _Compiler:
         if isinstance(ins, Gemm):
             dst, a = self.view(ins.dst), self.view(ins.a)
             b = self.b_cols(ins.b_col0, ins.b_cols)
+            if self.bound.scaled:
+                return [self.scaled_gemm(ins, dst, a, b)]
             if ins.mode == "acc":
                 return [(f"_addmm_({dst}, {a}, {b})", 1)]
             if ins.bias is not None:
@@ -319,6 +328,13 @@ class _Compiler:
         if isinstance(ins, Barrier):
             return [(f"_barrier({ins.channel}, _T)", 1)]
         raise TypeError(f"overlap: unknown instruction {ins!r}")
+
+    def scaled_gemm(self, ins: Gemm, dst: str, a: str, b: str) -> tuple[str, int]:
+        """An FP8 GEMM writing ``dst`` (the bias, if any, in its epilogue)."""
+        if ins.mode != "set":
+            raise ValueError(f"overlap: an FP8 plan cannot accumulate into its output ({ins})")
+        bias = "" if ins.bias is None else f", bias={self.row(ins.bias, ins.b_col0, ins.b_cols)}"
+        return f"_smm({a}, {b}, sa, sb{bias}, out_dtype=odt, out={dst})", 1
 
     def sum(self, ins: Sum) -> list[tuple[str, int]]:
         dst = self.view(ins.dst)

@@ -122,10 +122,10 @@ def prepare(spec) -> None:
 # Bound plans ----------------------------------------------------------------------------------
 
 
-def _bound(ctx, request: plans.Request, dtype: torch.dtype):
+def _bound(ctx, request: plans.Request, dtype: torch.dtype, scaled: bool = False):
     """The bound plan of ``request`` (reserved and bound on first use, outside capture only);
     ``None`` when its regions or channels do not fit (identically on every rank: the caller
-    runs the reference)."""
+    runs the reference). ``scaled``: FP8 GEMMs over ``dtype`` (an FP8 format) regions."""
     lay = plans.layout(request, ctx.world, ctx.sms)
     key = (lay.key, dtype)
     bound = ctx.plans.get(key)
@@ -142,7 +142,7 @@ def _bound(ctx, request: plans.Request, dtype: torch.dtype):
     plans.validate(plan)
     from .executor import BoundPlan  # touches torch.cuda: only where plans are bound
 
-    bound = ctx.plans[key] = BoundPlan(plan, regions, dtype, lay.region_cols)
+    bound = ctx.plans[key] = BoundPlan(plan, regions, dtype, lay.region_cols, scaled=scaled)
     return bound
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 
 import torch
 from torch import Tensor
 
 from ...ops.base import dtype_name
+from ..runtime.device import triton_status
 
 __all__ = ["GemmConfig", "gemm_config", "m_tile_bound", "wgrad_config", "grouped_mm", "grouped_wgrad", "check",
            "triton_gpu_reason", "wgrad_outputs", "make_backward",
@@ -30,20 +30,6 @@ __all__ = ["GemmConfig", "gemm_config", "m_tile_bound", "wgrad_config", "grouped
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_GROUPS = 4095          # every program holds the G counts in registers (a GP-lane vector)
 _INT32_MAX = 2**31 - 1
-
-
-@functools.lru_cache(maxsize=None)
-def triton_status() -> str | None:
-    """``None`` if triton (>= 3.0) can be imported, else why not."""
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed"
-    try:
-        import triton
-    except Exception as error:  # noqa: BLE001 - a broken install is a reason, not a crash
-        return f"import triton failed: {error}"
-    if int(triton.__version__.split(".")[0]) < 3:
-        return f"triton {triton.__version__} is too old (3.0 or newer needed)"
-    return None
 
 
 @functools.lru_cache(maxsize=None)

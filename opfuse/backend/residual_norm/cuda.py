@@ -33,7 +33,7 @@ from . import crossovers, reference
 
 __all__ = ["check_oneshot", "check_twoshot", "check_nccl_then_kernel", "check_local", "prepare_oneshot",
            "prepare_twoshot", "oneshot_forward", "twoshot_forward", "nccl_then_kernel_forward", "local_forward",
-           "norm_backward", "SUPPORTED_DTYPES", "FAMILY"]
+           "norm_backward", "one_dtype_reason", "SUPPORTED_DTYPES", "FAMILY"]
 
 FAMILY = "residual_norm"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,7 +59,9 @@ def twoshot_limit(world: int, row_bytes: int) -> int | None:
 # Capability checks (pure) ---------------------------------------------------------------------
 
 
-def _kernel_reason(spec) -> str | None:
+def one_dtype_reason(spec) -> str | None:
+    """Why a kernel of this family cannot take ``spec``'s device and dtypes (one CUDA dtype for the
+    activations and every parameter), or ``None``."""
     if spec.device.type != "cuda":
         return "needs a CUDA device"
     if spec.dtype not in SUPPORTED_DTYPES:
@@ -68,6 +70,13 @@ def _kernel_reason(spec) -> str | None:
         meta = spec.inputs.get(name)
         if meta is not None and meta.dtype != spec.dtype:
             return f"{name} is {dtype_name(meta.dtype)}, input is {dtype_name(spec.dtype)} (kernels take one dtype)"
+    return None
+
+
+def _kernel_reason(spec) -> str | None:
+    reason = one_dtype_reason(spec)
+    if reason:
+        return reason
     element = torch.empty((), dtype=spec.dtype).element_size()
     hidden = spec.x.features
     if hidden * element % 16:

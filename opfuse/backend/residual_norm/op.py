@@ -9,7 +9,12 @@ fused op (``name``)        computes                                        modul
 ``add_rmsnorm``            ``h = x [+ b] + r``, ``y = rms(h)``             :class:`AddRMSNorm`
 ``add_layernorm``          same with LayerNorm                             :class:`AddLayerNorm`
 ``allreduce``              ``y = sum_ranks(x) [+ b]``                      :class:`FusedAllReduce`
+``add_rmsnorm_quantize``   ``add_rmsnorm``, ``y`` emitted in FP8          :class:`AddRMSNormQuantize`
+``add_layernorm_quantize``  same with LayerNorm                            :class:`AddLayerNormQuantize`
 =========================  ==============================================  ===========================
+
+The ``*_quantize`` ops return ``y`` as an :class:`opfuse.fp8.Float8Activation` (FP8 bytes and
+scales; the gradient arriving for it is a plain gradient of ``y``); their backward is the norm's.
 
 Outputs are ``(y, h)``; ``h`` (the new residual, and what backward needs) is written only when it
 is used (exported by ``MakeExtraOutput``) or gradients are required, else it is empty.
@@ -29,7 +34,8 @@ from ...ops.norm import compute_dtype
 from .. import implementations
 from ..registry import CallSpec, FusedOp, define_fused_op
 
-__all__ = ["AllReduceAddRMSNorm", "AllReduceAddLayerNorm", "AddRMSNorm", "AddLayerNorm", "FusedAllReduce"]
+__all__ = ["AllReduceAddRMSNorm", "AllReduceAddLayerNorm", "AddRMSNorm", "AddLayerNorm", "FusedAllReduce",
+           "AddRMSNormQuantize", "AddLayerNormQuantize"]
 
 
 def _forward(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], weight: Optional[Tensor],
@@ -63,7 +69,10 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _autograd(backward_op):
+def _autograd(backward_op, trailing: int = 4):
+    """The backward of the family's custom ops: gradients of ``(x, bias, residual, weight,
+    norm_bias)``, then ``trailing`` non-tensor arguments."""
+
     def backward(ctx, dy, dh_out):
         h, weight, norm_bias = ctx.saved_tensors
         if dh_out is not None and dh_out.numel() == 0:
@@ -86,7 +95,7 @@ def _autograd(backward_op):
         if ctx.bias_dtype is not None and dsum is not None:
             dbias = dsum.reshape(-1, dsum.shape[-1]).sum(0, dtype=compute_dtype(dsum.dtype)).to(ctx.bias_dtype)
         dres = dsum if ctx.has_residual else None
-        return dsum, dbias, dres, dw, dnb, None, None, None, None
+        return (dsum, dbias, dres, dw, dnb) + (None,) * trailing
 
     return backward
 
@@ -96,6 +105,29 @@ def _define(name: str, has_norm: bool):
         name, lookup=implementations.get, forward=_forward, fake=_fake,
         backward=_backward if has_norm else None, backward_fake=_backward_fake if has_norm else None,
         setup_context=_setup_context, autograd=_autograd)
+    return forward_op
+
+
+def _quantize_forward(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], weight: Optional[Tensor],
+                      norm_bias: Optional[Tensor], eps: float, write_residual: bool, dtype: str, rowwise: bool,
+                      amax_group: str, impl: str) -> tuple[Tensor, Tensor]:
+    """Prototype: ``(y as an FP8 activation, h)``."""
+
+
+def _quantize_fake(x, bias, residual, weight, norm_bias, eps, write_residual, dtype, rowwise, amax_group, impl):
+    return torch.empty_like(x), (torch.empty_like(x) if write_residual else x.new_empty(0))
+
+
+def _quantize_setup(ctx, inputs, output):
+    x, bias, residual, weight, norm_bias, eps, _write, _dtype, _rowwise, _group, impl = inputs
+    _setup_context(ctx, (x, bias, residual, weight, norm_bias, eps, "", _write, impl), output)
+
+
+def _define_quantize(name: str):
+    forward_op, _ = define_fused_op(
+        name, lookup=implementations.get, forward=_quantize_forward, fake=_quantize_fake, backward=_backward,
+        backward_fake=_backward_fake, setup_context=_quantize_setup,
+        autograd=lambda backward_op: _autograd(backward_op, trailing=6))
     return forward_op
 
 
@@ -185,6 +217,51 @@ class AddLayerNorm(_ResidualNorm):
     reduces = False
     norm = "layer"
     custom_op = _define(name, True)
+
+
+class _NormQuantize(_ResidualNorm):
+    """A residual norm whose output ``y`` is quantized to FP8 (``dtype`` ``"e4m3"`` / ``"e5m2"``,
+    per row or per tensor; ``amax_group``: ranks that share one scale)."""
+
+    reduces = False
+
+    def __init__(self, *, dtype: str = "e4m3", rowwise: bool = False, amax_group=None, **kwargs):
+        super().__init__(**kwargs)
+        self.dtype, self.rowwise, self.amax_group = dtype, rowwise, amax_group
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        fp8 = f"to {self.dtype} per {'row' if self.rowwise else 'tensor'}"
+        if self.amax_group is not None:
+            fp8 += f", amax over group={groups.group_name(self.amax_group)}"
+        return f"{text}, {fp8}" if text else fp8
+
+    def call_spec(self, metas: Sequence[TensorMeta]) -> CallSpec:
+        spec = super().call_spec(metas)
+        # The amax group is an attribute, not the op's group: no peer memory is opened for it.
+        attrs = dict(spec.attrs, dtype=self.dtype, rowwise=self.rowwise,
+                     amax_group=groups.group_name(self.amax_group) if self.amax_group is not None else None)
+        return CallSpec(op=spec.op, inputs=spec.inputs, attrs=attrs, requires_grad=spec.requires_grad)
+
+    def forward(self, x, residual=None):
+        group = groups.group_name(self.amax_group) if self.amax_group is not None else ""
+        return self.custom_op(x, self.bias, residual, self.weight, self.norm_bias, self.eps, self.write_residual,
+                              self.dtype, self.rowwise, group, self._impl())
+
+
+class AddRMSNormQuantize(_NormQuantize):
+    """``y = quantize(rmsnorm(x [+ bias] + residual))`` on one device; also returns the new residual."""
+
+    name = "add_rmsnorm_quantize"
+    custom_op = _define_quantize(name)
+
+
+class AddLayerNormQuantize(_NormQuantize):
+    """``y = quantize(layernorm(x [+ bias] + residual))`` on one device; also returns the new residual."""
+
+    name = "add_layernorm_quantize"
+    norm = "layer"
+    custom_op = _define_quantize(name)
 
 
 class FusedAllReduce(_ResidualNorm):

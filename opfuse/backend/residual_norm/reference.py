@@ -11,8 +11,9 @@ from torch import Tensor
 from ...ops import group as groups
 from ...ops.collectives import raw_all_reduce
 from ...ops.norm import compute_dtype, layer_norm_reference, rms_norm_reference
+from ..quantize import reference as quantize_reference
 
-__all__ = ["NORMS", "apply_norm", "forward", "backward"]
+__all__ = ["NORMS", "apply_norm", "forward", "backward", "forward_quantize"]
 
 #: Norm kinds of the family: RMSNorm, LayerNorm, or none (a plain all-reduce).
 NORMS = ("rms", "layer", "none")
@@ -40,6 +41,12 @@ def forward(x, bias, residual, weight, norm_bias, eps, group, write_residual, *,
     if not write_residual:
         return y, x.new_empty(0)
     return y, (h.clone() if h is x or h is residual else h)
+
+
+def forward_quantize(x, bias, residual, weight, norm_bias, eps, write_residual, dtype, rowwise, amax_group, *, norm):
+    """:func:`forward` (no all-reduce), then ``y`` quantized to FP8: ``(Float8Activation, h)``."""
+    y, h = forward(x, bias, residual, weight, norm_bias, eps, "", write_residual, norm=norm)
+    return quantize_reference.forward(y, dtype, rowwise, amax_group), h
 
 
 def backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):

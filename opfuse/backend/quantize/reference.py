@@ -1,0 +1,35 @@
+"""Reference implementation of the ``quantize`` fused op: :mod:`opfuse.fp8.numerics` in torch ops,
+the shared amax all-reduced with ``torch.distributed``."""
+
+from __future__ import annotations
+
+import torch
+
+from ...fp8 import numerics
+from ...fp8.recipe import E4M3, E5M2
+from ...fp8.tensor import Float8Activation
+from ...ops import group as groups
+
+__all__ = ["DTYPES", "forward", "quantize_with"]
+
+#: The ``dtype`` argument of the fused op.
+DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+def quantize_with(quantizer, amax_fn, x: torch.Tensor, dtype: str, rowwise: bool, amax_group: str) -> Float8Activation:
+    """Quantize ``x`` along its last dim with ``quantizer(rows, dtype, rowwise, amax_value=)``; with
+    ``amax_group`` (one scale per tensor) the amax from ``amax_fn(rows)`` is all-reduced first."""
+    fp8 = DTYPES[dtype]
+    rows = x.reshape(-1, x.shape[-1])
+    amax_value = None
+    if amax_group and not rowwise:
+        pg = groups.from_name(amax_group)
+        amax_value = amax_fn(rows)
+        if torch.distributed.get_world_size(pg) > 1:
+            torch.distributed.all_reduce(amax_value, op=torch.distributed.ReduceOp.MAX, group=pg)
+    q = quantizer(rows, fp8, rowwise, amax_value=amax_value)
+    return Float8Activation(q.data.reshape(x.shape), q.scale_inv, x.dtype)
+
+
+def forward(x, dtype, rowwise, amax_group):
+    return quantize_with(numerics.quantize, lambda rows: numerics.amax(rows, False), x, dtype, rowwise, amax_group)

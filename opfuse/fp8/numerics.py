@@ -1,0 +1,112 @@
+"""The quantization math, in plain torch ops: the definition every FP8 kernel is tested against,
+and the float32 emulation the CPU reference runs.
+
+A quantized operand is ``(data, scale_inv)``: ``data`` in an FP8 format, ``scale_inv`` float32
+of shape ``[1, 1]`` (one scale per tensor) or ``[rows, 1]`` (one per row), so that
+``dequantize = data.float() * scale_inv`` (``torch._scaled_mm``'s ``scale_a`` / ``scale_b`` are
+these dequantization factors). Quantizing::
+
+    amax      = max |x|                      (over the tensor, or over each row)
+    scale     = fp8_max / amax               (1 where amax is 0: an all-zero tensor stays zero)
+    data      = saturate(x.float() * scale)  (round to nearest even, clamped to +-fp8_max)
+    scale_inv = 1 / scale
+
+Operands are 2-D with the contracting dim last (``[rows, K]``); a GEMM ``a @ b.T`` takes ``a``
+``[M, K]`` and ``b`` ``[N, K]``, each scaled along K.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import torch
+
+from .recipe import FP8_DTYPES
+
+__all__ = ["Quantized", "fp8_max", "amax", "scales_from_amax", "cast", "quantize", "dequantize", "emulated_mm",
+           "row_mask"]
+
+
+class Quantized(typing.NamedTuple):
+    """An FP8 operand: ``data`` ``[rows, K]`` and float32 ``scale_inv`` ``[1, 1]`` or ``[rows, 1]``."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.data, self.scale_inv, dtype)
+
+    def t(self) -> "Quantized":
+        """The transposed operand (same scale; only valid for one scale per tensor)."""
+        if self.scale_inv.numel() != 1:
+            raise ValueError("Quantized.t(): a per-row scale does not follow a transpose; quantize the transposed "
+                             "operand instead")
+        return Quantized(self.data.t().contiguous(), self.scale_inv)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    try:
+        return FP8_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"opfuse.fp8: {dtype} is not an FP8 format; accepted: {list(FP8_DTYPES)}") from None
+
+
+def row_mask(rows: int, valid: torch.Tensor | None, device) -> torch.Tensor | None:
+    """``[rows, 1]`` bool: row index < ``valid`` (a device scalar), or ``None`` without ``valid``."""
+    if valid is None:
+        return None
+    return (torch.arange(rows, device=device) < valid).unsqueeze(1)
+
+
+def amax(x: torch.Tensor, rowwise: bool, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[rows, 1]`` (per row) or ``[1, 1]`` of ``max |x|`` for 2-D ``x``; rows at or
+    past ``valid_rows`` (a device scalar) count as zero (a static buffer's unused tail)."""
+    rows = x.shape[0]
+    if x.numel() == 0:
+        return torch.zeros((rows if rowwise else 1, 1), dtype=torch.float32, device=x.device)
+    mask = row_mask(rows, valid_rows, x.device)
+    if mask is not None:
+        x = x.masked_fill(~mask, 0)
+    # The infinity norm is max |x| without an |x| temporary.
+    if rowwise:
+        return torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).float()
+    return torch.linalg.vector_norm(x, float("inf")).float().reshape(1, 1)
+
+
+def scales_from_amax(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, scale_inv)`` (float32) for amax ``a``: ``fp8_max / a``, 1 where ``a`` is 0."""
+    a = a.float()
+    # Tensor / tensor divisions (IEEE, correctly rounded): ``scalar / tensor`` would multiply by
+    # a reciprocal, one rounding more, and the kernels could not reproduce it.
+    one = torch.ones_like(a)
+    scale = torch.where(a > 0, torch.full_like(a, fp8_max(dtype)) / a, one)
+    return scale, one / scale
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` in ``dtype`` (``scale`` broadcasts over the rows)."""
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp_(-limit, limit).to(dtype)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, amax_value: torch.Tensor | None = None,
+             valid_rows: torch.Tensor | None = None) -> Quantized:
+    """Quantize 2-D ``x`` along its last dim (module docstring). ``amax_value`` overrides the
+    amax (e.g. one all-reduced over a process group)."""
+    if x.dim() != 2:
+        raise ValueError(f"opfuse.fp8.quantize: expected a 2-D operand, got shape {list(x.shape)}")
+    a = amax(x, rowwise, valid_rows) if amax_value is None else amax_value
+    scale, scale_inv = scales_from_amax(a, dtype)
+    return Quantized(cast(x, scale, dtype), scale_inv)
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * scale_inv`` (computed in float32, or float64 when ``dtype`` is float64)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    return (data.to(compute) * scale_inv.to(compute)).to(dtype)
+
+
+def emulated_mm(a: Quantized, b: Quantized, compute: torch.dtype = torch.float32) -> torch.Tensor:
+    """``dequantize(a) @ dequantize(b).T`` in ``compute`` (float32: the FP8 GEMM's products are
+    exact in float32 and its accumulation is float32)."""
+    return a.dequantize(compute) @ b.dequantize(compute).t()

@@ -1,0 +1,67 @@
+"""``opfuse.fp8.autocast``: the recipe in force for the block calls it wraps.
+
+The recipe is read when a block is compiled (it is part of the compile-cache key, so a block
+called both inside and outside autocast keeps one program for each) and is fixed in that program:
+the backward of a call runs with the recipe of its forward, wherever ``backward()`` is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+from .recipe import Recipe, TensorScaling
+
+__all__ = ["autocast", "current_recipe", "weights_frozen"]
+
+_state = threading.local()
+
+
+def current_recipe() -> Recipe | None:
+    """The recipe of the innermost active :func:`autocast` (``None`` outside, or where disabled)."""
+    return getattr(_state, "recipe", None)
+
+
+def weights_frozen() -> bool:
+    """Whether the innermost :func:`autocast` declared its weights frozen (``frozen_weights=True``)."""
+    return getattr(_state, "frozen", False)
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, recipe: Recipe | None = None,
+             frozen_weights: bool = False) -> Iterator[Recipe | None]:
+    """Run the GEMMs of opfuse blocks called inside this ``with`` block in FP8.
+
+    Parameters
+    ----------
+    enabled:
+        ``False`` turns FP8 off inside an outer ``autocast``.
+    recipe:
+        :class:`~opfuse.fp8.TensorScaling` (the default) or :class:`~opfuse.fp8.RowwiseScaling`.
+    frozen_weights:
+        The weights do not change while CUDA graphs captured inside run (inference): captured
+        graphs then read the FP8 weights quantized before the capture instead of quantizing them on
+        every replay. Without it a captured graph re-quantizes its weights on each replay (it sees
+        optimizer steps); eager calls reuse FP8 weights while the parameter is unchanged either way.
+
+    Linear GEMMs (forward, data gradient and, per recipe, weight gradient), their all-gathers and
+    the grouped GEMMs of ``GroupedLinear`` run on FP8 operands; parameters stay in their dtype
+    (the master weights) and are quantized when used. Thread-local.
+
+    Examples
+    --------
+    >>> with opfuse.fp8.autocast(recipe=opfuse.fp8.TensorScaling()):   # doctest: +SKIP
+    ...     y, residual = block(x, residual)
+    >>> (y * dy).sum().backward()        # backward uses the forward's recipe   # doctest: +SKIP
+    """
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"opfuse.fp8.autocast: recipe={recipe!r}; expected opfuse.fp8.TensorScaling() or "
+                        f"opfuse.fp8.RowwiseScaling()")
+    previous = current_recipe(), weights_frozen()
+    _state.recipe = (recipe or TensorScaling()) if enabled else None
+    _state.frozen = bool(frozen_weights) and enabled
+    try:
+        yield _state.recipe
+    finally:
+        _state.recipe, _state.frozen = previous

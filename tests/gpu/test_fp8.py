@@ -1,0 +1,281 @@
+"""FP8 on one GPU: the Triton quantizers against :mod:`opfuse.fp8.numerics` (bit for bit), the
+``torch._scaled_mm`` linear and the norms that emit FP8 against the float32 emulation (the same
+quantized operands, so the only differences are float32 accumulation order and the output
+rounding), whole blocks under ``fp8.autocast`` (fused kernels vs the unfused emulated program,
+forward and backward), odd token counts, and CUDA-graph replays with fresh data. Skipped without
+CUDA; the FP8 GEMM tests also without sm89+."""
+
+import pytest
+import torch
+
+import opfuse
+from opfuse import fp8, ops
+from opfuse.backend.fp8_linear import reference as linear_reference
+from opfuse.backend.fp8_linear import scaled_mm
+from opfuse.backend.quantize import kernels
+from opfuse.fp8 import numerics
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = {"tensor": fp8.TensorScaling(), "row": fp8.RowwiseScaling(), "tensor-hp-wgrad": fp8.TensorScaling(
+    fp8_wgrad=False), "row-fp8-wgrad": fp8.RowwiseScaling(fp8_wgrad=True)}
+
+
+def fp8_gemms() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+needs_fp8 = pytest.mark.skipif(not fp8_gemms(), reason="FP8 GEMMs tested on sm90")
+needs_triton = pytest.mark.skipif(torch.cuda.is_available() and kernels.fast_path_reason(
+    torch.empty(1, device="cuda")) is not None, reason="needs triton")
+
+
+def rel(got, want):
+    assert torch.isfinite(got).all(), "non-finite values"
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
+
+
+# Quantizers -----------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(1, 16), (17, 48), (300, 1000), (2048, 8192)])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantizers_match_numerics_bit_for_bit(dtype, shape, fmt):
+    x = randn(*shape, dtype=dtype, seed=shape[0], scale=3.0)
+    x[0, 0] = 0.0
+    for rowwise in (False, True):
+        got, want = kernels.quantize(x, fmt, rowwise), numerics.quantize(x, fmt, rowwise)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (rowwise, "data")
+        assert torch.equal(got.scale_inv, want.scale_inv), (rowwise, "scale")
+    q, qt = kernels.quantize(x, fmt, False, transpose=True)
+    assert torch.equal(qt.data.view(torch.uint8), q.data.t().contiguous().view(torch.uint8))
+    valid = torch.tensor(shape[0] // 2, device=DEV)
+    got, want = kernels.quantize(x, fmt, False, valid_rows=valid), numerics.quantize(x, fmt, False, valid_rows=valid)
+    assert torch.equal(got.scale_inv, want.scale_inv)
+    zero = torch.zeros(5, 32, device=DEV, dtype=dtype)
+    assert torch.equal(kernels.quantize(zero, fmt, False).scale_inv, torch.ones(1, 1, device=DEV))
+
+
+# fp8_linear -------------------------------------------------------------------------------------------
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES), ids=str)
+@pytest.mark.parametrize("m,k,n", [(1, 64, 32), (17, 48, 80), (333, 1024, 512), (4096, 4096, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_scaled_mm_matches_emulation(recipe, m, k, n, bias):
+    key = RECIPES[recipe].key()
+    x = randn(m, k, seed=m, scale=2.0)
+    w = randn(n, k, seed=n, scale=0.05)
+    b = randn(n, seed=3) if bias else None
+    dy = randn(m, n, seed=7)
+    for weight in (w, w.clone().requires_grad_()):  # a trained weight: x's transposed bytes come with it
+        y, data, scale, data_t = scaled_mm.forward(x, None, None, weight, b, key)
+        y_ref, data_ref, scale_ref, _ = linear_reference.forward(x, None, None, weight, b, key)
+        assert torch.equal(data.view(torch.uint8), data_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+        if data_t.numel():
+            assert torch.equal(data_t.view(torch.uint8), data.t().contiguous().view(torch.uint8))
+        assert rel(y, y_ref) < 4e-3
+    w = w.detach()
+    grads = scaled_mm.backward(dy, data, scale, data_t, w, key, True, True, bias)
+    grads_ref = linear_reference.backward(dy, data_ref, scale_ref, data_t, w, key, True, True, bias)
+    for name, got, want in zip(("dx", "dw", "db"), grads, grads_ref):
+        if want.numel():
+            assert rel(got, want) < 4e-3, name
+    # Against the unquantized GEMM: FP8 error, not garbage.
+    assert rel(y, x.double() @ w.double().t() + (b.double() if bias else 0)) < 0.08
+
+
+# Norms emitting FP8 --------------------------------------------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("tokens,hidden", [(1, 128), (37, 5120), (513, 8192)])
+def test_norm_quantize_kernel(norm, rowwise, tokens, hidden):
+    norm_op = (ops.RMSNorm if norm == "rms" else ops.LayerNorm)(hidden, dtype=torch.bfloat16, device=DEV)
+    with torch.no_grad():
+        for p in norm_op.parameters():
+            p.copy_(1 + 0.3 * randn(*p.shape, seed=5, dtype=torch.float32))
+    recipe = fp8.RowwiseScaling() if rowwise else fp8.TensorScaling()
+    block = ops.Sequential(ops.AddExtraInput(), ops.MakeExtraOutput(), norm_op, ops.Linear(hidden, 256, bias=False,
+                                                                                          dtype=torch.bfloat16,
+                                                                                          device=DEV))
+    x, r = randn(tokens, hidden, seed=1, scale=2), randn(tokens, hidden, seed=2)
+    dy, dh = randn(tokens, 256, seed=3), randn(tokens, hidden, seed=4)
+    results = []
+    for fuse in (True, False):
+        xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        with opfuse.config.override(fuse=fuse), fp8.autocast(recipe=recipe):
+            y, h = block(xg, rg)
+            program = opfuse.compile(block, xg, rg)
+        ((y.float() * dy.float()).sum() + (h.float() * dh.float()).sum()).backward()
+        results.append([y, h, xg.grad, rg.grad] + [p.grad for p in block.parameters()])
+        if fuse:
+            rules = {f.rule: f.impl for f in program.fusions}
+            assert rules.get(f"add_{norm}norm_quantize") == "triton", rules
+            if fp8_gemms():
+                assert rules.get("fp8_linear") == "scaled_mm", rules
+    for got, want in zip(*results):
+        assert rel(got, want) < 2e-2
+
+
+# Blocks -------------------------------------------------------------------------------------------------
+
+
+def mlp(hidden, ffn, dtype=torch.bfloat16):
+    block = ops.Sequential(ops.RMSNorm(hidden, dtype=dtype, device=DEV), ops.Linear(hidden, ffn, dtype=dtype, device=DEV),
+                           ops.GELU("tanh"), ops.Linear(ffn, hidden, dtype=dtype, device=DEV), ops.AddExtraInput(),
+                           ops.MakeExtraOutput(), ops.RMSNorm(hidden, dtype=dtype, device=DEV))
+    with torch.no_grad():
+        for i, p in enumerate(block.parameters()):
+            if p.dim() == 2:
+                p.copy_(randn(*p.shape, seed=10 + i, scale=p.shape[1] ** -0.5, dtype=dtype))
+    return block
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", list(RECIPES), ids=str)
+@pytest.mark.parametrize("tokens", [1, 77, 1024])
+def test_block_fused_matches_unfused_emulation(recipe, tokens):
+    block = mlp(512, 2048)
+    x, r = randn(tokens, 512, seed=1), randn(tokens, 512, seed=2)
+    dy, dh = randn(tokens, 512, seed=3), randn(tokens, 512, seed=4)
+    results = []
+    for fuse in (True, False):
+        xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        with opfuse.config.override(fuse=fuse), fp8.autocast(recipe=RECIPES[recipe]):
+            y, h = block(xg, rg)
+        ((y.float() * dy.float()).sum() + (h.float() * dh.float()).sum()).backward()
+        results.append([y, h, xg.grad, rg.grad] + [p.grad for p in block.parameters()])
+    # Outputs agree to the GEMMs' accumulation order; gradients less closely: an E5M2 gradient
+    # (2 mantissa bits) turns bf16-level differences upstream into flipped roundings.
+    grad_tol = 0.1 if RECIPES[recipe].grad_dtype == E5M2 else 4e-2
+    for i, (got, want) in enumerate(zip(*results)):
+        assert rel(got, want) < (3e-2 if i < 2 else grad_tol), i
+    # ... and close to the bf16 block (FP8 error, not garbage)
+    with torch.no_grad():
+        y16, _ = block(x, r)
+    assert rel(results[0][0], y16) < 0.1
+
+
+@needs_fp8
+def test_graphed_fp8_block_replays_fresh_data():
+    block = mlp(256, 1024)
+    x, r = randn(64, 256, seed=1), randn(64, 256, seed=2)
+    with fp8.autocast():
+        graphed = opfuse.graphed(block, x.requires_grad_(), r)
+        for step in range(5):
+            xs, rs = randn(64, 256, seed=100 + step).requires_grad_(), randn(64, 256, seed=200 + step)
+            y, h = graphed(xs, rs)
+            y, h = y.clone(), h.clone()
+            (y.float().sum() + h.float().sum()).backward()
+            gx = xs.grad.clone()
+            xe = xs.detach().clone().requires_grad_()
+            ye, he = block(xe, rs)
+            (ye.float().sum() + he.float().sum()).backward()
+            assert rel(y, ye) < 1e-2 and rel(gx, xe.grad) < 1e-2, step
+            with torch.no_grad():  # an optimizer step between replays: the cached FP8 weights must not go stale
+                for p in block.parameters():
+                    p.mul_(0.99)
+            block.zero_grad(set_to_none=True)
+
+
+# Grouped -------------------------------------------------------------------------------------------------
+
+
+GROUPED_CASES = [  # tokens, groups, K, N, sizes (several non-empty groups: a kernel that computes only the
+    # first group fails), bias
+    (64, 4, 128, 64, [16, 0, 20, 28], False),
+    (333, 8, 256, 512, [40, 0, 0, 100, 7, 90, 1, 60], True),   # odd sizes, empty groups, a 35-row tail
+    (1024, 3, 512, 256, [0, 0, 0], False),                      # no tokens at all
+    (4096, 16, 1024, 2048, [256] * 16, True),
+]
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["tensor", "row"])
+@pytest.mark.parametrize("case", range(len(GROUPED_CASES)))
+def test_scaled_grouped_mm_matches_emulation(recipe, case):
+    from opfuse.backend.fp8_grouped_linear import reference as grouped_reference
+    from opfuse.backend.fp8_grouped_linear import scaled_grouped_mm
+
+    tokens, groups, k, n, sizes, bias = GROUPED_CASES[case]
+    key = RECIPES[recipe].key()
+    x, w = randn(tokens, k, seed=1, scale=2.0), randn(groups, n, k, seed=2, scale=k ** -0.5)
+    b = randn(groups, n, seed=3) if bias else None
+    dy = randn(tokens, n, seed=4)
+    sizes = torch.tensor(sizes, device=DEV, dtype=torch.int32)
+    with torch.cuda.device(DEV):
+        torch.cuda.set_sync_debug_mode("error")  # device group sizes: no host sync in the kernels
+        try:
+            y = scaled_grouped_mm.forward(x, sizes, w, b, "", groups, key)
+            grads = scaled_grouped_mm.backward(dy, x, sizes, w, b, "", groups, key, True, True, bias)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    y_ref = grouped_reference.forward(x, sizes, w, b, "", groups, key)
+    grads_ref = grouped_reference.backward(dy, x, sizes, w, b, "", groups, key, True, True, bias)
+    valid = int(sizes.sum())
+    assert (y[valid:] == 0).all(), "rows past sum(group_sizes) must be zero"
+    if valid:
+        assert rel(y, y_ref) < 4e-3
+    for name, got, want in zip(("dx", "dw", "db"), grads, grads_ref):
+        if want.numel() and want.abs().sum() > 0:
+            assert rel(got, want) < 4e-3, name
+        elif want.numel():
+            assert (got == 0).all(), name
+    if valid:  # FP8 error against the unquantized grouped GEMM, not garbage
+        starts = [0] + torch.cumsum(sizes, 0).tolist()[:-1]
+        full = torch.cat([x[s:s + c].double() @ w[g].double().t() + (b[g].double() if bias else 0)
+                          for g, (s, c) in enumerate(zip(starts, sizes.tolist()))])
+        assert rel(y[:valid], full) < 0.08
+
+
+@needs_fp8
+def test_grouped_fp8_graph_replays_new_routing():
+    layer = ops.GroupedLinear(8, 256, 128, device=DEV, dtype=torch.bfloat16)
+    block = ops.Sequential(layer)
+    tokens = 512
+    x = randn(tokens, 256, seed=1).requires_grad_()
+    sizes = torch.tensor([64] * 8, device=DEV, dtype=torch.int32)
+    with fp8.autocast():
+        graphed = opfuse.graphed(block, x, sizes)
+        assert opfuse.compile(block, x, sizes).fusions[0].impl == "scaled_grouped_mm"
+        for step in range(4):
+            gen = torch.Generator(device=DEV).manual_seed(step)
+            new_sizes = torch.randint(0, 90, (8,), generator=gen, device=DEV, dtype=torch.int32)
+            xs = randn(tokens, 256, seed=10 + step).requires_grad_()
+            y = graphed(xs, new_sizes).clone()
+            y.float().sum().backward()
+            xe = xs.detach().clone().requires_grad_()
+            with opfuse.config.override(force_impl="grouped_linear_fp8=reference"):
+                ye = block(xe, new_sizes)
+            ye.float().sum().backward()
+            assert rel(y, ye) < 1e-2 and rel(xs.grad, xe.grad) < 1e-2, step
+
+
+@needs_fp8
+def test_frozen_weights_graph_reads_the_cached_fp8_weights():
+    block = mlp(256, 1024)
+    x, r = randn(16, 256, seed=1), randn(16, 256, seed=2)
+    with torch.no_grad(), fp8.autocast(frozen_weights=True):
+        eager, _ = block(x, r)
+        graph = torch.cuda.CUDAGraph()
+        static = block(x, r)  # warm: FP8 weights cached
+        with torch.cuda.graph(graph):
+            static = block(x, r)
+        graph.replay()
+        assert rel(static[0], eager) < 1e-6
