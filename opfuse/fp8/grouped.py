@@ -107,7 +107,7 @@ def emulated_forward(xq: Quantized, group_sizes: torch.Tensor, wq: Quantized, bi
     """``y [T, N]`` from ``xq`` (``[T, K]``, scales ``[T]``) and ``wq`` (``[G, N, K]``, ``[G, N]``);
     zero tail rows."""
     ct = torch.float64 if out_dtype == torch.float64 else torch.float32
-    tokens, (groups, n, _) = xq.data.shape[0], wq.data.shape
+    tokens, n = xq.data.shape[0], wq.data.shape[1]
     y = torch.zeros(tokens, n, dtype=ct, device=xq.data.device)
     for g, (start, end) in enumerate(host_bounds(group_sizes, tokens)):
         if end > start:
