@@ -3,7 +3,9 @@
 Declare a block as ``opfuse.ops.Sequential(...)``; on first call opfuse lowers it to a torch.fx
 graph, inserts the collectives its tensor parallelism needs, fuses patterns such as
 all-reduce -> add -> RMSNorm into single implementations, and caches the result as a
-:class:`Program` (see :func:`compile`).
+:class:`Program` (see :func:`compile`). The same rules apply to ordinary models through torch.compile:
+``torch.compile(model, backend="opfuse")`` or :func:`optimize`; :func:`programs` lists what they
+fused.
 """
 
 from . import fp8, ops, passes
@@ -12,8 +14,12 @@ from .config import config  # the settings object (shadows the module name on pu
 from .fuser import Program, compile
 from .graphs import graphed
 from .ops.collectives import sync_sequence_parallel_grads
+from .torch_compile import optimize, programs
+from .torch_compile import register as _register_backend
 
 __version__ = "0.1.0"
 
-__all__ = ["ops", "passes", "fp8", "config", "compile", "graphed", "Program", "sync_sequence_parallel_grads",
-           "unsharded_state_dict", "load_unsharded_state_dict", "__version__"]
+__all__ = ["ops", "passes", "fp8", "config", "compile", "graphed", "optimize", "programs", "Program",
+           "sync_sequence_parallel_grads", "unsharded_state_dict", "load_unsharded_state_dict", "__version__"]
+
+_register_backend()  # backend="opfuse" for torch.compile (see opfuse.torch_compile.backend)

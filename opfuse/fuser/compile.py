@@ -19,7 +19,7 @@ from ..passes.registry import generation
 from .lower import lower
 from .program import Program
 
-__all__ = ["cached_program", "build_program", "signature"]
+__all__ = ["cached_program", "build_program", "signature", "PassRecorder", "new_dump_dir"]
 
 _program_ids = itertools.count()
 
@@ -46,32 +46,51 @@ def _rank_tag() -> str:
     return ""
 
 
+def new_dump_dir(label: str = "program") -> str | None:
+    """A fresh directory under ``OPFUSE_DUMP`` for one program (``None`` when dumping is off)."""
+    if not config.dump_dir:
+        return None
+    path = os.path.join(config.dump_dir, f"{_rank_tag()}{label}{next(_program_ids)}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+class PassRecorder:
+    """The pipeline's ``after_pass`` callback: keeps the unfused graph (a copy after partitioning)
+    in the pass context and writes every graph to ``dump_dir`` (``NN_<pass>.py`` / ``.txt``)."""
+
+    def __init__(self, ctx: PassContext, dump_dir: str | None):
+        self.ctx = ctx
+        self.dump_dir = dump_dir
+        self._steps = itertools.count()
+
+    def __call__(self, name: str, module: fx.GraphModule) -> None:
+        if name == "partition":
+            self.ctx.unfused = _light_copy(module)
+        if self.dump_dir is not None:
+            self.write(f"{next(self._steps):02d}_{name}", module, f"after pass {name}")
+
+    def write(self, stem: str, module: fx.GraphModule, title: str) -> None:
+        path = os.path.join(self.dump_dir, stem)
+        with open(path + ".py", "w") as handle:
+            handle.write(render_python(module, title))
+        with open(path + ".txt", "w") as handle:
+            handle.write(render_text(module, title))
+
+    def write_explanation(self, program: Program) -> None:
+        if self.dump_dir is not None:
+            with open(os.path.join(self.dump_dir, "explain.txt"), "w") as handle:
+                handle.write(program.explain())
+
+
 def build_program(seq, inputs) -> Program:
     metas = [TensorMeta.of(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     gm = lower(seq, metas)
     ctx = PassContext(recipe=current_recipe())
-    dump_dir = None
-    if config.dump_dir:
-        dump_dir = os.path.join(config.dump_dir, f"{_rank_tag()}program{next(_program_ids)}")
-        os.makedirs(dump_dir, exist_ok=True)
-    steps = itertools.count()
-
-    def after_pass(name: str, module: fx.GraphModule) -> None:
-        if name == "partition":  # the unfused program: partitioned (FP8 GEMMs marked under autocast)
-            ctx.unfused = _light_copy(module)
-        if dump_dir is not None:
-            stem = os.path.join(dump_dir, f"{next(steps):02d}_{name}")
-            title = f"after pass {name}"
-            with open(stem + ".py", "w") as handle:
-                handle.write(render_python(module, title))
-            with open(stem + ".txt", "w") as handle:
-                handle.write(render_text(module, title))
-
-    run_pipeline(gm, ctx, after_pass)
+    recorder = PassRecorder(ctx, new_dump_dir())
+    run_pipeline(gm, ctx, recorder)
     program = Program(seq, gm, ctx.unfused, ctx.fusions, metas, notes=ctx.notes)
-    if dump_dir is not None:
-        with open(os.path.join(dump_dir, "explain.txt"), "w") as handle:
-            handle.write(program.explain())
+    recorder.write_explanation(program)
     return program
 
 

@@ -56,7 +56,8 @@ def reorder_topologically(graph: fx.Graph) -> None:
 
 
 def replace_match(gm: fx.GraphModule, match: Match, replacement: Replacement, module_base: str) -> fx.Node:
-    """Insert ``replacement`` for ``match``; returns the fused node."""
+    """Insert ``replacement`` for ``match``; returns the fused node. Each new value records the
+    name of the matched value it replaces (``node.meta["opfuse_replaces"]``)."""
     if not isinstance(replacement, Replacement):
         raise PatternError(
             f"rule {match.rule.name!r} ({match.rule.source}): build returned {type(replacement).__name__}; "
@@ -102,12 +103,14 @@ def replace_match(gm: fx.GraphModule, match: Match, replacement: Replacement, mo
         if index is None:
             value = fused
             fused.meta["opfuse_meta"] = old.meta.get("opfuse_meta")
+            fused.meta["opfuse_replaces"] = old.name
         else:
             with graph.inserting_after(cursor):
                 value = graph.call_function(operator.getitem, (fused, index))
             cursor = value
             value.meta["opfuse_meta"] = old.meta.get("opfuse_meta")
             value.meta["opfuse_sharding"] = old.meta.get("opfuse_sharding")
+            value.meta["opfuse_replaces"] = old.name
         old.replace_all_uses_with(value, delete_user_cb=lambda user: user not in inside)
     if all(index is not None for index in outputs.values()):
         fused.meta["opfuse_meta"] = tuple(match[n].node.meta.get("opfuse_meta") for n in outputs)

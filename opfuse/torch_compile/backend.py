@@ -1,0 +1,179 @@
+"""The ``"opfuse"`` torch.compile backend, :func:`optimize` and :func:`programs`.
+
+``torch.compile(model, backend="opfuse")`` compiles like Inductor (same decompositions,
+partitioner, code generation, ``mode=`` and ``options=``), with opfuse's fusions applied to every
+graph first (:mod:`.graph_pass`): what the rules match becomes calls to opfuse's custom ops,
+everything else stays Inductor's. ``options={"inductor": False}`` runs the fused aten graphs
+eagerly instead (AOTAutograd with Inductor's decompositions and partitioner, no code
+generation): quick to compile, for debugging and CPU tests.
+
+The name is found through the ``torch_dynamo_backends`` entry point when opfuse is installed, and
+registered when ``opfuse`` is imported otherwise (e.g. used from a source tree on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["OpfuseBackend", "opfuse_backend", "optimize", "programs", "register"]
+
+#: Keys of ``options=`` that opfuse reads; the rest go to Inductor's config.
+OPFUSE_OPTIONS = ("inductor",)
+
+
+class OpfuseBackend:
+    """A torch.compile backend that applies opfuse's rules to each graph, then compiles it with
+    Inductor. ``programs`` holds a :class:`~opfuse.torch_compile.program.GraphProgram` per graph
+    compiled (training graphs: forward and backward together; inference graphs)."""
+
+    def __init__(self):
+        self.programs: list = []
+
+    def _record(self, program) -> None:
+        self.programs.append(program)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+        from .graph_pass import FusionPass, PassChain
+
+        options = dict(options or {})
+        inductor = options.pop("inductor", True)
+        if not isinstance(inductor, bool):
+            raise TypeError(f"opfuse backend: options['inductor']={inductor!r}; expected True or False")
+        fusion = FusionPass(self._record)
+        if not inductor:
+            if mode not in (None, "default"):
+                raise ValueError(f"opfuse backend: mode={mode!r} needs Inductor; drop options['inductor']=False")
+            if options:
+                raise ValueError(f"opfuse backend: Inductor options {sorted(options)} given with "
+                                 f"options['inductor']=False")
+            return _aot_eager(gm, example_inputs, fusion)
+        from torch._inductor import config as inductor_config
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+        patches.update(options)
+        existing = patches.get("joint_custom_post_pass", inductor_config.joint_custom_post_pass)
+        patches["joint_custom_post_pass"] = fusion if existing is None else PassChain(existing, fusion)
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _aot_eager(gm, example_inputs, fusion):
+    """AOTAutograd with Inductor's decompositions and partitioner, graphs run by torch.fx."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+    def fused(graph_module):
+        remove_noop_ops(graph_module.graph)  # as Inductor's joint passes do before opfuse's
+        fusion(graph_module.graph)
+        graph_module.recompile()
+        return graph_module
+
+    def partition(joint, joint_inputs, **kwargs):
+        return min_cut_rematerialization_partition(fused(joint), joint_inputs, compiler="inductor", **kwargs)
+
+    def run(graph_module, _inputs):
+        return make_boxed_func(graph_module.forward)
+
+    def inference(graph_module, _inputs):
+        return make_boxed_func(fused(graph_module).forward)
+
+    return aot_autograd(fw_compiler=run, bw_compiler=run, inference_compiler=inference, partition_fn=partition,
+                        decompositions=select_decomp_table())(gm, example_inputs)
+
+
+#: The backend behind the name ``"opfuse"``.
+DEFAULT_BACKEND = OpfuseBackend()
+_OPTIMIZED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def opfuse_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The ``"opfuse"`` torch.compile backend (see the module docstring)."""
+    return DEFAULT_BACKEND(gm, example_inputs, **kwargs)
+
+
+def optimize(model, **compile_kwargs):
+    """``torch.compile(model, backend=<a new opfuse backend>, **compile_kwargs)``, with static
+    shapes unless ``dynamic=`` says otherwise (opfuse chooses implementations per shape).
+
+    Returns the compiled model; after a call, :func:`programs` lists what opfuse did to each of
+    its graphs.
+
+    Examples
+    --------
+    >>> fast = opfuse.optimize(model, mode="reduce-overhead")       # doctest: +SKIP
+    >>> loss = fast(tokens).sum(); loss.backward()                  # doctest: +SKIP
+    >>> for program in opfuse.programs(fast):                       # doctest: +SKIP
+    ...     print(program.explain())
+    """
+    if "backend" in compile_kwargs:
+        raise TypeError("opfuse.optimize: backend= is opfuse's; call torch.compile for another backend")
+    compile_kwargs.setdefault("dynamic", False)
+    backend = OpfuseBackend()
+    compiled = torch.compile(model, backend=backend, **compile_kwargs)
+    _OPTIMIZED[compiled] = backend
+    return compiled
+
+
+def _find_backend(compiled) -> OpfuseBackend | None:
+    """The opfuse backend behind a ``torch.compile`` result, following the wrappers Dynamo keeps
+    (``dynamo_ctx.callback`` -> ``_torchdynamo_orig_backend`` -> ``compiler_fn``)."""
+    seen = set()
+    stack = [getattr(getattr(compiled, "dynamo_ctx", None), "callback", None), compiled]
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in seen or len(seen) > 32:
+            continue
+        seen.add(id(item))
+        if isinstance(item, OpfuseBackend):
+            return item
+        if item is opfuse_backend:
+            return DEFAULT_BACKEND
+        for attr in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__", "_torchdynamo_orig_callable"):
+            stack.append(getattr(item, attr, None))
+    return None
+
+
+def programs(compiled=None) -> list:
+    """What opfuse did to each graph of ``compiled`` (a result of :func:`optimize` or of
+    ``torch.compile(..., backend="opfuse")``), in compile order: a list of
+    :class:`~opfuse.torch_compile.program.GraphProgram`. Without an argument: every graph the
+    ``"opfuse"`` backend name compiled in this process.
+
+    Models compiled with the backend name share it: their programs are listed together (use
+    :func:`optimize` for one list per model).
+    """
+    if compiled is None:
+        return list(DEFAULT_BACKEND.programs)
+    try:
+        backend = _OPTIMIZED.get(compiled)
+    except TypeError:  # not weakly referenceable
+        backend = None
+    backend = backend or _find_backend(compiled)
+    if backend is None:
+        raise ValueError(f"opfuse.programs: {type(compiled).__name__} was not compiled by opfuse; use "
+                         f"opfuse.optimize(model) or torch.compile(model, backend='opfuse')")
+    return list(backend.programs)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Make ``backend="opfuse"`` known to torch.compile when no installed entry point provides it
+    (an entry point is loaded by name on first use; importing torch's compiler stack here would
+    cost every ``import opfuse`` about a second)."""
+    global _registered
+    from importlib.metadata import entry_points
+
+    if _registered or "opfuse" in entry_points(group="torch_dynamo_backends").names:
+        return
+    from torch._dynamo.backends.registry import register_backend
+
+    register_backend(compiler_fn=opfuse_backend, name="opfuse")
+    _registered = True

@@ -1,0 +1,101 @@
+"""The graph pass of the torch.compile backend: recognise opfuse ops in an aten graph, run the pass
+pipeline (the same one ``ops.Sequential`` runs: rules, implementation choice, verify) on its op
+graph, lower the fusions back to custom-op calls, and record a :class:`GraphProgram`.
+
+It runs where Inductor runs its joint-graph custom passes (``joint_custom_post_pass``): on
+AOTAutograd's joint forward+backward graph for training (before the partitioner decides what
+the backward keeps, so a fused op's outputs, not the values it replaced, are what gets saved)
+and on the forward graph for inference. By then DTensor and ``torch.distributed`` calls are
+both explicit functional collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Callable
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ..fuser.compile import PassRecorder, new_dump_dir
+from ..passes.pipeline import PassContext, run_pipeline
+from .lower import lower_fusions
+from .op_graph import build_op_graph
+from .program import GraphProgram
+
+__all__ = ["FusionPass", "PassChain", "fuse_graph"]
+
+_graph_ids = itertools.count()
+
+
+def _phases(op_gm: fx.GraphModule) -> dict[str, str]:
+    """``"backward"`` for nodes that depend on a tangent (an incoming gradient), else ``"forward"``."""
+    backward = set()
+    for node in op_gm.graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            backward.add(node)
+        elif any(arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+    return {node.name: ("backward" if node in backward else "forward") for node in op_gm.graph.nodes}
+
+
+def _write_aten(dump_dir: str | None, stem: str, gm: fx.GraphModule) -> None:
+    if dump_dir is not None:
+        with open(os.path.join(dump_dir, stem + ".py"), "w") as handle:
+            handle.write(gm.print_readable(print_output=False, include_stride=False, include_device=True))
+
+
+def fuse_graph(gm: fx.GraphModule) -> GraphProgram:
+    """Fuse what the rules match in aten graph ``gm`` (edited in place); returns its program."""
+    index = next(_graph_ids)
+    training = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+    dump_dir = new_dump_dir("graph")
+    _write_aten(dump_dir, "aten_before", gm)
+    op_graph = build_op_graph(gm)
+    phases = _phases(op_graph.gm)
+    ctx = PassContext()
+    recorder = PassRecorder(ctx, dump_dir)
+    run_pipeline(op_graph.gm, ctx, recorder)
+    lower_fusions(op_graph, gm)
+    _write_aten(dump_dir, "aten_after", gm)
+    fused_phases = {}
+    for record in ctx.fusions:
+        covered = [phases.get(name, "forward") for name in record.nodes]
+        fused_phases[record.fused_node] = "backward" if "backward" in covered else "forward"
+    program = GraphProgram(index, "training" if training else "inference", op_graph.gm, ctx.unfused, ctx.fusions,
+                           fused_phases, op_graph.notes, len(gm.graph.nodes))
+    recorder.write_explanation(program)
+    return program
+
+
+class FusionPass(CustomGraphPass):
+    """Inductor's ``joint_custom_post_pass``: :func:`fuse_graph`, then ``on_program(program)``.
+
+    ``uuid()`` is ``None``, which keeps these graphs out of Inductor's FX-graph cache: a cached
+    artifact would skip this pass, and with it the programs it records and the ``prepare()`` of
+    the chosen implementations (peer-memory reservations) that its custom-op calls rely on.
+    """
+
+    def __init__(self, on_program: Callable[[GraphProgram], None]):
+        self.on_program = on_program
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.on_program(fuse_graph(graph.owning_module))
+
+    def uuid(self):
+        return None
+
+
+class PassChain(CustomGraphPass):
+    """Several joint-graph passes run as one (a pass the user configured, then opfuse's)."""
+
+    def __init__(self, *passes):
+        self.passes = passes
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for item in self.passes:
+            item(graph)
+
+    def uuid(self):
+        return None

@@ -1,0 +1,182 @@
+"""Lowering the fusions of an op graph back into its aten graph: each fused op becomes the call to
+its custom op (``torch.ops.opfuse.<name>``, with the implementation the select pass chose), the
+values it replaces are rewired to its outputs, and the aten nodes it covers disappear.
+
+The custom-op call is obtained by tracing the fused module's own ``forward`` with ``make_fx`` on
+the graph's fake tensors, its stand-in parameters bound to the graph inputs they stand for: any
+fused module whose forward calls a ``torch.library`` custom op lowers this way, the built-in ones
+and those of user rules alike.
+
+Covered nodes that something outside the fusion still reads (a norm's statistics that the
+backward half of a joint graph uses) stay and now compute from the fused op's outputs: the
+exported pre-norm sum replaces the value they read. Every collective a fusion covers must be gone
+afterwards (checked: a collective that ran twice would cost what fusion saves).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ..backend.registry import FusedOp
+from .aten import c10d, calls
+from .aten import value as fake_value
+from .op_graph import OpGraph, param_source
+
+__all__ = ["LoweringError", "lower_fusions"]
+
+
+class LoweringError(RuntimeError):
+    """A fused op could not replace the aten nodes it covers (a bug in a rule or in opfuse)."""
+
+
+def _fake_mode(graph: fx.Graph):
+    for node in graph.nodes:
+        val = fake_value(node)
+        if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
+            return val.fake_mode
+    raise LoweringError("opfuse: the aten graph carries no fake tensors (node.meta['val'])")
+
+
+def _describe(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).replace('torch.', '')}{list(val.shape)}"
+    return repr(val)
+
+
+class _Lowering:
+    def __init__(self, op_graph: OpGraph, aten_gm: fx.GraphModule):
+        self.op_graph = op_graph
+        self.graph = aten_gm.graph
+        self.fake_mode = _fake_mode(self.graph)
+        self.values: dict[str, fx.Node] = {}   # op-graph node name -> aten node now holding its value
+        self.covered: set[fx.Node] = set()
+
+    # Values ----------------------------------------------------------------------------------
+
+    def value_of(self, node) -> fx.Node:
+        """The aten node holding op-graph value ``node`` (emitting it for a value that exists only
+        in the op graph)."""
+        if not isinstance(node, fx.Node):
+            return node
+        if node.name in self.values:
+            return self.values[node.name]
+        aten = self.op_graph.aten.get(node.name)
+        if aten is None:
+            region = self.op_graph.regions.get(node.name)
+            if region is None:
+                raise LoweringError(f"opfuse: op-graph value {node.name} has no aten counterpart")
+            aten = self.emit(self.op_graph.gm.get_submodule(node.target), [self.value_of(a) for a in node.args],
+                             where=node.name)
+        self.values[node.name] = aten
+        return aten
+
+    # Emitting ----------------------------------------------------------------------------------
+
+    def emit(self, module, args: list, where: str):
+        """Trace ``module(*args)`` into the aten graph; returns its output node(s)."""
+        params = dict(module.named_parameters(remove_duplicate=False))
+        names = list(params)
+        sources = [param_source(self.op_graph, params[n]).node for n in names]
+        tensor_args = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
+        inputs = [args[i] for i in tensor_args] + sources
+
+        def run(*tensors):
+            call_args = list(args)
+            for slot, tensor in zip(tensor_args, tensors):
+                call_args[slot] = tensor
+            bound = dict(zip(names, tensors[len(tensor_args):]))
+            return torch.func.functional_call(module, bound, tuple(call_args))
+
+        with torch.no_grad(), self.fake_mode:
+            traced = make_fx(run)(*[fake_value(n) for n in inputs])
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        anchor = max(inputs, key=order.__getitem__)
+        env = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], inputs))
+        result = None
+        with self.graph.inserting_before(anchor.next):
+            for node in traced.graph.nodes:
+                if node.op == "placeholder":
+                    continue
+                if node.op == "output":
+                    result = fx.node.map_arg(node.args[0], env.__getitem__)
+                    break
+                copy = self.graph.node_copy(node, env.__getitem__)
+                copy.meta["opfuse_fused"] = where
+                env[node] = copy
+        return result
+
+    def replace(self, op_name: str, new: fx.Node, rule: str) -> None:
+        old = self.op_graph.aten.get(op_name)
+        self.values[op_name] = new
+        if old is None:
+            return
+        got, want = fake_value(new), fake_value(old)
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+                and got.shape == want.shape and got.dtype == want.dtype):
+            raise LoweringError(f"opfuse: rule {rule}: the fused op returns {_describe(got)} for {old.name}, which "
+                                f"holds {_describe(want)}")
+        old.replace_all_uses_with(new)
+
+    # Fusions ---------------------------------------------------------------------------------
+
+    def lower_fused(self, node: fx.Node, module: FusedOp) -> None:
+        rule = node.meta.get("opfuse_rule", module.name)
+        out = self.emit(module, [self.value_of(a) for a in node.args], where=node.name)
+        replaced = node.meta.get("opfuse_replaces")
+        if replaced is not None:
+            self.replace(replaced, out, rule)
+            self.values[node.name] = out
+        for user in list(node.users):
+            if user.op == "call_function" and user.args[0] is node and "opfuse_replaces" in user.meta:
+                self.replace(user.meta["opfuse_replaces"], out[user.args[1]], rule)
+                self.values[user.name] = out[user.args[1]]
+        for name, _kind in node.meta.get("opfuse_covered", ()):
+            region = self.op_graph.regions.get(name)
+            if region is not None:
+                self.covered |= region.nodes
+
+    def reemit_split(self) -> None:
+        """The bias half of an ``addmm`` whose GEMM a fusion took computes ``GEMM + bias`` itself:
+        emit it again on the fused op's output."""
+        gm = self.op_graph.gm
+        for node in gm.graph.nodes:
+            region = self.op_graph.regions.get(node.name)
+            if region is None or not region.virtual_input or node.op != "call_module":
+                continue
+            producer = node.args[0]
+            if isinstance(producer, fx.Node) and producer.name in self.op_graph.regions:
+                continue  # the GEMM half is not fused: the addmm stays as it is
+            new = self.emit(gm.get_submodule(node.target), [self.value_of(producer)], where=node.name)
+            self.replace(node.name, new, "split addmm")
+            self.covered |= region.nodes
+
+    def erase_covered(self) -> None:
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        for node in sorted(self.covered, key=order.__getitem__, reverse=True):
+            if not node.users:
+                self.graph.erase_node(node)
+        left = [n for n in self.covered if n.graph is self.graph and n in order and not n._erased
+                and calls(n, c10d.all_reduce, c10d.all_gather_into_tensor, c10d.reduce_scatter_tensor)]
+        if left:
+            users = {n.name: sorted(u.name for u in n.users) for n in left}
+            raise LoweringError(f"opfuse: fused collectives are still used after fusion: {users}")
+
+
+def lower_fusions(op_graph: OpGraph, aten_gm: fx.GraphModule) -> None:
+    """Replace every fused op of ``op_graph`` (after the pass pipeline) in ``aten_gm``."""
+    from torch._inductor.pattern_matcher import stable_topological_sort
+
+    lowering = _Lowering(op_graph, aten_gm)
+    gm = op_graph.gm
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if isinstance(module, FusedOp):
+                lowering.lower_fused(node, module)
+    lowering.reemit_split()
+    stable_topological_sort(aten_gm.graph)
+    lowering.erase_covered()
+    aten_gm.graph.lint()
+    aten_gm.recompile()

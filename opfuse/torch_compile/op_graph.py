@@ -1,0 +1,186 @@
+"""The op graph of an aten graph: the same torch.fx form ``ops.Sequential`` lowers to (one
+``call_module`` node per opfuse op, every value annotated with its ``TensorMeta``), so the pass
+pipeline, the built-in and user rules, ``explain()`` and the dumps work on it unchanged.
+
+Every aten node that is not part of a recognised region is copied as it is (an "opaque" node,
+kind ``call_function``): the matcher needs every user of every value, and every path through
+unrecognised code, to decide whether a match is legal (no interior value used elsewhere, no
+cycle). Interior values of a region that other nodes read (a norm's ``rsqrt`` that the backward
+half of a joint graph uses) are copied too, computed from the region's inputs: that is what
+stays in the graph after fusion, recomputed from the fused op's outputs.
+
+Where a norm's input has other users (the residual stream continues past the norm, or the norm's
+recomputed statistics read it), a ``MakeExtraOutput`` is placed between them, as a block written
+with ``ops.Sequential`` would have it: the rules then export that value from the fused op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx, nn
+
+from ..ops.base import TensorMeta
+from ..ops.extra import MakeExtraOutput
+from ..ops.norm import LayerNorm, RMSNorm
+from ..ops.sharding import REPLICATED, Sharding
+from ..passes.rewrite import add_submodule, snake_case
+from .aten import value as fake_value
+from .regions import ParamSource, Region, find_regions, recompute_closure
+
+__all__ = ["OpGraph", "build_op_graph", "tensor_meta"]
+
+
+class _Root(nn.Module):
+    """Owner of an op graph's modules (the recognised ops, then the fused ones)."""
+
+
+@dataclasses.dataclass
+class OpGraph:
+    """An aten graph's op graph and how its nodes map back.
+
+    ``aten``: op-graph node name -> the aten node holding its value (``None`` for a value that
+    exists only in the op graph, the GEMM half of an ``addmm``). ``regions``: op-graph node
+    name -> the region of a recognised op. ``params``: ``id`` of a stand-in parameter -> its
+    source (the ops in ``gm`` keep the parameters alive).
+    """
+
+    gm: fx.GraphModule
+    aten: dict[str, fx.Node | None]
+    regions: dict[str, Region]
+    params: dict
+    notes: list[str]
+
+
+def tensor_meta(val) -> TensorMeta | tuple | None:
+    """``TensorMeta`` of a fake tensor (tuples of them for multi-output nodes)."""
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in val.shape), val.dtype, val.device)
+    if isinstance(val, (tuple, list)):
+        return tuple(tensor_meta(v) for v in val)
+    return None
+
+
+def _is_static(val) -> bool:
+    if isinstance(val, torch.Tensor):
+        return all(isinstance(s, int) for s in val.shape)
+    if isinstance(val, (tuple, list)):
+        return all(_is_static(v) for v in val)
+    return True
+
+
+def _annotate(node: fx.Node, meta, sharding: Sharding = REPLICATED) -> None:
+    node.meta["opfuse_meta"] = meta
+    node.meta["opfuse_sharding"] = sharding
+
+
+def _sharding_of(region: Region) -> Sharding:
+    """Layouts are known where collectives make them explicit: a reduce-scatter's result is
+    token-sharded; every other value is what this rank holds."""
+    if region.kind == "ReduceScatter":
+        return Sharding(tokens=True, group=region.op.group)
+    return REPLICATED
+
+
+def _insert_extra_outputs(gm: fx.GraphModule, aten: dict) -> None:
+    """``V -> [MakeExtraOutput] -> norm`` wherever a norm's input ``V``, the value of a recognised
+    op, has other users."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), (RMSNorm, LayerNorm)):
+            continue
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or source.op != "call_module" or len(source.users) < 2:
+            continue
+        name = add_submodule(gm, f"make_extra_output_{source.name}", MakeExtraOutput())
+        with graph.inserting_after(source):
+            extra = graph.call_module(name, (source,))
+        _annotate(extra, source.meta["opfuse_meta"], source.meta["opfuse_sharding"])
+        source.replace_all_uses_with(extra, delete_user_cb=lambda user: user is not extra)
+        aten[extra.name] = aten[source.name]
+
+
+def build_op_graph(aten_gm: fx.GraphModule) -> OpGraph:
+    """The op graph of ``aten_gm`` (see the module docstring)."""
+    notes = []
+    regions = find_regions(aten_gm.graph)
+    static = []
+    for region in regions:
+        if all(_is_static(fake_value(n)) for n in (*region.inputs, region.value) if n is not None):
+            static.append(region)
+    if len(static) < len(regions):
+        notes.append(f"{len(regions) - len(static)} op(s) with symbolic shapes left unfused (opfuse chooses "
+                     f"implementations for static shapes; compile with dynamic=False)")
+    regions = static
+    at_position: dict[fx.Node, list[Region]] = {}
+    for region in regions:
+        at_position.setdefault(region.position, []).append(region)
+    interior = {n for region in regions for n in region.nodes}
+    recomputed = set()
+    for region in regions:
+        recomputed |= recompute_closure(region) or set()
+
+    root = _Root()
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    aten: dict[str, fx.Node | None] = {}
+    by_name: dict[str, Region] = {}
+    params: dict = {}
+    pending_virtual = None
+
+    def mapped(arg):
+        return fx.node.map_arg(arg, lambda n: env[n])
+
+    for node in aten_gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            copy = graph.placeholder(node.name)
+            _annotate(copy, tensor_meta(fake_value(node)))
+            env[node] = copy
+            aten[copy.name] = node
+            continue
+        if node.op == "output":
+            graph.output(mapped(node.args[0]))
+            continue
+        placed = at_position.get(node, [])
+        if node in interior and node in recomputed and not any(r.value is node for r in placed):
+            copy = graph.create_node(node.op, node.target, mapped(node.args), mapped(node.kwargs), name=node.name)
+            _annotate(copy, tensor_meta(fake_value(node)))
+            env[node] = copy
+            aten[copy.name] = node
+        elif node not in interior:
+            copy = graph.create_node(node.op, node.target, mapped(node.args), mapped(node.kwargs), name=node.name)
+            _annotate(copy, tensor_meta(fake_value(node)))
+            env[node] = copy
+            aten[copy.name] = node
+        for region in placed:
+            if region.virtual_input:
+                args = (pending_virtual,)
+            else:
+                args = tuple(env[i] for i in region.inputs)
+            target = f"{snake_case(region.kind)}_{region.position.name}"
+            root.add_module(target, region.op)
+            op_node = graph.call_module(target, args)
+            if region.value is None:
+                meta = region.op.infer_meta(args[0].meta["opfuse_meta"])
+                pending_virtual = op_node
+            else:
+                meta = tensor_meta(fake_value(region.value))
+                env[region.value] = op_node
+            _annotate(op_node, meta, _sharding_of(region))
+            op_node.meta["opfuse_path"] = (region.value or region.anchor).name
+            aten[op_node.name] = region.value
+            by_name[op_node.name] = region
+            params.update({id(p): source for p, source in region.params.items()})
+    gm = fx.GraphModule(root, graph, class_name="OpfuseOpGraph")
+    _insert_extra_outputs(gm, aten)
+    gm.recompile()
+    return OpGraph(gm, aten, by_name, params, notes)
+
+
+def param_source(op_graph: OpGraph, param) -> ParamSource:
+    try:
+        return op_graph.params[id(param)]
+    except KeyError:
+        raise KeyError(f"opfuse: parameter of shape {list(param.shape)} is not a stand-in of this graph's ops "
+                       f"(a rule built a fused op from parameters it did not take from the match)") from None

@@ -1,0 +1,61 @@
+"""``GraphProgram``: what opfuse did to one graph torch.compile handed it (a :class:`Program`, so
+``fusions``, ``dump()`` and ``explain()`` work as for an ``ops.Sequential``)."""
+
+from __future__ import annotations
+
+from torch import fx
+
+from ..fuser.program import Program
+
+__all__ = ["GraphProgram"]
+
+
+class GraphProgram(Program):
+    """The fusions of one compiled graph.
+
+    Attributes
+    ----------
+    graph_module / unfused_graph_module:
+        The graph's op graph after / before fusion: its aten nodes, with the ops opfuse
+        recognised as ``call_module`` nodes (dumps show them as in a ``Sequential`` program).
+    fusions:
+        One record per fusion (rule, covered ops, implementation).
+    kind:
+        ``"training"`` (AOTAutograd's joint forward+backward graph: fusions are made before the
+        partitioner chooses what backward keeps) or ``"inference"``.
+    phases:
+        Fused node name -> ``"forward"`` or ``"backward"``.
+    notes:
+        What opfuse left alone in this graph and why, beyond the rules' near misses.
+    """
+
+    def __init__(self, index: int, kind: str, graph_module: fx.GraphModule, unfused: fx.GraphModule, fusions: list,
+                 phases: dict[str, str], notes: list[str], aten_nodes: int):
+        super().__init__(None, graph_module, unfused, fusions, ())
+        self.index = index
+        self.kind = kind
+        self.phases = dict(phases)
+        self.notes = list(notes)
+        self.aten_nodes = aten_nodes
+
+    def __call__(self, *inputs):
+        raise TypeError("a GraphProgram describes a graph inside a torch.compile'd model; call the compiled model")
+
+    def describe_inputs(self) -> str:
+        return f"{self.kind} graph {self.index} ({self.aten_nodes} aten nodes)"
+
+    def fusions_in(self, phase: str) -> list:
+        """The fusion records of ``phase`` (``"forward"`` or ``"backward"``)."""
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"GraphProgram.fusions_in: phase={phase!r}; accepted: 'forward', 'backward'")
+        return [f for f in self.fusions if self.phases.get(f.fused_node) == phase]
+
+    def explain(self, verbose: bool = False) -> str:
+        text = super().explain(verbose)
+        if self.notes:
+            text += "notes:\n" + "".join(f"  {note}\n" for note in self.notes)
+        return text
+
+    def __repr__(self) -> str:
+        rules = ", ".join(f"{f.rule}({self.phases.get(f.fused_node, '?')})" for f in self.fusions) or "no fusions"
+        return f"<opfuse.GraphProgram {self.describe_inputs()} fusions=[{rules}]>"
