@@ -147,18 +147,30 @@ def _collective(wait: fx.Node) -> Region | None:
 # Linear ---------------------------------------------------------------------------------------------
 
 
-def _flattened(view, features: int) -> fx.Node | None:
-    """``view``'s source when ``view`` flattens the leading dims of an N-D tensor to 2-D."""
-    if not calls(view, *_VIEWS):
-        return None
-    source = view.args[0]
-    dims, flat = shape(source), shape(view)
-    if dims is None or flat is None or len(dims) < 3 or dims[-1] != features:
-        return None
-    leading = 1
-    for size in dims[:-1]:
-        leading *= size
-    return source if tuple(flat) == (leading, features) else None
+def _view_chain(node) -> tuple[fx.Node, list[fx.Node]]:
+    """``node``'s source through a chain of views (reshapes), and the views."""
+    chain = []
+    while calls(node, *_VIEWS):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _through_views(node) -> tuple[fx.Node, list[fx.Node]]:
+    """``node`` seen through views that give its source's shape back (functionalised in-place
+    collectives on reshaped tensors leave such round trips): ``(source, views)``, or
+    ``(node, [])`` when the views change the shape."""
+    source, chain = _view_chain(node)
+    if chain and shape(source) == shape(node) and is_tensor_node(source):
+        return source, chain
+    return node, []
+
+
+def _numel(dims) -> int:
+    count = 1
+    for size in dims:
+        count *= size
+    return count
 
 
 def _linear(mm: fx.Node) -> list[Region]:
@@ -182,13 +194,24 @@ def _linear(mm: fx.Node) -> list[Region]:
         return []
     weight = ParamSource(b.args[0])
     nodes.add(b)
+    # x's leading dims flattened for the GEMM, and restored on its result, through any views.
     x, out = a, mm
-    source = _flattened(a, k)
-    if source is not None and len(mm.users) == 1:
-        view = next(iter(mm.users))
-        if calls(view, *_VIEWS) and shape(view) == tuple(shape(source)[:-1]) + (n,):
-            x, out = source, view
-            nodes.add(a)
+    source, views_in = _view_chain(a)
+    dims = shape(source)
+    if views_in and dims is not None and dims[-1] == k and _numel(dims[:-1]) == a_shape[0]:
+        out_chain, cur = [], mm
+        while len(cur.users) == 1 and calls(next(iter(cur.users)), *_VIEWS):
+            cur = next(iter(cur.users))
+            out_chain.append(cur)
+        want = tuple(dims[:-1]) + (n,)
+        ends = [i for i, view in enumerate(out_chain) if shape(view) == want]
+        if len(dims) == 2:
+            x = source
+            nodes.update(views_in)
+        elif ends:
+            x, out = source, out_chain[ends[0]]
+            nodes.update(views_in)
+            nodes.update(out_chain[:ends[0] + 1])
     if dtype(x) != dtype(weight.node):
         return []
     standin = _standin((n, k), dtype(weight.node))
@@ -421,21 +444,22 @@ def _add(node: fx.Node, kind_of) -> Region | None:
     a, b = node.args
     if not (is_tensor_node(a) and is_tensor_node(b)) or shape(node) is None:
         return None
+    (a, views_a), (b, views_b) = _through_views(a), _through_views(b)
     for y, vec in ((a, b), (b, a)):
         if (shape(y) == shape(node) and _is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
                 and _is_input(vec)):
             if dtype(node) != dtype(y) and dtype(vec) == dtype(y):
                 return None
             standin = _standin((shape(node)[-1],), dtype(vec))
-            return Region(_frozen(Bias(shape(node)[-1], bias=standin)), (y,), node, frozenset({node}),
-                          {standin: ParamSource(vec)})
+            return Region(_frozen(Bias(shape(node)[-1], bias=standin)), (y,), node,
+                          frozenset({node, *views_a, *views_b}), {standin: ParamSource(vec)})
     if shape(a) != shape(node) or shape(b) != shape(node) or not (dtype(a) == dtype(b) == dtype(node)):
         return None
     # The main input is the one the rules' chains come from (an all-reduce, a bias, a GEMM); the
     # other one is the residual. Ties keep the written order.
     if _CHAIN_KINDS.get(kind_of(b), 0) > _CHAIN_KINDS.get(kind_of(a), 0):
         a, b = b, a
-    return Region(_frozen(AddExtraInput()), (a, b), node, frozenset({node}))
+    return Region(_frozen(AddExtraInput()), (a, b), node, frozenset({node, *views_a, *views_b}))
 
 
 # The search -------------------------------------------------------------------------------------------
