@@ -175,6 +175,9 @@ class NearMiss:
     matched: list[str]
     total: int
     reason: str
+    #: For a prefix that stopped because no neighbour had a fitting kind: ``(kinds, where, found)``
+    #: (variants that stop at the same place merge their kinds into one reason).
+    expected: tuple | None = None
 
     def describe(self) -> str:
         chain = " -> ".join(self.matched) if self.matched else "(nothing)"
@@ -182,8 +185,13 @@ class NearMiss:
                 f"{self.variant}: {chain}; {self.reason}")
 
 
-def _prefix_failure(gm, graph, rule, variant, order, mapping) -> str:
-    """Explain why spec ``order[len(mapping)]`` could not extend ``mapping``."""
+def _expected_reason(kinds, where: str, found: str) -> str:
+    return f"expected {'|'.join(kinds)} next to {where}, found {found}"
+
+
+def _prefix_failure(gm, graph, rule, variant, order, mapping) -> tuple[str, tuple | None]:
+    """Why spec ``order[len(mapping)]`` could not extend ``mapping``, and ``(kinds, where, found)``
+    when no neighbour had one of the spec's kinds."""
     nxt = variant.spec(order[len(mapping)])
     feeding = [(a, i) for a, b, i in variant.edges if b == nxt.name and a in mapping]
     consuming = [(b, i) for a, b, i in variant.edges if a == nxt.name and b in mapping]
@@ -204,7 +212,7 @@ def _prefix_failure(gm, graph, rule, variant, order, mapping) -> str:
     fitting = [c for c in candidates if graph.nodes[c]["kind"] in nxt.kinds]
     if not fitting:
         found = ", ".join(sorted(f"{c.name} ({graph.nodes[c]['kind']})" for c in candidates)) or "nothing"
-        return f"expected {'|'.join(nxt.kinds)} next to {where}, found {found}"
+        return _expected_reason(nxt.kinds, where, found), (tuple(nxt.kinds), where, found)
     reasons = []
     for cand in sorted(fitting, key=lambda n: graph.nodes[n]["order"]):
         trial = make_match(gm, rule, variant, {**mapping, nxt.name: cand})
@@ -213,7 +221,24 @@ def _prefix_failure(gm, graph, rule, variant, order, mapping) -> str:
             if reason:
                 reasons.append(f"{nxt.name} ({cand.name}): predicate failed: {reason}")
                 break
-    return "; ".join(reasons) or f"{nxt.name}: no legal candidate"
+    return "; ".join(reasons) or f"{nxt.name}: no legal candidate", None
+
+
+def _matched(graph, order, mapping) -> list[str]:
+    return [f"{mapping[n].name} ({graph.nodes[mapping[n]]['kind']})" for n in order[:len(mapping)]]
+
+
+def _merge_expected(miss: NearMiss, gm, graph, rule, variant, order, mapping) -> None:
+    """Another variant stopped after the same ops: list its expected kinds too
+    ("expected Bias|AddExtraInput|RMSNorm next to ...")."""
+    if miss.expected is None or len(mapping) == len(order) or _matched(graph, order, mapping) != miss.matched:
+        return
+    _, expected = _prefix_failure(gm, graph, rule, variant, order, mapping)
+    if expected is None or expected[1:] != miss.expected[1:]:
+        return
+    kinds = tuple(dict.fromkeys(miss.expected[0] + expected[0]))
+    miss.expected = (kinds, *expected[1:])
+    miss.reason = _expected_reason(*miss.expected)
 
 
 def near_misses(gm: fx.GraphModule, rule: Rule, disabled_reason: str | None = None) -> list[NearMiss]:
@@ -229,7 +254,10 @@ def near_misses(gm: fx.GraphModule, rule: Rule, disabled_reason: str | None = No
                 continue
             for mapping in _structural(graph, prefix_graph):
                 anchor = mapping[order[0]]
-                if anchor in best and len(best[anchor].matched) >= size:
+                if anchor in best and len(best[anchor].matched) > size:
+                    continue
+                if anchor in best and len(best[anchor].matched) == size:
+                    _merge_expected(best[anchor], gm, graph, rule, variant, order, mapping)
                     continue
                 trial = make_match(gm, rule, variant, mapping)
                 failed = None
@@ -246,8 +274,10 @@ def near_misses(gm: fx.GraphModule, rule: Rule, disabled_reason: str | None = No
                     reason = disabled_reason or check_legal(graph, variant, mapping) or evaluate_match(trial)
                     if reason is None:
                         reason = "matches: the rule can fire here (it was shadowed or ran out of iterations)"
+                    expected = None
                 else:
-                    reason = _prefix_failure(gm, graph, rule, variant, order, mapping)
-                matched = [f"{mapping[n].name} ({graph.nodes[mapping[n]]['kind']})" for n in order[:size]]
-                best[anchor] = NearMiss(rule.name, rule.source, variant.describe(), matched, len(order), reason)
+                    reason, expected = _prefix_failure(gm, graph, rule, variant, order, mapping)
+                matched = _matched(graph, order, mapping)
+                best[anchor] = NearMiss(rule.name, rule.source, variant.describe(), matched, len(order), reason,
+                                        expected)
     return sorted(best.values(), key=lambda m: (-len(m.matched), m.matched))

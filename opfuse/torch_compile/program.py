@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from torch import fx
 
+from ..debug.explain import Explanation, explain_program
 from ..fuser.program import Program
+from ..passes.registry import rules
 
 __all__ = ["GraphProgram"]
+
+_COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter")
 
 
 class GraphProgram(Program):
@@ -49,6 +53,29 @@ class GraphProgram(Program):
         if phase not in ("forward", "backward"):
             raise ValueError(f"GraphProgram.fusions_in: phase={phase!r}; accepted: 'forward', 'backward'")
         return [f for f in self.fusions if self.phases.get(f.fused_node) == phase]
+
+    def explanation(self, verbose: bool = False) -> Explanation:
+        """As for any program, plus one near miss per collective that no rule fused with a
+        neighbour, however short the partial match: in a compiled model the question is usually
+        "why did this all-reduce not fuse with the add after it?"."""
+        result = explain_program(self, verbose)
+        if verbose:
+            return result
+        shown = {(m.rule, tuple(m.matched)) for m in result.near_misses}
+        fused_with_neighbours = {name for f in self.fusions if len(f.nodes) > 1 for name in f.nodes}
+        best = {}
+        order = {rule.name: i for i, rule in enumerate(rules())}
+        misses = sorted(explain_program(self, verbose=True).near_misses, key=lambda m: order.get(m.rule, len(order)))
+        for miss in misses:
+            anchor, _, kind = miss.matched[0].partition(" ")
+            if kind.strip("()") not in _COLLECTIVES or anchor in fused_with_neighbours or miss.total < 2:
+                continue
+            if (miss.rule, tuple(miss.matched)) in shown or miss.reason.startswith(("matches:", "shadowed")):
+                continue
+            if anchor not in best or len(miss.matched) > len(best[anchor].matched):
+                best[anchor] = miss
+        result.near_misses.extend(best.values())
+        return result
 
     def explain(self, verbose: bool = False) -> str:
         text = super().explain(verbose)
