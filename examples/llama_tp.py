@@ -237,6 +237,12 @@ def build(tp: str, rank: int, world: int, cfg: Config, dtype=torch.float32, devi
 # The check ---------------------------------------------------------------------------------------------
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want| / max |want|`` (float32 arithmetic)."""
+    got, want = got.float(), want.float()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def local_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, as this rank holds it (local shards of DTensors)."""
     grads = {}
@@ -249,7 +255,8 @@ def local_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 def run_check(rank: int, world: int, tp: str = "dist", train: bool = False, inductor: bool = True,
               cfg: Config | None = None, dtype=torch.float32, batch: int = 2, seq: int = 8, verbose: bool = True):
     """Compile the ``tp`` model with opfuse, run it next to the same model eagerly; returns
-    ``(errors, programs)`` with ``errors = {"output": max abs diff, "grad <name>": ...}``."""
+    ``(errors, programs)`` with ``errors = {"output": relative error, "grad <name>": ...}``
+    (:func:`relative_error`)."""
     import opfuse
 
     cfg = cfg or Config()
@@ -262,27 +269,27 @@ def run_check(rank: int, world: int, tp: str = "dist", train: bool = False, indu
     with torch.set_grad_enabled(train):
         want = eager(tokens)
         got = compiled(tokens)
-    errors["output"] = (got - want).abs().max().item()
+    errors["output"] = relative_error(got, want)
     if train:
         grad_out = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
         want.backward(grad_out)
         got.backward(grad_out)
         ref, mine = local_grads(eager), local_grads(compiled_model)
         for name in ref:
-            errors[f"grad {name}"] = (mine[name] - ref[name]).abs().max().item()
+            errors[f"grad {name}"] = relative_error(mine[name], ref[name])
     programs = opfuse.programs(compiled)
     if verbose and rank == 0:
         for program in programs:
             print(program.explain())
         worst = max(errors, key=errors.get)
-        print(f"max |compiled - eager|: output {errors['output']:.2e}" + (
+        print(f"compiled vs eager, max |difference| / max |eager|: output {errors['output']:.2e}" + (
             f", gradients {errors[worst]:.2e} ({worst})" if train else ""))
     return errors, programs
 
 
 def _worker(rank, world, tp, train, inductor):
     errors, _ = run_check(rank, world, tp, train, inductor)
-    tolerance = 1e-4
+    tolerance = 1e-5  # float32; the fused ops round differently from Inductor's kernels
     bad = {k: v for k, v in errors.items() if not v <= tolerance}
     if bad:
         raise AssertionError(f"compiled model differs from eager beyond {tolerance}: {bad}")

@@ -1,0 +1,63 @@
+"""The torch.compile backend on 2 gloo ranks: examples/llama_tp.py, tensor-parallel with
+torch.distributed calls and with DTensor, compiled with opfuse, against the same model run eagerly
+(outputs and every gradient), and the fusions it must find: one all-reduce + residual add +
+RMSNorm per row-parallel projection (the MLP's joins the next layer's norm), all-reduces of the
+backward's input gradients through the fused all-reduce.
+
+One spawn runs every case (process start-up and compilation dominate on 2 CPU cores); the fused
+graphs run eagerly (``options={"inductor": False}``) except in one case, compiled by Inductor.
+"""
+
+import os
+import sys
+
+import torch
+
+from .harness import run
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))
+
+F32 = 1e-5
+BF16 = 2e-2
+
+
+def rules(programs, phase):
+    return [f.rule for p in programs for f in p.fusions_in(phase)]
+
+
+def check_case(rank, world, tp, train, inductor, dtype, tolerance):
+    import llama_tp
+
+    cfg = llama_tp.Config()
+    errors, programs = llama_tp.run_check(rank, world, tp, train, inductor, cfg=cfg, dtype=dtype, verbose=False)
+    label = f"{tp} train={train} inductor={inductor} {dtype}"
+    bad = {k: v for k, v in errors.items() if not v <= tolerance}
+    assert not bad, f"{label}: compiled differs from eager beyond {tolerance}: {bad}"
+    assert len(programs) == 1, f"{label}: {programs}"
+    (program,) = programs
+    assert program.kind == ("training" if train else "inference")
+    forward = rules(programs, "forward")
+    row_parallel = len(llama_tp.ROW_PARALLEL) * cfg.layers
+    assert forward.count("allreduce_add_rmsnorm") == row_parallel, f"{label}: {program.explain()}"
+    assert "allreduce" not in forward, f"{label}: an all-reduce fused alone in forward: {program.explain()}"
+    if train:
+        backward = rules(programs, "backward")
+        # Input gradients of the column-parallel projections: one all-reduce per projection group
+        # (dist) or per projection (DTensor).
+        per_layer = 2 if tp == "dist" else len(llama_tp.COLUMN_PARALLEL)
+        assert backward.count("allreduce") == per_layer * cfg.layers, f"{label}: {program.explain()}"
+    covered = {name for f in program.fusions if f.rule == "allreduce_add_rmsnorm" for name in f.nodes}
+    norms = [n for n in covered if n.startswith("rms_norm")]
+    assert len(norms) == row_parallel  # each reduction took a different norm, the final one included
+
+
+def cases(rank, world):
+    check_case(rank, world, "dist", True, False, torch.float32, F32)
+    check_case(rank, world, "dtensor", True, False, torch.float32, F32)
+    check_case(rank, world, "dtensor", False, False, torch.bfloat16, BF16)
+    check_case(rank, world, "dist", True, True, torch.float32, F32)
+
+
+def test_llama_example_fuses_and_matches_eager():
+    run(cases, 2, timeout=900)
