@@ -10,10 +10,14 @@ Tensor parallelism either
   calls ``torch.distributed.all_reduce`` after the row-parallel ones (inside autograd functions
   with the usual conjugate backward), or
 * ``--tp dtensor``: the unsharded model handed to ``parallelize_module`` with ``ColwiseParallel``
-  / ``RowwiseParallel`` (the plan Hugging Face's ``tp_plan`` uses).
+  / ``RowwiseParallel`` (the plan Hugging Face's ``tp_plan`` uses), or
+* ``--tp dtensor-sp``: the same with ``SequenceParallel`` norms (torchtitan's plan): the residual
+  stream is sharded along the sequence, all-gathers feed the column projections and the row
+  projections reduce-scatter.
 
 ``opfuse.optimize(model)`` compiles it; every all-reduce after a row-parallel projection fuses
-with the residual add and the RMSNorm that follows it, the next layer's included::
+with the residual add and the RMSNorm that follows it, the next layer's included (with sequence
+parallelism, each row projection fuses with its reduce-scatter and the add with the norm)::
 
     python examples/llama_tp.py --tp dist             # 2 gloo processes on CPU (NCCL with 2+ GPUs)
     python examples/llama_tp.py --tp dtensor --train  # forward + backward, gradients checked
@@ -186,6 +190,7 @@ class Llama(nn.Module):
 
 # Tensor parallelism -----------------------------------------------------------------------------------
 
+TP_MODES = ("dist", "dtensor", "dtensor-sp")
 #: Row-parallel projections: each is followed by an all-reduce that fuses with the next add + norm.
 ROW_PARALLEL = ("attention.wo", "feed_forward.w2")
 COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
@@ -206,16 +211,38 @@ def shard_by_hand(full: Llama, rank: int, world: int) -> Llama:
     return model
 
 
-def shard_with_dtensor(full: Llama, world: int) -> Llama:
-    """A copy of ``full`` parallelised by ``parallelize_module`` (ColwiseParallel / RowwiseParallel)."""
+def shard_with_dtensor(full: Llama, world: int, sequence_parallel: bool = False) -> Llama:
+    """A copy of ``full`` parallelised by ``parallelize_module``: ColwiseParallel / RowwiseParallel,
+    and with ``sequence_parallel`` torchtitan's plan (norms and residual stream sharded along the
+    sequence: all-gathers before the column projections, reduce-scatters after the row ones)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
     model = Llama(full.cfg).to(full.output.weight.dtype)
     model.load_state_dict(full.state_dict())
     mesh = init_device_mesh(full.output.weight.device.type, (world,))
-    plan = {f"layers.{i}.{name}": ColwiseParallel() for i in range(full.cfg.layers) for name in COLUMN_PARALLEL}
-    plan.update({f"layers.{i}.{name}": RowwiseParallel() for i in range(full.cfg.layers) for name in ROW_PARALLEL})
+    row = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+    plan = {}
+    for i in range(full.cfg.layers):
+        plan.update({f"layers.{i}.{name}": ColwiseParallel() for name in COLUMN_PARALLEL})
+        plan.update({f"layers.{i}.{name}": row for name in ROW_PARALLEL})
+        if sequence_parallel:
+            plan.update({
+                f"layers.{i}.attention_norm": SequenceParallel(),
+                f"layers.{i}.ffn_norm": SequenceParallel(),
+                f"layers.{i}.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                            desired_input_layouts=(Replicate(), None, None)),
+                f"layers.{i}.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                               desired_input_layouts=(Replicate(),)),
+            })
+    if sequence_parallel:
+        plan.update({
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
     return parallelize_module(model, mesh, plan)
 
 
@@ -229,9 +256,9 @@ def build(tp: str, rank: int, world: int, cfg: Config, dtype=torch.float32, devi
                 param.copy_(1 + 0.1 * torch.randn_like(param))
     if tp == "dist":
         return shard_by_hand(full, rank, world)
-    if tp == "dtensor":
-        return shard_with_dtensor(full, world)
-    raise ValueError(f"tp={tp!r}; accepted: 'dist', 'dtensor'")
+    if tp in ("dtensor", "dtensor-sp"):
+        return shard_with_dtensor(full, world, sequence_parallel=tp == "dtensor-sp")
+    raise ValueError(f"tp={tp!r}; accepted: {', '.join(TP_MODES)}")
 
 
 # The check ---------------------------------------------------------------------------------------------
@@ -287,8 +314,8 @@ def run_check(rank: int, world: int, tp: str = "dist", train: bool = False, indu
     return errors, programs
 
 
-def _worker(rank, world, tp, train, inductor):
-    errors, _ = run_check(rank, world, tp, train, inductor)
+def _worker(rank, world, tp, train, inductor, batch):
+    errors, _ = run_check(rank, world, tp, train, inductor, batch=batch)
     tolerance = 1e-5  # float32; the fused ops round differently from Inductor's kernels
     bad = {k: v for k, v in errors.items() if not v <= tolerance}
     if bad:
@@ -297,9 +324,13 @@ def _worker(rank, world, tp, train, inductor):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", choices=("dist", "dtensor"), default="dist")
+    parser.add_argument("--tp", choices=TP_MODES, default="dist",
+                        help="dtensor-sp: DTensor with sequence parallelism (torchtitan's plan)")
     parser.add_argument("--train", action="store_true", help="forward + backward; check gradients too")
     parser.add_argument("--world", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences per step (dtensor-sp: the sequence-sharded GEMM fusions need batch 1, "
+                             "where sequence-major is token-major)")
     parser.add_argument("--no-inductor", action="store_true",
                         help="run the fused graphs eagerly (options={'inductor': False}): compiles in seconds")
     args = parser.parse_args(argv)
@@ -308,7 +339,7 @@ def main(argv=None) -> int:
 
     backend, gpus = default_backend()
     world = args.world or (gpus if backend == "nccl" else 2)
-    run(_worker, world, args.tp, args.train, not args.no_inductor, backend=backend)
+    run(_worker, world, args.tp, args.train, not args.no_inductor, args.batch, backend=backend)
     print("result: check PASSED")
     return 0
 

@@ -257,8 +257,11 @@ def near_misses(gm: fx.GraphModule, rule: Rule, disabled_reason: str | None = No
                 if anchor in best and len(best[anchor].matched) > size:
                     continue
                 if anchor in best and len(best[anchor].matched) == size:
-                    _merge_expected(best[anchor], gm, graph, rule, variant, order, mapping)
-                    continue
+                    if size < len(order) or len(best[anchor].matched) == best[anchor].total:
+                        _merge_expected(best[anchor], gm, graph, rule, variant, order, mapping)
+                        continue
+                    # else: this shorter variant matched completely where a longer one stopped;
+                    # why the complete match did not fire says more.
                 trial = make_match(gm, rule, variant, mapping)
                 failed = None
                 for name in order[:size]:

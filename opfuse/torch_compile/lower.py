@@ -74,8 +74,12 @@ class _Lowering:
 
     # Emitting ----------------------------------------------------------------------------------
 
-    def emit(self, module, args: list, where: str):
-        """Trace ``module(*args)`` into the aten graph; returns its output node(s)."""
+    def emit(self, module, args: list, where: str, tokens_first: bool = False):
+        """Trace ``module(*args)`` into the aten graph; returns its output node(s).
+
+        ``tokens_first``: tensors of 3+ dims go in as ``[tokens, features]`` (fused ops treat every
+        leading dim as tokens, their collectives gather and scatter along dim 0; what a model
+        holds as ``[batch, seq, features]`` is the same memory)."""
         params = dict(module.named_parameters(remove_duplicate=False))
         names = list(params)
         sources = [param_source(self.op_graph, params[n]).node for n in names]
@@ -85,6 +89,8 @@ class _Lowering:
         def run(*tensors):
             call_args = list(args)
             for slot, tensor in zip(tensor_args, tensors):
+                if tokens_first and tensor.dim() > 2:
+                    tensor = tensor.reshape(-1, tensor.shape[-1])
                 call_args[slot] = tensor
             bound = dict(zip(names, tensors[len(tensor_args):]))
             return torch.func.functional_call(module, bound, tuple(call_args))
@@ -107,30 +113,37 @@ class _Lowering:
                 env[node] = copy
         return result
 
-    def replace(self, op_name: str, new: fx.Node, rule: str) -> None:
+    def replace(self, op_name: str, new: fx.Node, rule: str, inputs=()) -> None:
         old = self.op_graph.aten.get(op_name)
         self.values[op_name] = new
-        if old is None:
-            return
+        if old is None or old in inputs:
+            return  # an exported input (h = x when nothing is added): its users keep reading it
         got, want = fake_value(new), fake_value(old)
-        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
-                and got.shape == want.shape and got.dtype == want.dtype):
+        if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.dtype == want.dtype
+                and got.numel() == want.numel()):
             raise LoweringError(f"opfuse: rule {rule}: the fused op returns {_describe(got)} for {old.name}, which "
                                 f"holds {_describe(want)}")
+        if got.shape != want.shape:  # [tokens, features] back to the model's shape
+            with self.graph.inserting_after(new):
+                view = self.graph.call_function(torch.ops.aten.view.default, (new, list(want.shape)))
+            with self.fake_mode:
+                view.meta["val"] = got.view(want.shape)
+            new = view
         old.replace_all_uses_with(new)
 
     # Fusions ---------------------------------------------------------------------------------
 
     def lower_fused(self, node: fx.Node, module: FusedOp) -> None:
         rule = node.meta.get("opfuse_rule", module.name)
-        out = self.emit(module, [self.value_of(a) for a in node.args], where=node.name)
+        inputs = [self.value_of(a) for a in node.args]
+        out = self.emit(module, inputs, where=node.name, tokens_first=True)
         replaced = node.meta.get("opfuse_replaces")
         if replaced is not None:
-            self.replace(replaced, out, rule)
+            self.replace(replaced, out, rule, inputs)
             self.values[node.name] = out
         for user in list(node.users):
             if user.op == "call_function" and user.args[0] is node and "opfuse_replaces" in user.meta:
-                self.replace(user.meta["opfuse_replaces"], out[user.args[1]], rule)
+                self.replace(user.meta["opfuse_replaces"], out[user.args[1]], rule, inputs)
                 self.values[user.name] = out[user.args[1]]
         for name, _kind in node.meta.get("opfuse_covered", ()):
             region = self.op_graph.regions.get(name)

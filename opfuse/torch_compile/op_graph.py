@@ -1,6 +1,8 @@
 """The op graph of an aten graph: the same torch.fx form ``ops.Sequential`` lowers to (one
 ``call_module`` node per opfuse op, every value annotated with its ``TensorMeta``), so the pass
-pipeline, the built-in and user rules, ``explain()`` and the dumps work on it unchanged.
+pipeline, the built-in and user rules, ``explain()`` and the dumps work on it unchanged. Values
+are described as opfuse's ops take them, ``[tokens, features]``: a model's ``[batch, seq,
+features]`` activation shows as ``[batch * seq, features]``.
 
 Every aten node that is not part of a recognised region is copied as it is (an "opaque" node,
 kind ``call_function``): the matcher needs every user of every value, and every path through
@@ -25,6 +27,7 @@ from ..ops.base import TensorMeta
 from ..ops.extra import MakeExtraOutput
 from ..ops.norm import LayerNorm, RMSNorm
 from ..ops.sharding import REPLICATED, Sharding
+from ..passes.registry import get_registry
 from ..passes.rewrite import add_submodule, snake_case
 from .aten import value as fake_value
 from .regions import ParamSource, Region, find_regions, recompute_closure
@@ -54,12 +57,23 @@ class OpGraph:
 
 
 def tensor_meta(val) -> TensorMeta | tuple | None:
-    """``TensorMeta`` of a fake tensor (tuples of them for multi-output nodes)."""
+    """``TensorMeta`` of a fake tensor as opfuse's ops see it, ``[tokens, features]`` (leading
+    dims flattened; tuples of them for multi-output nodes)."""
     if isinstance(val, torch.Tensor):
-        return TensorMeta(tuple(int(s) for s in val.shape), val.dtype, val.device)
+        dims = tuple(int(s) for s in val.shape)
+        if len(dims) > 2:
+            dims = (_numel(dims[:-1]), dims[-1])
+        return TensorMeta(dims, val.dtype, val.device)
     if isinstance(val, (tuple, list)):
         return tuple(tensor_meta(v) for v in val)
     return None
+
+
+def _numel(dims) -> int:
+    count = 1
+    for size in dims:
+        count *= size
+    return count
 
 
 def _is_static(val) -> bool:
@@ -83,15 +97,30 @@ def _sharding_of(region: Region) -> Sharding:
     return REPLICATED
 
 
+def _exporting_kinds() -> set[str]:
+    """Kinds the active rules' patterns place right before a ``MakeExtraOutput``: the values a
+    fused op can export."""
+    kinds = set()
+    for rule in get_registry().active():
+        for variant in rule.variants:
+            for src, dst, _ in variant.edges:
+                if "MakeExtraOutput" in variant.spec(dst).kinds:
+                    kinds.update(variant.spec(src).kinds)
+    return kinds
+
+
 def _insert_extra_outputs(gm: fx.GraphModule, aten: dict) -> None:
-    """``V -> [MakeExtraOutput] -> norm`` wherever a norm's input ``V``, the value of a recognised
-    op, has other users."""
+    """``V -> [MakeExtraOutput] -> norm`` wherever a norm's input ``V`` has other users and is the
+    value of an op a rule could fuse and export (an all-reduce, a bias, a residual add)."""
     graph = gm.graph
+    exporting = _exporting_kinds()
     for node in list(graph.nodes):
         if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), (RMSNorm, LayerNorm)):
             continue
         source = node.args[0]
         if not isinstance(source, fx.Node) or source.op != "call_module" or len(source.users) < 2:
+            continue
+        if gm.get_submodule(source.target).kind not in exporting:
             continue
         name = add_submodule(gm, f"make_extra_output_{source.name}", MakeExtraOutput())
         with graph.inserting_after(source):

@@ -31,6 +31,7 @@ after fusion, so they must not involve a GEMM or a collective (such a region is 
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch import fx, nn
@@ -120,6 +121,27 @@ def _other(node: fx.Node, known) -> fx.Node | None:
 # Collectives ------------------------------------------------------------------------------------
 
 
+def _split_along_tokens(x: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
+    """``cat([y.split(size, dim)[i] for i ...], dim=0)`` with every dim of ``y`` before ``dim`` of
+    size 1 is ``y`` regrouped (DTensor's reduce-scatter along the sequence dim, batch 1): returns
+    ``(y, nodes)``, else ``(x, set())``."""
+    if not calls(x, aten.cat.default) or (len(x.args) > 1 and x.args[1] != 0):
+        return x, set()
+    parts = x.args[0]
+    if not parts or not all(calls(p, operator.getitem) for p in parts):
+        return x, set()
+    split = parts[0].args[0]
+    if not calls(split, aten.split.Tensor, aten.split_with_sizes.default) or len(split.args) < 3:
+        return x, set()
+    y, dim = split.args[0], split.args[2]
+    dims = shape(y)
+    if dims is None or any(p.args[0] is not split for p in parts) or [p.args[1] for p in parts] != list(range(len(parts))):
+        return x, set()
+    if len(parts) != len(split.users) or any(size != 1 for size in dims[:dim % len(dims)]):
+        return x, set()
+    return y, {x, split, *parts}
+
+
 def _collective(wait: fx.Node) -> Region | None:
     if not calls(wait, c10d.wait_tensor.default) or not wait.args:
         return None
@@ -141,7 +163,10 @@ def _collective(wait: fx.Node) -> Region | None:
         group = groups.from_name(name)
     except Exception:  # noqa: BLE001 - a group this process does not know: leave the collective alone
         return None
-    return Region(_frozen(cls(group=group)), (x,), wait, frozenset({issue, wait}))
+    extra = set()
+    if cls is ReduceScatter:
+        x, extra = _split_along_tokens(x)
+    return Region(_frozen(cls(group=group)), (x,), wait, frozenset({issue, wait, *extra}))
 
 
 # Linear ---------------------------------------------------------------------------------------------
@@ -194,24 +219,22 @@ def _linear(mm: fx.Node) -> list[Region]:
         return []
     weight = ParamSource(b.args[0])
     nodes.add(b)
-    # x's leading dims flattened for the GEMM, and restored on its result, through any views.
+    # x's leading dims flattened for the GEMM and restored on its result, through any views (the
+    # grouping of the leading dims may differ: a dim-1 all-gather with batch 1 is viewed that way).
     x, out = a, mm
     source, views_in = _view_chain(a)
     dims = shape(source)
     if views_in and dims is not None and dims[-1] == k and _numel(dims[:-1]) == a_shape[0]:
-        out_chain, cur = [], mm
-        while len(cur.users) == 1 and calls(next(iter(cur.users)), *_VIEWS):
-            cur = next(iter(cur.users))
-            out_chain.append(cur)
-        want = tuple(dims[:-1]) + (n,)
-        ends = [i for i, view in enumerate(out_chain) if shape(view) == want]
-        if len(dims) == 2:
-            x = source
-            nodes.update(views_in)
-        elif ends:
-            x, out = source, out_chain[ends[0]]
-            nodes.update(views_in)
-            nodes.update(out_chain[:ends[0] + 1])
+        x = source
+        nodes.update(views_in)
+    cur, views_out = mm, []
+    while len(cur.users) == 1 and calls(next(iter(cur.users)), *_VIEWS):
+        cur = next(iter(cur.users))
+        views_out.append(cur)
+        if shape(cur)[-1] == n:
+            out = cur
+    if out is not mm:
+        nodes.update(views_out[:views_out.index(out) + 1])
     if dtype(x) != dtype(weight.node):
         return []
     standin = _standin((n, k), dtype(weight.node))

@@ -2,7 +2,8 @@
 torch.distributed calls and with DTensor, compiled with opfuse, against the same model run eagerly
 (outputs and every gradient), and the fusions it must find: one all-reduce + residual add +
 RMSNorm per row-parallel projection (the MLP's joins the next layer's norm), all-reduces of the
-backward's input gradients through the fused all-reduce.
+backward's input gradients through the fused all-reduce; with DTensor sequence parallelism, each
+row projection with its reduce-scatter and each residual add with the norm after it.
 
 One spawn runs every case (process start-up and compilation dominate on 2 CPU cores); the fused
 graphs run eagerly (``options={"inductor": False}``) except in one case, compiled by Inductor.
@@ -26,11 +27,12 @@ def rules(programs, phase):
     return [f.rule for p in programs for f in p.fusions_in(phase)]
 
 
-def check_case(rank, world, tp, train, inductor, dtype, tolerance):
+def check_case(rank, world, tp, train, inductor, dtype, tolerance, batch=2):
     import llama_tp
 
     cfg = llama_tp.Config()
-    errors, programs = llama_tp.run_check(rank, world, tp, train, inductor, cfg=cfg, dtype=dtype, verbose=False)
+    errors, programs = llama_tp.run_check(rank, world, tp, train, inductor, cfg=cfg, dtype=dtype, batch=batch,
+                                          verbose=False)
     label = f"{tp} train={train} inductor={inductor} {dtype}"
     bad = {k: v for k, v in errors.items() if not v <= tolerance}
     assert not bad, f"{label}: compiled differs from eager beyond {tolerance}: {bad}"
@@ -39,6 +41,11 @@ def check_case(rank, world, tp, train, inductor, dtype, tolerance):
     assert program.kind == ("training" if train else "inference")
     forward = rules(programs, "forward")
     row_parallel = len(llama_tp.ROW_PARALLEL) * cfg.layers
+    if tp == "dtensor-sp":
+        # Each row projection with its reduce-scatter; each residual add with the next norm.
+        assert forward.count("linear_reduce_scatter") == row_parallel, f"{label}: {program.explain()}"
+        assert forward.count("add_rmsnorm") == row_parallel + 1, f"{label}: {program.explain()}"
+        return
     assert forward.count("allreduce_add_rmsnorm") == row_parallel, f"{label}: {program.explain()}"
     assert "allreduce" not in forward, f"{label}: an all-reduce fused alone in forward: {program.explain()}"
     if train:
@@ -55,6 +62,7 @@ def check_case(rank, world, tp, train, inductor, dtype, tolerance):
 def cases(rank, world):
     check_case(rank, world, "dist", True, False, torch.float32, F32)
     check_case(rank, world, "dtensor", True, False, torch.float32, F32)
+    check_case(rank, world, "dtensor-sp", True, False, torch.float32, F32, batch=1)
     check_case(rank, world, "dtensor", False, False, torch.bfloat16, BF16)
     check_case(rank, world, "dist", True, True, torch.float32, F32)
 
