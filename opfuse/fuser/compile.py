@@ -31,13 +31,13 @@ def signature(seq, inputs) -> tuple:
             current_recipe())
 
 
-def _light_copy(gm: fx.GraphModule) -> fx.GraphModule:
+def _light_copy(gm: fx.GraphModule, cls=fx.GraphModule) -> fx.GraphModule:
     """A copy of the graph that shares (does not copy) the submodules and their parameters."""
     graph = fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     modules = {n.target: gm.get_submodule(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    return fx.GraphModule(modules, graph, class_name="OpfuseProgram")
+    return cls(modules, graph, class_name="OpfuseProgram")
 
 
 def _rank_tag() -> str:
@@ -56,17 +56,19 @@ def new_dump_dir(label: str = "program") -> str | None:
 
 
 class PassRecorder:
-    """The pipeline's ``after_pass`` callback: keeps the unfused graph (a copy after partitioning)
-    in the pass context and writes every graph to ``dump_dir`` (``NN_<pass>.py`` / ``.txt``)."""
+    """The pipeline's ``after_pass`` callback: keeps the unfused graph (a copy after partitioning,
+    a ``module_class``) in the pass context and writes every graph to ``dump_dir``
+    (``NN_<pass>.py`` / ``.txt``)."""
 
-    def __init__(self, ctx: PassContext, dump_dir: str | None):
+    def __init__(self, ctx: PassContext, dump_dir: str | None, module_class=fx.GraphModule):
         self.ctx = ctx
         self.dump_dir = dump_dir
+        self.module_class = module_class
         self._steps = itertools.count()
 
     def __call__(self, name: str, module: fx.GraphModule) -> None:
         if name == "partition":
-            self.ctx.unfused = _light_copy(module)
+            self.ctx.unfused = _light_copy(module, self.module_class)
         if self.dump_dir is not None:
             self.write(f"{next(self._steps):02d}_{name}", module, f"after pass {name}")
 

@@ -14,6 +14,7 @@ order, decides. A structural match is then *legal* when
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from typing import Iterator
 
@@ -50,8 +51,12 @@ def _flat_args(node: fx.Node) -> list:
 
 def graph_to_networkx(gm: fx.GraphModule) -> nx.DiGraph:
     graph = nx.DiGraph()
+    by_kind: dict[str, list[fx.Node]] = {}
     for index, node in enumerate(gm.graph.nodes):
-        graph.add_node(node, kind=node_kind(gm, node), order=index)
+        kind = node_kind(gm, node)
+        graph.add_node(node, kind=kind, order=index)
+        by_kind.setdefault(kind, []).append(node)
+    graph.graph["by_kind"] = by_kind
     for node in gm.graph.nodes:
         for position, arg in enumerate(_flat_args(node)):
             for source in _nodes_in(arg):
@@ -75,9 +80,43 @@ def _pattern_graph(pattern: Pattern, names: list[str] | None = None) -> nx.DiGra
     return graph.subgraph(names).copy() if names is not None else graph
 
 
+def _of_kinds(graph: nx.DiGraph, kinds) -> list:
+    by_kind = graph.graph.get("by_kind")
+    if by_kind is None:
+        return [n for n, kind in graph.nodes(data="kind") if kind in kinds]
+    return [n for kind in kinds for n in by_kind.get(kind, ())]
+
+
+def _candidates(graph: nx.DiGraph, pattern_graph: nx.DiGraph) -> nx.DiGraph:
+    """The part of ``graph`` a match can use: nodes of the pattern's kinds within the pattern's
+    reach of a node of its rarest kind, and the edges between them. Every match lies there (it
+    holds such a node, and the pattern is connected), so matching there finds the same
+    monomorphisms as in the whole graph; in the op graph of a compiled model, mostly aten nodes
+    no pattern names, it is a small part."""
+    specs = [data["spec"] for _, data in pattern_graph.nodes(data=True)]
+    kinds = {kind for spec in specs for kind in spec.kinds}
+    eligible = set(_of_kinds(graph, kinds))
+    anchors = min((_of_kinds(graph, spec.kinds) for spec in specs), key=len)
+    reach = len(specs) - 1
+    found = set(anchors)
+    frontier = list(anchors)
+    for _ in range(reach):
+        step = []
+        for node in frontier:
+            for near in itertools.chain(graph.successors(node), graph.predecessors(node)):
+                if near in eligible and near not in found:
+                    found.add(near)
+                    step.append(near)
+        frontier = step
+    return graph.subgraph(found).copy()
+
+
 def _structural(graph: nx.DiGraph, pattern_graph: nx.DiGraph) -> Iterator[dict[str, fx.Node]]:
+    target = _candidates(graph, pattern_graph)
+    if target.number_of_nodes() < pattern_graph.number_of_nodes():
+        return
     matcher = isomorphism.DiGraphMatcher(
-        graph,
+        target,
         pattern_graph,
         node_match=lambda g, p: g["kind"] in p["spec"].kinds,
         edge_match=lambda g, p: p["args"] <= g["args"],
@@ -104,8 +143,12 @@ def make_match(gm: fx.GraphModule, rule: Rule, pattern: Pattern, mapping: dict[s
     return Match(rule, pattern, ops)
 
 
-def check_legal(graph: nx.DiGraph, pattern: Pattern, mapping: dict[str, fx.Node]) -> str | None:
-    """``None`` if replacing the match by one node is legal, else why not."""
+def check_legal(graph: nx.DiGraph, pattern: Pattern, mapping: dict[str, fx.Node], order=None, kind=None) -> str | None:
+    """``None`` if replacing the match by one node is legal, else why not. ``order`` (node ->
+    position in a topological order) and ``kind`` (node -> kind) default to ``graph``'s; passing
+    them checks a match against an fx graph edited since ``graph`` was built."""
+    order = order or (lambda n: graph.nodes[n]["order"])
+    kind = kind or (lambda n: graph.nodes[n]["kind"])
     inside = set(mapping.values())
     exported = set(pattern.outputs())
     for name, node in mapping.items():
@@ -113,8 +156,8 @@ def check_legal(graph: nx.DiGraph, pattern: Pattern, mapping: dict[str, fx.Node]
             continue
         outside = [user for user in node.users if user not in inside]
         if outside:
-            users = ", ".join(f"{u.name} ({graph.nodes[u]['kind']})" for u in outside)
-            return f"interior value {node.name} ({graph.nodes[node]['kind']}) is also used by {users}"
+            users = ", ".join(f"{u.name} ({kind(u)})" for u in outside)
+            return f"interior value {node.name} ({kind(node)}) is also used by {users}"
     wanted = {(mapping[a], mapping[b], arg) for a, b, arg in pattern.edges}
     for node in mapping.values():
         for position, arg in enumerate(_flat_args(node)):
@@ -122,16 +165,28 @@ def check_legal(graph: nx.DiGraph, pattern: Pattern, mapping: dict[str, fx.Node]
                 if source in inside and (source, node, position) not in wanted:
                     return (f"{node.name} reads matched value {source.name} through argument {position}, "
                             f"which the pattern does not connect")
-    contracted = nx.DiGraph()
-    fused = ("<fused>",)
-    rename = {n: (fused if n in inside else n) for n in graph.nodes}
-    contracted.add_nodes_from(set(rename.values()))
-    for a, b in graph.edges:
-        if rename[a] != rename[b]:
-            contracted.add_edge(rename[a], rename[b])
-    if not nx.is_directed_acyclic_graph(contracted):
+    if _leaves_and_returns(inside, order):
         return "fusing would create a cycle (a value leaves the match and comes back into it)"
     return None
+
+
+def _leaves_and_returns(inside: set, order) -> bool:
+    """A path from a matched node through unmatched ones back to a matched node (replacing the
+    match by one node would close it into a cycle). ``order`` is topological, so the search
+    stops at nodes after the last matched one."""
+    last = max(order(n) for n in inside)
+    stack = [user for node in inside for user in node.users if user not in inside]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or order(node) > last:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user in inside:
+                return True
+            stack.append(user)
+    return False
 
 
 def evaluate_match(match: Match) -> str | None:

@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ..fuser.compile import PassRecorder, new_dump_dir
 from ..passes.pipeline import PassContext, run_pipeline
 from .lower import lower_fusions
-from .op_graph import build_op_graph
+from .op_graph import OpGraphModule, build_op_graph
 from .program import GraphProgram
 
 __all__ = ["FusionPass", "PassChain", "fuse_graph"]
@@ -55,7 +55,7 @@ def fuse_graph(gm: fx.GraphModule) -> GraphProgram:
     op_graph = build_op_graph(gm)
     phases = _phases(op_graph.gm)
     ctx = PassContext()
-    recorder = PassRecorder(ctx, dump_dir)
+    recorder = PassRecorder(ctx, dump_dir, module_class=OpGraphModule)
     run_pipeline(op_graph.gm, ctx, recorder)
     lower_fusions(op_graph, gm)
     _write_aten(dump_dir, "aten_after", gm)

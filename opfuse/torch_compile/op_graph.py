@@ -39,6 +39,21 @@ class _Root(nn.Module):
     """Owner of an op graph's modules (the recognised ops, then the fused ones)."""
 
 
+class OpGraphModule(fx.GraphModule):
+    """An op graph. It is never run (its aten graph is), so the pass pipeline's recompiles only
+    mark its Python code stale; ``code`` generates it when asked (seconds for a large model)."""
+
+    def recompile(self):
+        self._opfuse_stale = True
+
+    @property
+    def code(self) -> str:
+        if getattr(self, "_opfuse_stale", True):
+            fx.GraphModule.recompile(self)
+            self._opfuse_stale = False
+        return fx.GraphModule.code.fget(self)
+
+
 @dataclasses.dataclass
 class OpGraph:
     """An aten graph's op graph and how its nodes map back.
@@ -201,7 +216,7 @@ def build_op_graph(aten_gm: fx.GraphModule) -> OpGraph:
             aten[op_node.name] = region.value
             by_name[op_node.name] = region
             params.update({id(p): source for p, source in region.params.items()})
-    gm = fx.GraphModule(root, graph, class_name="OpfuseOpGraph")
+    gm = OpGraphModule(root, graph, class_name="OpfuseOpGraph")
     _insert_extra_outputs(gm, aten)
     gm.recompile()
     return OpGraph(gm, aten, by_name, params, notes)
