@@ -154,7 +154,11 @@ def horizontal_gemm(gm: fx.GraphModule, ctx) -> None:
             runs = _adjacent_runs(ctx, members)
             merged = {n for run in runs for n in run}
             apart = [n.name for n in members if n not in merged]
-            if apart:
+            if apart and all(ctx.op(n).weight.is_meta for n in members):
+                # Stand-ins of a torch.compile graph's inputs: where the weights live is not known.
+                ctx.note(f"{', '.join(apart)} read {value.name} as other GEMMs do, but their weights are separate "
+                         f"inputs of the compiled graph: merging them would copy the weights on every call")
+            elif apart:
                 ctx.note(f"{', '.join(apart)} read {value.name} as other GEMMs do, but their weights are stored "
                          f"apart in memory: merging them would copy the weights on every call (keep them in one "
                          f"buffer: opfuse.ops.packing.pack_rows_)")

@@ -64,7 +64,8 @@ def fuse_graph(gm: fx.GraphModule) -> GraphProgram:
         covered = [phases.get(name, "forward") for name in record.nodes]
         fused_phases[record.fused_node] = "backward" if "backward" in covered else "forward"
     program = GraphProgram(index, "training" if training else "inference", op_graph.gm, ctx.unfused, ctx.fusions,
-                           fused_phases, op_graph.notes, len(gm.graph.nodes))
+                           fused_phases, [("torch_compile", note) for note in op_graph.notes] + ctx.notes,
+                           len(gm.graph.nodes))
     recorder.write_explanation(program)
     return program
 

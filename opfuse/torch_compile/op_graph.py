@@ -23,7 +23,7 @@ import dataclasses
 import torch
 from torch import fx, nn
 
-from ..ops.base import TensorMeta
+from ..ops.base import OpInputError, TensorMeta
 from ..ops.extra import MakeExtraOutput
 from ..ops.norm import LayerNorm, RMSNorm
 from ..ops.sharding import REPLICATED, Sharding
@@ -104,12 +104,27 @@ def _annotate(node: fx.Node, meta, sharding: Sharding = REPLICATED) -> None:
     node.meta["opfuse_sharding"] = sharding
 
 
-def _sharding_of(region: Region) -> Sharding:
-    """Layouts are known where collectives make them explicit: a reduce-scatter's result is
-    token-sharded; every other value is what this rank holds."""
-    if region.kind == "ReduceScatter":
-        return Sharding(tokens=True, group=region.op.group)
-    return REPLICATED
+def _inferred_metas(regions: list[Region]) -> dict[int, TensorMeta]:
+    """What each region's op computes from its inputs' metadata (what verify checks the op graph
+    against); regions whose op refuses its inputs are left out (their nodes stay opaque)."""
+    metas: dict[int, TensorMeta] = {}
+    pending = None  # the GEMM half of an addmm, for its bias half
+    for region in regions:
+        if region.virtual_input:
+            inputs = [pending] if pending is not None else None
+        else:
+            inputs = [tensor_meta(fake_value(i)) for i in region.inputs]
+        pending = None
+        if inputs is None or not all(isinstance(m, TensorMeta) for m in inputs):
+            continue
+        try:
+            meta = region.op.infer_meta(*inputs)
+        except OpInputError:
+            continue
+        if region.value is None:
+            pending = meta
+        metas[id(region)] = meta
+    return metas
 
 
 def _exporting_kinds() -> set[str]:
@@ -156,7 +171,8 @@ def build_op_graph(aten_gm: fx.GraphModule) -> OpGraph:
     if len(static) < len(regions):
         notes.append(f"{len(regions) - len(static)} op(s) with symbolic shapes left unfused (opfuse chooses "
                      f"implementations for static shapes; compile with dynamic=False)")
-    regions = static
+    metas = _inferred_metas(static)
+    regions = [r for r in static if id(r) in metas]
     at_position: dict[fx.Node, list[Region]] = {}
     for region in regions:
         at_position.setdefault(region.position, []).append(region)
@@ -206,12 +222,10 @@ def build_op_graph(aten_gm: fx.GraphModule) -> OpGraph:
             root.add_module(target, region.op)
             op_node = graph.call_module(target, args)
             if region.value is None:
-                meta = region.op.infer_meta(args[0].meta["opfuse_meta"])
                 pending_virtual = op_node
             else:
-                meta = tensor_meta(fake_value(region.value))
                 env[region.value] = op_node
-            _annotate(op_node, meta, _sharding_of(region))
+            _annotate(op_node, metas[id(region)])
             op_node.meta["opfuse_path"] = (region.value or region.anchor).name
             aten[op_node.name] = region.value
             by_name[op_node.name] = region

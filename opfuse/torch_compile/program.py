@@ -30,16 +30,16 @@ class GraphProgram(Program):
     phases:
         Fused node name -> ``"forward"`` or ``"backward"``.
     notes:
-        What opfuse left alone in this graph and why, beyond the rules' near misses.
+        ``(source, remark)`` pairs: what the passes, and recognition (``"torch_compile"``), left
+        alone and why, beyond the rules' near misses.
     """
 
     def __init__(self, index: int, kind: str, graph_module: fx.GraphModule, unfused: fx.GraphModule, fusions: list,
-                 phases: dict[str, str], notes: list[str], aten_nodes: int):
-        super().__init__(None, graph_module, unfused, fusions, ())
+                 phases: dict[str, str], notes, aten_nodes: int):
+        super().__init__(None, graph_module, unfused, fusions, (), notes=notes)
         self.index = index
         self.kind = kind
         self.phases = dict(phases)
-        self.notes = list(notes)
         self.aten_nodes = aten_nodes
 
     def __call__(self, *inputs):
@@ -76,12 +76,6 @@ class GraphProgram(Program):
                 best[anchor] = miss
         result.near_misses.extend(best.values())
         return result
-
-    def explain(self, verbose: bool = False) -> str:
-        text = super().explain(verbose)
-        if self.notes:
-            text += "notes:\n" + "".join(f"  {note}\n" for note in self.notes)
-        return text
 
     def __repr__(self) -> str:
         rules = ", ".join(f"{f.rule}({self.phases.get(f.fused_node, '?')})" for f in self.fusions) or "no fusions"
