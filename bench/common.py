@@ -35,6 +35,7 @@ BENCHMARKS = {
     "allreduce_crossover": (2, "all-reduce + norm dispatch: every implementation forced vs the automatic choice"),
     "overlap": (2, "all-gather + GEMM and GEMM + reduce-scatter overlap vs the GEMM alone and NCCL"),
     "block": (2, "the whole tensor-parallel MLP block vs torch.nn and torch.compile (--cpu: gloo dry run)"),
+    "model": (2, "a Llama-style decoder under opfuse's torch.compile backend vs torch.compile and eager (--cpu)"),
     "grouped": (1, "MoE grouped GEMM vs torch._grouped_mm and a dense GEMM"),
     "grouped_tune": (1, "grouped GEMM implementations and persistent tiles per size class: this GPU's table entries"),
     "horizontal": (1, "gate and up as one GEMM over the joined weight (horizontal_gemm) vs two GEMMs"),
