@@ -280,22 +280,27 @@ def local_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run_check(rank: int, world: int, tp: str = "dist", train: bool = False, inductor: bool = True,
-              cfg: Config | None = None, dtype=torch.float32, batch: int = 2, seq: int = 8, verbose: bool = True):
+              cfg: Config | None = None, dtype=torch.float32, batch: int = 2, seq: int = 8, verbose: bool = True,
+              **compile_kwargs):
     """Compile the ``tp`` model with opfuse, run it next to the same model eagerly; returns
     ``(errors, programs)`` with ``errors = {"output": relative error, "grad <name>": ...}``
-    (:func:`relative_error`)."""
+    (:func:`relative_error`). ``compile_kwargs`` go to ``opfuse.optimize`` (e.g. ``mode=``)."""
     import opfuse
 
     cfg = cfg or Config()
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     eager = build(tp, rank, world, cfg, dtype, device)
     compiled_model = build(tp, rank, world, cfg, dtype, device)
-    compiled = opfuse.optimize(compiled_model, options={} if inductor else {"inductor": False})
+    if not inductor:
+        compile_kwargs["options"] = {"inductor": False}
+    compiled = opfuse.optimize(compiled_model, **compile_kwargs)
     tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
     errors = {}
     with torch.set_grad_enabled(train):
         want = eager(tokens)
-        got = compiled(tokens)
+        # Inference runs a few times: under mode="reduce-overhead" the third call replays a CUDA graph.
+        for _ in range(1 if train else 3):
+            got = compiled(tokens)
     errors["output"] = relative_error(got, want)
     if train:
         grad_out = torch.randn(want.shape, generator=torch.Generator().manual_seed(2)).to(device=device, dtype=dtype)
