@@ -2,7 +2,8 @@
 compiled by opfuse's torch.compile backend, against torch.compile (Inductor; async TP where it
 applies) and eager, in one run.
 
-    PYTHONPATH=. python3 bench/model.py --world 2 4          # hidden 8192, 64 heads (8 kv), ffn 28672, 4 layers
+    PYTHONPATH=. python3 bench/model.py --world 2 4          # hidden 8192, 64 heads (8 kv), ffn 28672, 2 layers
+    PYTHONPATH=. python3 bench/model.py --world 2 --layers 4 # more layers (compiling dominates the run time)
     PYTHONPATH=. python3 bench/model.py --world 2 --quick    # hidden 1024, 2 layers: a smoke test
     python3 bench/model.py --world 2 --cpu                    # gloo + CPU dry run of the code paths
 
@@ -26,7 +27,8 @@ Variants:
 
 Method: CUDA events; medians of REPS batches of CALLS back-to-back calls after warm-up, every
 batch after a barrier, max over ranks (CALLS = 20 decode / 3 train, REPS = 7 / 5).
-NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
+NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1. Every size is its own static-shape
+compile (14 per world, 10 with --no-train-8192): compiling is most of the run time.
 
 Targets (issue 14): decode opfuse <= 0.85x compile at world 2; train opfuse <= 1.0x compile with
 async TP (sp), and faster where the overlaps win; compile time opfuse <= 1.5x compile.
@@ -53,7 +55,7 @@ import common  # noqa: E402  (bench/common.py)
 import llama_tp  # noqa: E402  (examples/llama_tp.py: the model)
 
 TARGETS = {"decode": 0.85, "train": 1.0, "compile_time": 1.5}
-MODEL = dict(dim=8192, layers=4, heads=64, kv_heads=8, ffn=28672, vocab=4096, max_seq=8192)
+MODEL = dict(dim=8192, layers=2, heads=64, kv_heads=8, ffn=28672, vocab=4096, max_seq=8192)
 FULL = dict(model=MODEL, decode=[1, 16, 64], train=[2048, 8192], calls_decode=20, calls_train=3, reps=7,
             reps_train=5)
 QUICK = dict(model=dict(MODEL, dim=1024, layers=2, heads=16, kv_heads=4, ffn=4096), decode=[1, 16], train=[512],
@@ -264,6 +266,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="hidden 1024, 2 layers: a smoke test")
     parser.add_argument("--cpu", action="store_true", help="gloo + CPU dry run of the code paths (no timings)")
     parser.add_argument("--no-train-8192", action="store_true", help="drop the 8192-token training cases")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2; --cpu/--quick: 2)")
     args = parser.parse_args()
     results, summary, started = {}, [], time.perf_counter()
     if args.from_json:
@@ -277,6 +280,8 @@ def main() -> int:
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda")
         if args.no_train_8192:
             opts["train"] = [t for t in opts["train"] if t != 8192]
+        if args.layers:
+            opts["model"] = dict(opts["model"], layers=args.layers)
         for world in args.world if args.cpu else common.worlds(args.world):
             results[str(world)] = common.run_ranks(worker, world, opts, backend="gloo" if args.cpu else "nccl",
                                                    timeout=3600)

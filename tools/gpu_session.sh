@@ -10,6 +10,7 @@
 #   tools/gpu_session.sh multi-bench   # 2-4 GPUs: allreduce+norm and overlap benchmarks
 #   tools/gpu_session.sh overlap       # 2-4 GPUs: overlap + graphed-block tests, overlap benchmark
 #   tools/gpu_session.sh graphed-push  # 2-4 GPUs: graphed-block tests, copy-engine push bandwidth
+#   tools/gpu_session.sh compile-backend  # 2-4 GPUs: the torch.compile backend's test and bench/model.py
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
 #   tools/gpu_session.sh world8-bench  # 8 GPUs: the world-8 benchmarks
 #   tools/gpu_session.sh allreduce     # 2-4 GPUs (~7 min on 4x H200): all-reduce+norm bench with the FlashInfer
@@ -89,6 +90,10 @@ case "$stage" in
   graphed-push)
     step graphed_tests 300 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
     step push_bench 200 python3 bench/push_bandwidth.py --world 2 4
+    ;;
+  compile-backend)
+    step compile_backend_tests 600 python3 -m pytest -x -q tests/gpu/test_compile_backend.py "$@"
+    step model_bench 900 python3 bench/model.py --world 2 --no-train-8192 --json "$OUT/model.json"
     ;;
   world8)
     step residual_norm_dist 150 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py -k "8]" "$@"
