@@ -12,6 +12,7 @@ graphs run eagerly (``options={"inductor": False}``) except in one case, compile
 import os
 import sys
 
+import pytest
 import torch
 
 from .harness import run
@@ -69,3 +70,18 @@ def cases(rank, world):
 
 def test_llama_example_fuses_and_matches_eager():
     run(cases, 2, timeout=900)
+
+
+def hf_case(rank, world):
+    import hf_llama_tp
+
+    errors, programs = hf_llama_tp.run_check(rank, world, train=True, inductor=False, verbose=False)
+    bad = {k: v for k, v in errors.items() if not v <= F32}
+    assert not bad, f"transformers Llama: compiled differs from eager: {bad}"
+    forward = rules(programs, "forward")
+    assert forward.count("allreduce_add_rmsnorm") == 2 * 2, [p.explain() for p in programs]
+
+
+def test_transformers_llama_with_its_tp_plan():
+    pytest.importorskip("transformers")
+    run(hf_case, 2, timeout=900)
