@@ -117,8 +117,6 @@ def _fusions(compiled) -> str:
 def worker(rank, world, opts, out_path):
     import json
 
-    import opfuse  # noqa: F401  (registers the backend when not installed)
-
     warnings.filterwarnings("ignore")
     device = opts["device"]
     block.DEVICE = device
@@ -170,7 +168,7 @@ def worker(rank, world, opts, out_path):
                 measured(row, name, lambda fn=fn: block.eager_us(lambda: fn(ids), calls, reps)[0])
         row["fusions"] = _fusions(compiled["opfuse"])
         row["err"] = errors
-        del models, compiled
+        models = compiled = None  # free before the next size
         finish(row)
 
     # Training: tp (torch.distributed all-reduces), sp (DTensor sequence parallel, async TP on).
@@ -202,7 +200,7 @@ def worker(rank, world, opts, out_path):
                 measured(row, name, lambda name=name: block.eager_us(step(name), calls, reps)[0])
             row["fusions"] = _fusions(steps["opfuse"])
             row["err"] = errors
-            del models, steps, want
+            models = steps = want = None  # free before the next size
             finish(row)
     if async_tp is not None:
         notes.append(f"async TP (Inductor micro-pipeline TP, sp graphs): matched {async_tp.candidates}, fused "

@@ -15,6 +15,7 @@ and ``down_proj`` fuses with the residual add and the next ``RMSNorm`` (the next
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -25,11 +26,7 @@ STYLES = ("colwise", "rowwise")
 
 
 def have_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("transformers") is not None
 
 
 def build(world: int, dtype=torch.float32, device="cpu", layers: int = 2, seed: int = 0):
@@ -42,12 +39,11 @@ def build(world: int, dtype=torch.float32, device="cpu", layers: int = 2, seed: 
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          rms_norm_eps=1e-5, tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from llama_tp import vary_norm_weights
+
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
+    model = vary_norm_weights(LlamaForCausalLM(config).to(device=device, dtype=dtype))
     plan = getattr(config, "base_model_tp_plan", None) or {}
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     expanded = {}

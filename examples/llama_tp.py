@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 
@@ -246,14 +245,20 @@ def shard_with_dtensor(full: Llama, world: int, sequence_parallel: bool = False)
     return parallelize_module(model, mesh, plan)
 
 
+def vary_norm_weights(model: nn.Module) -> nn.Module:
+    """Norm weights away from 1 (as in a trained model), from the global RNG: a norm applied with
+    the wrong weight, or not at all, shows in the outputs."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+    return model
+
+
 def build(tp: str, rank: int, world: int, cfg: Config, dtype=torch.float32, device="cpu", seed: int = 0) -> Llama:
     """The unsharded model (same on every rank: same seed), sharded the ``tp`` way."""
     torch.manual_seed(seed)
-    full = Llama(cfg).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        for name, param in full.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
+    full = vary_norm_weights(Llama(cfg).to(device=device, dtype=dtype))
     if tp == "dist":
         return shard_by_hand(full, rank, world)
     if tp in ("dtensor", "dtensor-sp"):

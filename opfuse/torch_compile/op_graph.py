@@ -30,7 +30,8 @@ from ..ops.sharding import REPLICATED, Sharding
 from ..passes.registry import get_registry
 from ..passes.rewrite import add_submodule, snake_case
 from .aten import value as fake_value
-from .regions import ParamSource, Region, find_regions, recompute_closure
+from .raising import find_regions
+from .regions import ParamSource, Region, recompute_closure
 
 __all__ = ["OpGraph", "build_op_graph", "tensor_meta"]
 

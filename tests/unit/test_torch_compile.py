@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
