@@ -170,7 +170,8 @@ class _Lowering:
         for node in sorted(self.covered, key=order.__getitem__, reverse=True):
             if not node.users:
                 self.graph.erase_node(node)
-        left = [n for n in self.covered if n.graph is self.graph and n in order and not n._erased
+        alive = set(self.graph.nodes)
+        left = [n for n in self.covered if n in alive
                 and calls(n, c10d.all_reduce, c10d.all_gather_into_tensor, c10d.reduce_scatter_tensor)]
         if left:
             users = {n.name: sorted(u.name for u in n.users) for n in left}

@@ -240,6 +240,9 @@ def test_dump_writes_the_op_graph_after_each_pass_and_the_aten_graphs(world1, tm
     assert {"aten_before.py", "aten_after.py", "00_lowered.py", "explain.txt"} <= files
     after = (tmp_path / folder / "aten_after.py").read_text()
     assert "opfuse.allreduce_add_rmsnorm" in after and "_c10d_functional.all_reduce" not in after
+    (program,) = opfuse.programs(compiled)
+    for fmt in ("python", "text", "dot", "html"):
+        assert "allreduce_add_rmsnorm" in program.dump(fmt, graph="both")
 
 
 def test_programs_of_the_backend_name_and_of_other_compiles(world1):
@@ -276,3 +279,22 @@ def test_inductor_compiles_the_fused_graph(world1):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tolerance(torch.bfloat16))
     assert rules_of(opfuse.programs(compiled)) == ["allreduce_add_rmsnorm"]
+
+
+def test_registered_passes_run_on_compiled_graphs(world1):
+    from opfuse.passes import register_pass, remove_pass
+
+    @register_pass(name="count_norms", after="partition")
+    def count_norms(gm, ctx):
+        ctx.note(f"{sum(ctx.kind(n) == 'RMSNorm' for n in gm.graph.nodes)} norms")
+
+    try:
+        model = ReduceAddNorm(HFNorm(torch.float32), world1)
+        compiled = opfuse.optimize(model, options=EAGER)
+        with torch.no_grad():
+            compiled(torch.randn(2, H), torch.randn(2, H))
+    finally:
+        remove_pass("count_norms")
+    (program,) = opfuse.programs(compiled)
+    assert ("count_norms", "1 norms") in program.notes
+    assert "count_norms: 1 norms" in program.explain()
