@@ -9,6 +9,11 @@ adds) and :mod:`.recognize_norms` (RMSNorm, LayerNorm, GELU); :mod:`.raising` ru
 A region may hold interior values that other nodes use (the backward half of a joint graph reads
 a norm's ``rsqrt``, a linear's flattened input): they are *recomputed* from the region's inputs
 after fusion, so they must not involve a GEMM or a collective (such a region is not raised).
+
+The recognisers are short walks over the graph rather than ``torch._inductor.pattern_matcher``
+patterns: a pattern there matches only interior nodes with no other users (which the joint
+graph's norms always have), and would need one pattern per operand order, cast placement and
+weight position that models write.
 """
 
 from __future__ import annotations
