@@ -33,7 +33,7 @@ from .aten import value as fake_value
 from .raising import find_regions
 from .regions import ParamSource, Region, recompute_closure
 
-__all__ = ["OpGraph", "build_op_graph", "tensor_meta"]
+__all__ = ["OpGraph", "OpGraphModule", "build_op_graph", "param_source", "tensor_meta"]
 
 
 class _Root(nn.Module):
@@ -204,12 +204,8 @@ def build_op_graph(aten_gm: fx.GraphModule) -> OpGraph:
             graph.output(mapped(node.args[0]))
             continue
         placed = at_position.get(node, [])
-        if node in interior and node in recomputed and not any(r.value is node for r in placed):
-            copy = graph.create_node(node.op, node.target, mapped(node.args), mapped(node.kwargs), name=node.name)
-            _annotate(copy, tensor_meta(fake_value(node)))
-            env[node] = copy
-            aten[copy.name] = node
-        elif node not in interior:
+        # Opaque: not part of an op, or an op's interior value that stays for others to read.
+        if node not in interior or (node in recomputed and not any(r.value is node for r in placed)):
             copy = graph.create_node(node.op, node.target, mapped(node.args), mapped(node.kwargs), name=node.name)
             _annotate(copy, tensor_meta(fake_value(node)))
             env[node] = copy
@@ -238,6 +234,7 @@ def build_op_graph(aten_gm: fx.GraphModule) -> OpGraph:
 
 
 def param_source(op_graph: OpGraph, param) -> ParamSource:
+    """The graph input stand-in parameter ``param`` stands for."""
     try:
         return op_graph.params[id(param)]
     except KeyError:
