@@ -28,10 +28,10 @@ def rules(programs, phase):
     return [f.rule for p in programs for f in p.fusions_in(phase)]
 
 
-def check_case(rank, world, tp, train, inductor, dtype, tolerance, batch=2):
+def check_case(rank, world, tp, train, inductor, dtype, tolerance, batch=2, cfg=None):
     import llama_tp
 
-    cfg = llama_tp.Config()
+    cfg = cfg or llama_tp.Config()
     errors, programs = llama_tp.run_check(rank, world, tp, train, inductor, cfg=cfg, dtype=dtype, batch=batch,
                                           verbose=False)
     label = f"{tp} train={train} inductor={inductor} {dtype}"
@@ -70,6 +70,18 @@ def cases(rank, world):
 
 def test_llama_example_fuses_and_matches_eager():
     run(cases, 2, timeout=900)
+
+
+def cases_world4(rank, world):
+    import llama_tp
+
+    cfg = llama_tp.Config(heads=4, kv_heads=4)  # one key/value head per rank
+    check_case(rank, world, "dist", True, False, torch.float32, F32, cfg=cfg)
+    check_case(rank, world, "dtensor", True, False, torch.float32, F32, cfg=cfg)
+
+
+def test_llama_example_at_world_4():
+    run(cases_world4, 4, timeout=900)
 
 
 def hf_case(rank, world):
