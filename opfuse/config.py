@@ -6,6 +6,11 @@ module is imported and again by ``opfuse.config.reload_from_env()``. Settings ca
 
     with opfuse.config.override(fuse=False):
         y = block(x)          # runs the unfused graph
+
+Each setting has one validator, used both for its environment variable and for assignments in
+code: a value it does not accept raises ``ValueError`` naming the variable (or the attribute) and
+the accepted values. Names that only exist once the package is loaded (rule names, fused-op and
+implementation names) are checked where they are used, when a program is compiled.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Iterator
+import re
+from typing import Any, Callable, Iterator, Mapping
 
-__all__ = ["Config", "config", "override", "reload_from_env", "version"]
+from . import epoch
+
+__all__ = ["Config", "config", "override", "reload_from_env", "version", "snapshot", "parse_force_impl"]
 
 
 @dataclasses.dataclass
@@ -63,25 +71,26 @@ class Config:
     #: A second GEMM stream in the comm+GEMM pipelines (``OPFUSE_OVERLAP_ALTERNATE_STREAMS``):
     #: ``auto`` = where a chunk GEMM's last wave is idle enough to be worth it, ``on``, ``off``.
     overlap_alternate_streams: str = "auto"
-    #: How long a peer-memory wait (overlap signals) may spin before it fails, in milliseconds
-    #: (``OPFUSE_PEER_TIMEOUT_MS``); 0 waits forever.
-    peer_timeout_ms: int = 0
+    #: How long opfuse waits for a peer before it fails, in milliseconds (``OPFUSE_PEER_TIMEOUT_MS``):
+    #: the peer-memory kernels' and the overlap plans' waits, and the compile-time check that every
+    #: rank compiled the same program. 0 waits forever. The default is NCCL's default process-group
+    #: timeout (10 minutes).
+    peer_timeout_ms: int = 600_000
     #: How much opfuse logs through ``logging`` (``OPFUSE_LOG``): ``warning`` (quiet), ``info`` (the
     #: first-use nvcc build, pool growth, fallbacks to slower implementations, recompiles) or
     #: ``debug`` (also cache hits and every implementation choice); see opfuse/log.py.
     log: str = "warning"
 
     def __setattr__(self, name, value):
-        global _version
-        if name not in _FIELD_NAMES:
-            raise AttributeError(f"opfuse.config has no setting {name!r}; known: {sorted(_FIELD_NAMES)}")
-        choices = _CHOICES.get(name)
-        if choices is not None and value not in choices:
-            raise ValueError(f"opfuse.config.{name}={value!r}; accepted: {', '.join(map(repr, choices))}")
-        if name in _NAME_LISTS:
-            value = _name_list(f"opfuse.config.{name}", value)
+        if name not in _VALIDATORS:
+            raise AttributeError(f"opfuse.config has no setting {name!r}; known: {sorted(_VALIDATORS)}")
+        value = _VALIDATORS[name](value, f"opfuse.config.{name}")
+        if name in self.__dict__ and _same(self.__dict__[name], value):
+            return
         object.__setattr__(self, name, value)
+        global _version
         _version += 1
+        epoch.bump()
 
     def override(self, **settings):
         """Context manager: change settings inside a ``with`` block."""
@@ -92,7 +101,148 @@ class Config:
         reload_from_env(environ)
 
 
-_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+# Validators: value (from code, or the text of an environment variable) -> the setting's value.
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+#: Rule names, fused-op names and implementation names (``nccl+cuda``, ``p2p_overlap``, ...).
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.+-]*$")
+
+
+def _boolean(value, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{where}={value!r}: expected True or False (as text: {'/'.join(_TRUE + _FALSE)})")
+
+
+def _integer(minimum: int) -> Callable[[Any, str], int]:
+    def check(value, where: str) -> int:
+        number = value
+        if isinstance(value, str):
+            try:
+                number = int(value.strip())
+            except ValueError:
+                number = None
+        if isinstance(number, bool) or not isinstance(number, int) or number < minimum:
+            raise ValueError(f"{where}={value!r}: expected an integer >= {minimum}")
+        return number
+
+    return check
+
+
+def _text(allow_empty: bool) -> Callable[[Any, str], str]:
+    def check(value, where: str) -> str:
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or (not allow_empty and not value.strip()):
+            raise ValueError(f"{where}={value!r}: expected a {'' if allow_empty else 'non-empty '}string")
+        return value
+
+    return check
+
+
+def _choice(*accepted: str) -> Callable[[Any, str], str]:
+    def check(value, where: str) -> str:
+        if isinstance(value, str) and value.strip().lower() in accepted:
+            return value.strip().lower()
+        raise ValueError(f"{where}={value!r}: expected one of {', '.join(map(repr, accepted))}")
+
+    return check
+
+
+def _name(item, where: str, what: str) -> str:
+    if not isinstance(item, str) or not _NAME.match(item.strip()):
+        raise ValueError(f"{where}: {item!r} is not a {what} name (letters, digits, '_', '.', '+', '-')")
+    return item.strip()
+
+
+def _names(what: str) -> Callable[[Any, str], tuple[str, ...]]:
+    """Comma-separated text or a sequence of ``what`` names; which names exist is checked when a
+    program is compiled (the rules and passes are registered by then)."""
+
+    def check(value, where: str) -> tuple[str, ...]:
+        source = f"{where}={value!r}"
+        if isinstance(value, str):
+            if ";" in value:
+                raise ValueError(f"{source}: {value.strip()!r} is not a {what} name; separate {what} names with "
+                                 f"commas (name1,name2)")
+            items = [part.strip() for part in value.split(",")] if value.strip() else []
+            if not all(items):
+                raise ValueError(f"{source}: an empty name between commas; expected name1,name2")
+        elif isinstance(value, (tuple, list, set, frozenset)):
+            items = sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+        else:
+            raise ValueError(f"{source}: expected names ({what} names, comma-separated or a tuple of strings)")
+        return tuple(dict.fromkeys(_name(item, source, what) for item in items))
+
+    return check
+
+
+def parse_force_impl(value, where: str = "opfuse.config.force_impl") -> dict[str | None, str]:
+    """``force_impl`` as ``{fused-op name or None (every op that has it): implementation name}``.
+
+    Accepted: ``""``, a bare implementation name, ``"op=impl,op2=impl2"``, or a mapping. Which
+    names exist is checked when a program chooses its implementations."""
+    if isinstance(value, Mapping):
+        items = [(_name(k, where, "fused op"), _name(v, where, "implementation")) for k, v in value.items()]
+        return dict(items)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}={value!r}: expected 'impl', 'op=impl,op2=impl2' or a dict")
+    text = value.strip()
+    if not text:
+        return {}
+    if ";" in text:
+        raise ValueError(f"{where}={value!r}: separate entries with commas ('op=impl,op2=impl2')")
+    if "=" not in text:
+        if "," in text:
+            raise ValueError(f"{where}={value!r}: a bare implementation name applies to every fused op; "
+                             f"name the ops to force several ('op=impl,op2=impl2')")
+        return {None: _name(text, f"{where}={value!r}", "implementation")}
+    forced: dict[str | None, str] = {}
+    for item in text.split(","):
+        key, equals, impl = item.partition("=")
+        if not equals or not key.strip() or not impl.strip():
+            raise ValueError(f"{where}={value!r}: entry {item.strip()!r} is not 'op=impl'")
+        key = _name(key, f"{where}={value!r}", "fused op")
+        if key in forced:
+            raise ValueError(f"{where}={value!r}: fused op {key!r} is forced twice")
+        forced[key] = _name(impl, f"{where}={value!r}", "implementation")
+    return forced
+
+
+def _force_impl(value, where: str) -> str:
+    forced = parse_force_impl(value, where)
+    if None in forced:
+        return forced[None]
+    return ",".join(f"{op}={impl}" for op, impl in forced.items())
+
+
+#: One validator per setting (the environment and assignments both go through it).
+_VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
+    "fuse": _boolean,
+    "disabled_rules": _names("rule"),
+    "disabled_passes": _names("pass"),
+    "force_impl": _force_impl,
+    "dump_dir": _text(allow_empty=True),
+    "verify": _boolean,
+    "cuda": _boolean,
+    "cache_dir": _text(allow_empty=False),
+    "symm_pool_mb": _integer(1),
+    "symm_pool_max_mb": _integer(1),
+    "oneshot_max_bytes": _integer(0),
+    "twoshot_max_bytes": _integer(0),
+    "overlap_chunks": _integer(0),
+    "overlap_alternate_streams": _choice("auto", "on", "off"),
+    "peer_timeout_ms": _integer(0),
+    "log": _choice("warning", "info", "debug"),
+}
 _ENV_PREFIX = "OPFUSE_"
 _ENV_NAMES = {
     "fuse": "FUSE",
@@ -112,92 +262,51 @@ _ENV_NAMES = {
     "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",
 }
-#: Settings restricted to a set of values.
-_CHOICES = {"overlap_alternate_streams": ("auto", "on", "off"), "log": ("warning", "info", "debug")}
-#: Settings holding names (a comma-separated string or a sequence of strings, stored as a tuple).
-_NAME_LISTS = ("disabled_passes",)
-
-
-def _name_list(source: str, value: Any) -> tuple[str, ...]:
-    """``value`` as a tuple of names: a comma-separated string or a sequence of strings, each an
-    identifier-like name (letters, digits, ``_`` or ``-``)."""
-    if isinstance(value, str):
-        items = [part.strip() for part in value.split(",")]
-        if value.strip() and not all(items):
-            raise ValueError(f"{source}={value!r}: an empty name between commas; expected name1,name2")
-        items = [item for item in items if item]
-    elif isinstance(value, (tuple, list)):
-        items = list(value)
-    else:
-        raise ValueError(f"{source}={value!r}: expected names (a comma-separated string or a tuple of strings)")
-    for item in items:
-        if not isinstance(item, str) or not item.replace("-", "_").isidentifier():
-            raise ValueError(f"{source}={value!r}: {item!r} is not a pass name; expected name1,name2")
-    return tuple(items)
+assert set(_VALIDATORS) == set(_ENV_NAMES) == {f.name for f in dataclasses.fields(Config)}
 
 _version = 0
 config = Config()
 
 
+def env_name(setting: str) -> str:
+    """The environment variable of ``setting`` (``"dump_dir"`` -> ``"OPFUSE_DUMP"``)."""
+    return _ENV_PREFIX + _ENV_NAMES[setting]
+
+
 def version() -> int:
-    """A counter bumped on every settings change; compiled-program caches key on it."""
+    """A counter bumped on every settings change."""
     return _version
 
 
-def _parse(field: dataclasses.Field, raw: str, source: str) -> Any:
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
-    if kind == "bool":
-        low = raw.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"{source}={raw!r}: expected one of 1/0/true/false/yes/no/on/off")
-    if kind == "int":
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"{source}={raw!r}: expected an integer") from None
-        if value < 0:
-            raise ValueError(f"{source}={raw!r}: expected a non-negative integer")
-        return value
-    if field.name in _NAME_LISTS:
-        return _name_list(source, raw)
-    if field.name in _CHOICES:
-        low = raw.strip().lower()
-        if low not in _CHOICES[field.name]:
-            raise ValueError(f"{source}={raw!r}: expected one of {'/'.join(_CHOICES[field.name])}")
-        return low
-    if kind.startswith("tuple"):
-        return tuple(part.strip() for part in raw.split(",") if part.strip())
-    return raw
+def snapshot() -> tuple:
+    """The values of every setting, in field order (compiled-program caches key on it, so toggling
+    a setting back finds the programs compiled under the old value)."""
+    return tuple(config.__dict__[name] for name in _ENV_NAMES)
 
 
-def reload_from_env(environ: dict[str, str] | None = None) -> None:
-    """Reset every setting to its default, then apply ``OPFUSE_*`` variables."""
+def reload_from_env(environ: Mapping[str, str] | None = None) -> None:
+    """Reset every setting to its default, then apply ``OPFUSE_*`` variables. Every variable is
+    validated before any setting changes."""
     environ = os.environ if environ is None else environ
-    fresh = Config()
+    values = {}
     for field in dataclasses.fields(Config):
-        name = _ENV_PREFIX + _ENV_NAMES[field.name]
-        if name in environ:
-            setattr(fresh, field.name, _parse(field, environ[name], name))
-    for field in dataclasses.fields(Config):
-        setattr(config, field.name, getattr(fresh, field.name))
+        name = env_name(field.name)
+        raw = environ.get(name)
+        values[field.name] = field.default if raw is None else _VALIDATORS[field.name](raw, name)
+    for name, value in values.items():
+        setattr(config, name, value)
 
 
 @contextlib.contextmanager
 def override(**settings: Any) -> Iterator[Config]:
     """Change settings inside a ``with`` block; the previous values come back afterwards."""
-    names = _FIELD_NAMES
-    unknown = sorted(set(settings) - names)
+    unknown = sorted(set(settings) - set(_VALIDATORS))
     if unknown:
-        raise TypeError(f"opfuse.config.override: unknown setting(s) {unknown}; known: {sorted(names)}")
+        raise TypeError(f"opfuse.config.override: unknown setting(s) {unknown}; known: {sorted(_VALIDATORS)}")
     saved = {name: getattr(config, name) for name in settings}
-    for name, value in settings.items():
-        if name == "disabled_rules" and isinstance(value, str):
-            value = (value,)
-        setattr(config, name, tuple(value) if name == "disabled_rules" else value)
     try:
+        for name, value in settings.items():
+            setattr(config, name, value)
         yield config
     finally:
         for name, value in saved.items():

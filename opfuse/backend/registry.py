@@ -31,7 +31,7 @@ from .. import log
 from ..ops.base import Described, TensorMeta
 
 __all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "choose", "FusedOp", "FusedCall",
-           "define_fused_op", "parse_forced"]
+           "define_fused_op"]
 
 
 class ImplementationError(RuntimeError):
@@ -92,21 +92,6 @@ class Choice:
     @property
     def name(self) -> str:
         return self.impl.name
-
-
-def parse_forced(text: str) -> dict[str | None, str]:
-    """``config.force_impl`` as ``{op name or None (every op): implementation name}``; the
-    syntax is validated by :mod:`opfuse.config`."""
-    text = text.strip()
-    if not text:
-        return {}
-    if "=" not in text:
-        return {None: text}
-    forced = {}
-    for item in text.split(","):
-        key, _, value = item.partition("=")
-        forced[key.strip()] = value.strip()
-    return forced
 
 
 def choose(spec: CallSpec, impls: Sequence[Implementation], forced: str | None = None) -> Choice:

@@ -1,5 +1,19 @@
-"""Compiling a block: lower, run the pass pipeline, and cache programs per input signature
-(the public entry point is :func:`opfuse.fuser.sequential.compile`)."""
+"""Compiling a block: lower, run the pass pipeline, and cache programs.
+
+The cache key has two parts:
+
+* the block's *state* (:func:`state_key`): its structure, each op's version (bumped by any
+  attribute assignment or dtype/device conversion of the op), the settings' values, the active
+  rules and the pass pipeline. A change here makes every program of the block stale, so they are
+  dropped;
+* the *call* (:func:`call_key`): shape, dtype, device and ``requires_grad`` of each input,
+  whether gradients are enabled, ``requires_grad`` of each parameter, and the FP8 recipe of the
+  enclosing ``opfuse.fp8.autocast``.
+
+Computing the state part costs tens of microseconds, so a block checks it only when
+:mod:`opfuse.epoch` moved (any such change anywhere bumps it); per call it compares the call key
+and one integer (``Sequential.forward``).
+"""
 
 from __future__ import annotations
 
@@ -9,26 +23,36 @@ import os
 import torch
 from torch import fx
 
-from .. import log
-from ..config import config, version
+from ..config import config, env_name, snapshot
 from ..debug.dump import render_python, render_text
 from ..fp8.state import current_recipe
-from ..ops.base import TensorMeta, structure_version
+from ..ops.base import TensorMeta
+from ..passes import pass_registry
 from ..passes.pipeline import PassContext, run_pipeline
-from ..passes.registry import generation
+from ..passes.registry import active_key
 from .lower import lower
 from .program import Program
 
-__all__ = ["cached_program", "build_program", "signature", "PassRecorder", "new_dump_dir"]
+__all__ = ["state_key", "call_key", "build_program", "DumpError", "PassRecorder", "new_dump_dir"]
 
 _program_ids = itertools.count()
 
 
-def signature(seq, inputs) -> tuple:
-    """Everything a compiled program depends on besides the block's structure."""
-    shapes = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in inputs)
-    return (shapes, seq.requires_grad_key(), torch.is_grad_enabled(), version(), generation(), structure_version(),
-            current_recipe())
+class DumpError(OSError):
+    """``OPFUSE_DUMP`` / ``opfuse.config.dump_dir`` names a directory that cannot be written."""
+
+
+def state_key(seq) -> tuple:
+    """What every program of ``seq`` depends on besides its inputs (see the module docstring)."""
+    return (tuple(map(id, seq._modules.values())), tuple(op._op_version for op in seq), snapshot(), active_key(),
+            pass_registry.generation())
+
+
+def call_key(inputs, params) -> tuple:
+    """What a program depends on in one call (see the module docstring); ``Sequential.forward``
+    computes the same tuple inline."""
+    return (tuple([(t.shape, t.dtype, t.device, t.requires_grad) for t in inputs]), torch.is_grad_enabled(),
+            tuple([p.requires_grad for p in params]), current_recipe())
 
 
 def _light_copy(gm: fx.GraphModule, cls=fx.GraphModule) -> fx.GraphModule:
@@ -47,11 +71,21 @@ def _rank_tag() -> str:
 
 
 def new_dump_dir(label: str = "program") -> str | None:
-    """A fresh directory under ``OPFUSE_DUMP`` for one program (``None`` when dumping is off)."""
+    """A fresh directory under ``OPFUSE_DUMP`` for one program (``None`` when dumping is off);
+    :class:`DumpError` naming the setting when it cannot be written."""
     if not config.dump_dir:
         return None
     path = os.path.join(config.dump_dir, f"{_rank_tag()}{label}{next(_program_ids)}")
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".opfuse_write_test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise DumpError(f"{env_name('dump_dir')} / opfuse.config.dump_dir={config.dump_dir!r}: cannot write the "
+                        f"program dumps to {path!r} ({error.strerror or error}); point it to a writable "
+                        f"directory or set it to '' to disable dumping") from error
     return path
 
 
@@ -87,22 +121,11 @@ class PassRecorder:
 
 def build_program(seq, inputs) -> Program:
     metas = [TensorMeta.of(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    recorder_dir = new_dump_dir()
     gm = lower(seq, metas)
     ctx = PassContext(recipe=current_recipe())
-    recorder = PassRecorder(ctx, new_dump_dir())
+    recorder = PassRecorder(ctx, recorder_dir)
     run_pipeline(gm, ctx, recorder)
     program = Program(seq, gm, ctx.unfused, ctx.fusions, metas, notes=ctx.notes)
     recorder.write_explanation(program)
-    return program
-
-
-def cached_program(seq, inputs) -> Program:
-    key = signature(seq, inputs)
-    program = seq._programs.get(key)
-    if program is None:
-        if seq._programs:
-            log.recompile(type(seq).__name__, f"a new input signature, setting, rule set or structure "
-                                              f"({len(seq._programs)} program(s) cached)")
-        program = build_program(seq, inputs)
-        seq._programs[key] = program
     return program

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import operator
+from typing import Callable, Sequence
 
 from torch import fx
 
@@ -37,11 +38,12 @@ class Program:
         self.fusions = fusions
         self.input_metas = tuple(input_metas)
         self.notes = list(notes)
-        self._single = getattr(module, "num_extra_outputs", 0) == 0
+        single = getattr(module, "num_extra_outputs", 0) == 0
+        #: The program as one Python function of the inputs (what a call runs).
+        self.run = straight_line(graph_module, single)
 
     def __call__(self, *inputs):
-        out = self.graph_module(*inputs)
-        return out[0] if self._single else tuple(out)
+        return self.run(*inputs)
 
     def describe_inputs(self) -> str:
         return ", ".join(str(m) for m in self.input_metas)
@@ -80,3 +82,47 @@ class Program:
     def __repr__(self) -> str:
         rules = ", ".join(f.rule for f in self.fusions) or "no fusions"
         return f"<opfuse.Program inputs=({self.describe_inputs()}) fusions=[{rules}]>"
+
+
+def straight_line(gm: fx.GraphModule, single: bool) -> Callable:
+    """``gm``'s graph as one function with its modules bound as constants: a call costs the
+    module calls themselves (hooks included), without the GraphModule's wrapper and attribute
+    lookups. ``single``: return the first output alone. Graphs with nodes other than modules
+    and ``getitem`` run through ``gm.forward``."""
+    names: dict[fx.Node, str] = {}
+    constants: dict[str, object] = {}
+    params, lines, result = [], [], None
+    for node in gm.graph.nodes:
+        name = names[node] = f"v{len(names)}"
+
+        def ref(arg):
+            if isinstance(arg, fx.Node):
+                return names[arg]
+            if isinstance(arg, (tuple, list)):
+                inner = ", ".join(ref(a) for a in arg)
+                return f"({inner},)" if isinstance(arg, tuple) else f"[{inner}]"
+            if arg is None or isinstance(arg, (bool, int, float, str)):
+                return repr(arg)
+            raise TypeError(arg)
+
+        try:
+            if node.op == "placeholder":
+                params.append(name)
+            elif node.op == "call_module" and not node.kwargs:
+                constants[f"m_{name}"] = gm.get_submodule(node.target)
+                lines.append(f"{name} = m_{name}({', '.join(ref(a) for a in node.args)})")
+            elif node.op == "call_function" and node.target is operator.getitem and not node.kwargs:
+                lines.append(f"{name} = {ref(node.args[0])}[{ref(node.args[1])}]")
+            elif node.op == "output":
+                outputs = node.args[0]
+                result = ref(outputs[0]) if single else ref(tuple(outputs))
+            else:
+                raise TypeError(node.op)
+        except TypeError:
+            forward = gm.forward
+            return (lambda *inputs: forward(*inputs)[0]) if single else (lambda *inputs: tuple(forward(*inputs)))
+    source = f"def program({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in lines) + f"    return {result}\n"
+    exec(compile(source, "<opfuse program>", "exec"), constants)  # noqa: S102 - generated from our own graph
+    run = constants["program"]
+    run.source = source
+    return run

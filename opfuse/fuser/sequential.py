@@ -8,10 +8,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.base import BasicOp, OpInputError, structure_version
-from .compile import cached_program
+from .. import epoch, log
+from ..fp8.state import current_recipe
+from ..ops.base import BasicOp, OpInputError
+from .compile import build_program, call_key, state_key
+from .diagnose import diagnose_failure
 
 __all__ = ["Sequential", "compile"]
+
+_COLD = (-1, None, None)
 
 
 class Sequential(nn.Sequential):
@@ -21,7 +26,8 @@ class Sequential(nn.Sequential):
     result is ``y`` alone, or ``(y, *extra_outputs)`` when ops such as ``MakeExtraOutput`` add
     outputs. On the first call for an input signature (shapes, dtypes, devices, requires_grad)
     the block is lowered to a torch.fx graph, partitioned, fused, and cached as a
-    :class:`opfuse.Program`; :meth:`program` returns it.
+    :class:`opfuse.Program`; :meth:`program` returns it. Changing the block (its ops, their
+    attributes or parameters, ``.to()``), a setting or the rules recompiles it on the next call.
 
     Examples
     --------
@@ -36,8 +42,10 @@ class Sequential(nn.Sequential):
         for index, op in enumerate(self):
             self._check_op(index, op)
         self._programs: dict = {}
-        self._params_version = -1
+        self._state = None
         self._params: list = []
+        # (epoch, call key, program) of the last call: what the next call checks first.
+        self._hot = _COLD
 
     # Structure ---------------------------------------------------------------------------
 
@@ -50,22 +58,30 @@ class Sequential(nn.Sequential):
             )
 
     def _structure_changed(self) -> None:
-        self._programs = {}
-        self._params_version = -1
+        if "_programs" in self.__dict__:  # not while nn.Sequential.__init__ adds the ops
+            self.__dict__["_programs"] = {}
+            self.__dict__["_hot"] = _COLD
+        epoch.bump()
 
-    def requires_grad_key(self) -> tuple:
-        """``requires_grad`` of every parameter (part of the compile-cache key), from a parameter
-        list cached until an op's parameters are replaced (walking modules costs ~10 us)."""
-        version = structure_version()
-        if self._params_version != version:
-            self._params = list(self.parameters())
-            self._params_version = version
-        return tuple(p.requires_grad for p in self._params)
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if isinstance(value, nn.Module):
+            self._structure_changed()
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        self._structure_changed()
+
+    def add_module(self, name: str, module) -> None:
+        # nn.Sequential's append, insert helpers and register_module come through here.
+        if module is not None:
+            self._check_op(name, module)
+        super().add_module(name, module)
+        self._structure_changed()
 
     def append(self, op) -> "Sequential":
         self._check_op(len(self), op)
         super().append(op)
-        self._structure_changed()
         return self
 
     def insert(self, index: int, op) -> "Sequential":
@@ -75,7 +91,7 @@ class Sequential(nn.Sequential):
         return self
 
     def extend(self, sequential) -> "Sequential":
-        for op in sequential:
+        for op in list(sequential):
             self.append(op)
         return self
 
@@ -92,6 +108,29 @@ class Sequential(nn.Sequential):
         if isinstance(idx, slice):
             return type(self)(*list(self._modules.values())[idx])
         return super().__getitem__(idx)
+
+    def __add__(self, other) -> "Sequential":
+        """A new block with the ops of both (shared, as with ``nn.Sequential``)."""
+        if not isinstance(other, nn.Sequential):
+            return NotImplemented
+        return type(self)(*self, *other)
+
+    def __iadd__(self, other) -> "Sequential":
+        if not isinstance(other, nn.Sequential):
+            return NotImplemented
+        return self.extend(other)
+
+    def __mul__(self, count: int) -> "Sequential":
+        """The ops repeated ``count`` times (shared, as with ``nn.Sequential``)."""
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            raise ValueError(f"ops.Sequential * {count!r}: expected a positive int")
+        return type(self)(*(list(self) * count))
+
+    __rmul__ = __mul__
+
+    def __imul__(self, count: int) -> "Sequential":
+        repeated = self * count
+        return self.extend(list(repeated)[len(self):])
 
     @property
     def num_extra_inputs(self) -> int:
@@ -123,15 +162,52 @@ class Sequential(nn.Sequential):
     def program(self, *inputs):
         """The compiled :class:`opfuse.Program` for these inputs (compiling it if needed)."""
         self.check_inputs(inputs)
-        return cached_program(self, inputs)
+        return self._lookup(inputs)
 
-    def forward(self, x, *extra_inputs):
-        inputs = (x,) + extra_inputs
-        return self.program(*inputs)(*inputs)
+    def _lookup(self, inputs):
+        """The program for ``inputs``, compiled if needed: the path a call takes when the guard in
+        :meth:`forward` fails."""
+        state = state_key(self)
+        stale = state != self._state and bool(self._programs)
+        if state != self._state:
+            # An op, the structure, a setting, the rules or the passes changed: every program is stale.
+            self.__dict__["_programs"] = {}
+            self.__dict__["_state"] = state
+            self.__dict__["_params"] = list(self.parameters())
+        key = call_key(inputs, self._params)
+        program = self._programs.get((state, key))
+        if program is None:
+            if stale or self._programs:
+                log.recompile(type(self).__name__, "the block, a setting, the rules or the passes changed" if stale else
+                              f"a new input signature ({len(self._programs)} program(s) cached)")
+            program = build_program(self, inputs)
+            self._programs[(state, key)] = program
+        # Compiling creates ops (and so moves the epoch): record the epoch after it.
+        self.__dict__["_hot"] = (epoch.value, key, program)
+        return program
+
+    def forward(self, *inputs):
+        """``y = block(x, *extra_inputs)``. Per call: the inputs' shapes, dtypes, devices and
+        ``requires_grad``, the grad mode, the parameters' ``requires_grad`` and the FP8 recipe are
+        compared with the last call's, and one integer (:mod:`opfuse.epoch`) stands for everything
+        else."""
+        now, last, program = self._hot
+        try:
+            key = (tuple([(t.shape, t.dtype, t.device, t.requires_grad) for t in inputs]), torch.is_grad_enabled(),
+                   tuple([p.requires_grad for p in self._params]), current_recipe())
+        except AttributeError:  # an input that is not a tensor: check_inputs names it
+            key = None
+        if now != epoch.value or key != last or key is None:
+            self.check_inputs(inputs)
+            program = self._lookup(inputs)
+        try:
+            return program.run(*inputs)
+        except Exception as error:
+            diagnose_failure(self, program, inputs, error)
+            raise
 
     def __repr__(self) -> str:
         return super().__repr__().replace("Sequential(", "opfuse.ops.Sequential(", 1)
-
 
 
 def compile(module, *example_inputs):  # noqa: A001 - mirrors torch.compile
@@ -152,4 +228,4 @@ def compile(module, *example_inputs):  # noqa: A001 - mirrors torch.compile
         raise TypeError(
             f"opfuse.compile: expected an opfuse.ops.Sequential or an opfuse op, got {type(module).__name__}")
     module.check_inputs(example_inputs)
-    return cached_program(module, example_inputs)
+    return module._lookup(example_inputs)

@@ -16,18 +16,11 @@ from typing import ClassVar, Sequence
 import torch
 from torch import nn
 
+from .. import epoch
 from ..fp8.tensor import Float8Activation
 
 __all__ = ["BasicOp", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal", "dtype_name",
-           "structure_version", "output_meta"]
-
-_structure_version = 0
-
-
-def structure_version() -> int:
-    """Bumped whenever an op gets a new parameter or submodule object (compiled programs hold
-    references to parameters, so replacing one invalidates them)."""
-    return _structure_version
+           "output_meta"]
 
 
 class OpInputError(ValueError):
@@ -155,15 +148,28 @@ class BasicOp(Described, nn.Module):
     #: an FP8 activation (``TensorMeta.quantized``); other ops see FP8 inputs dequantized.
     keeps_quantized: ClassVar[bool] = False
 
+    #: Bumped by every attribute assignment and dtype/device conversion of this op: compiled
+    #: programs read attributes (``eps``, ``group``, ...) and hold references to parameters, so
+    #: their cache key includes it (:mod:`opfuse.fuser.compile`).
+    _op_version: int = 0
+
     def __setattr__(self, name, value):
-        global _structure_version
-        # Replacing an existing parameter or submodule (not the first assignment in __init__)
-        # invalidates compiled programs, which hold references to the old objects.
-        params, modules = self.__dict__.get("_parameters", {}), self.__dict__.get("_modules", {})
-        replaced = (name in params and params[name] is not value) or (name in modules and modules[name] is not value)
         super().__setattr__(name, value)
-        if replaced:
-            _structure_version += 1
+        self._changed()
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        self._changed()
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .double(), .cuda(), ...: parameters keep their identity but change dtype/device.
+        result = super()._apply(fn, recurse)
+        self._changed()
+        return result
+
+    def _changed(self) -> None:
+        self.__dict__["_op_version"] = self.__dict__.get("_op_version", 0) + 1
+        epoch.bump()
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         """Output metadata for inputs with metadata ``x`` (main) and ``extra``; raise
@@ -186,6 +192,11 @@ class BasicOp(Described, nn.Module):
             f"{self.describe()}: declares no sharding rule and its input is not replicated ({layouts}); "
             f"implement {type(self).__name__}.propagate_sharding(x, *extra) to say how the op treats sharded "
             f"values, or place it where values are replicated")
+
+    def process_groups(self) -> list:
+        """The process groups this op communicates over (``None`` = the default group). Every rank
+        of each must compile the same program (checked once per compile)."""
+        return []
 
     def natural_input_sharding(self, x: TensorMeta):
         """The layout this op expects of a block input it consumes first, or ``None`` (no

@@ -219,7 +219,10 @@ class _CollectiveOp(BasicOp):
 
     def __init__(self, group=None):
         super().__init__()
-        self.group = group
+        self.group = groups.check(group, type(self).__name__)
+
+    def process_groups(self) -> list:
+        return [self.group]
 
     @property
     def world_size(self) -> int:

@@ -9,17 +9,32 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["GroupError", "resolve", "group_name", "world_size", "rank", "from_name", "same_group"]
+__all__ = ["GroupError", "check", "resolve", "group_name", "world_size", "rank", "from_name", "same_group"]
 
 
 class GroupError(RuntimeError):
-    """A parallel op was used without an initialised process group."""
+    """A parallel op was used without an initialised process group, with a group this process is
+    not a member of, or with a group that changed size since the op was built."""
+
+
+def check(group, who: str = "op"):
+    """``group`` itself, if it is ``None`` or a ``ProcessGroup``; else a ``TypeError`` naming ``who``."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() returns on ranks outside it
+        raise GroupError(
+            f"{who}: this process (global rank {dist.get_rank()}) is not a member of the group it was given "
+            f"(torch.distributed.new_group returns a placeholder on the ranks it leaves out); build the op only on "
+            f"the group's ranks")
+    raise TypeError(
+        f"{who}: group={group!r} is a {type(group).__name__}; expected a torch.distributed.ProcessGroup "
+        f"(e.g. torch.distributed.new_group([...])) or None for the default group")
 
 
 def resolve(group, who: str = "op"):
     """The ``ProcessGroup`` for ``group`` (``None`` = default group)."""
     if group is not None:
-        return group
+        return check(group, who)
     if not (dist.is_available() and dist.is_initialized()):
         raise GroupError(
             f"{who}: a tensor-parallel op needs torch.distributed; call "
@@ -32,12 +47,25 @@ def group_name(group) -> str:
     return resolve(group).group_name
 
 
-def world_size(group) -> int:
-    return dist.get_world_size(resolve(group))
+def _member(group, who: str):
+    pg = resolve(group, who)
+    if dist.get_rank(pg) < 0:
+        try:
+            members = dist.get_process_group_ranks(pg)
+        except Exception:  # noqa: BLE001 - only for the message
+            members = "?"
+        raise GroupError(
+            f"{who}: this process (global rank {dist.get_rank()}) is not a member of process group "
+            f"{pg.group_name!r} (global ranks {members}); build the op only on the group's ranks")
+    return pg
 
 
-def rank(group) -> int:
-    return dist.get_rank(resolve(group))
+def world_size(group, who: str = "op") -> int:
+    return dist.get_world_size(_member(group, who))
+
+
+def rank(group, who: str = "op") -> int:
+    return dist.get_rank(_member(group, who))
 
 
 def from_name(name: str):

@@ -325,6 +325,8 @@ class GroupedLinear(BasicOp):
             raise ValueError(
                 f"GroupedLinear(parallel={parallel!r}): fsdp_group= is only used with "
                 f"parallel='expert+fsdp' (for parallel='fsdp' pass the FSDP group as group=)")
+        groups.check(group, "GroupedLinear")
+        groups.check(fsdp_group, "GroupedLinear")
         self.num_groups = num_groups
         self.in_features = in_features
         self.out_features = out_features
@@ -373,6 +375,14 @@ class GroupedLinear(BasicOp):
     @property
     def fsdp(self) -> bool:
         return self.parallel in ("fsdp", "expert+fsdp")
+
+    def process_groups(self) -> list:
+        used = []
+        if self.parallel in ("expert", "expert+fsdp"):
+            used.append(self.expert_group)
+        if self.fsdp:
+            used.append(self.fsdp_group)
+        return used
 
     @property
     def first_group(self) -> int:

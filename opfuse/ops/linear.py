@@ -181,10 +181,10 @@ class Linear(BasicOp):
         self.out_features = out_features
         self.parallel = parallel
         self.sequence_parallel = bool(sequence_parallel)
-        self.group = group
-        world = groups.world_size(group) if parallel else 1
+        self.group = groups.check(group, "Linear")
+        world = groups.world_size(group, "Linear") if parallel else 1
         self.world_size = world
-        self.rank = groups.rank(group) if parallel else 0
+        self.rank = groups.rank(group, "Linear") if parallel else 0
         local_in, local_out = in_features, out_features
         if parallel == "column":
             local_out = self._divide(out_features, world, "out_features")
@@ -197,7 +197,7 @@ class Linear(BasicOp):
             self.bias = nn.Parameter(torch.zeros(bias_features, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
-        self._expansions: dict[Sharding, list[BasicOp]] = {}
+        self._expansions: dict[tuple[Sharding, int], tuple[list[BasicOp], Sharding]] = {}
 
     def _divide(self, size: int, world: int, name: str) -> int:
         if size % world:
@@ -219,11 +219,34 @@ class Linear(BasicOp):
 
     @property
     def local_in_features(self) -> int:
-        return self.weight.shape[1]
+        return self.in_features // self.world_size if self.parallel == "row" else self.in_features
 
     @property
     def local_out_features(self) -> int:
-        return self.weight.shape[0]
+        return self.out_features // self.world_size if self.parallel == "column" else self.out_features
+
+    def process_groups(self) -> list:
+        return [self.group] if self.parallel else []
+
+    def check_state(self) -> None:
+        """Raise if the layer no longer matches what it was built for: its group changed size (a
+        re-created process group) or a parameter was replaced by one of another shape."""
+        if self.parallel:
+            world, rank = groups.world_size(self.group, "Linear"), groups.rank(self.group, "Linear")
+            if (world, rank) != (self.world_size, self.rank):
+                raise groups.GroupError(
+                    f"{self.describe()}: built as rank {self.rank} of {self.world_size} of its process group, which "
+                    f"now has this process as rank {rank} of {world} (was the process group re-created?); build the "
+                    f"layer again for the new group")
+        local = (self.local_out_features, self.local_in_features)
+        if tuple(self.weight.shape) != local:
+            shard = f" (this rank's shard of [{self.out_features}, {self.in_features}])" if self.parallel else ""
+            raise OpInputError(f"{self.describe()}: weight has shape {list(self.weight.shape)}, expected "
+                               f"{list(local)}{shard}")
+        if self.bias is not None:
+            features = self.local_out_features if self.parallel == "column" else self.out_features
+            if tuple(self.bias.shape) != (features,):
+                raise OpInputError(f"{self.describe()}: bias has shape {list(self.bias.shape)}, expected [{features}]")
 
     def natural_input_sharding(self, x: TensorMeta | None = None) -> Sharding | None:
         """The layout this layer expects of its input when nothing upstream says otherwise
@@ -242,6 +265,7 @@ class Linear(BasicOp):
         """Basic ops equivalent to this layer for an input laid out as ``sharding`` (collectives
         from :func:`~opfuse.ops.sharding.plan_gemm`, the local GEMM, the bias), and the layout of
         the result."""
+        self.check_state()
         group = self.group
         if self.parallel is None:
             if sharding.features:
@@ -312,9 +336,14 @@ class Linear(BasicOp):
         return x
 
     def _expansion(self, sharding: Sharding):
-        if sharding not in self._expansions:
-            self._expansions[sharding] = self.expand(sharding)
-        return self._expansions[sharding]
+        # Keyed on the op's version: a replaced parameter or a new group needs a new expansion.
+        key = (sharding, self._op_version)
+        found = self._expansions.get(key)
+        if found is None:
+            for stale in [k for k in self._expansions if k[1] != self._op_version]:
+                del self._expansions[stale]
+            found = self._expansions[key] = self.expand(sharding)
+        return found
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         """Metadata for an input in the layer's natural layout (lowering uses :meth:`expand` with

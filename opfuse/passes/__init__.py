@@ -16,7 +16,7 @@ from .context import FusionRecord, PassContext
 from .pattern import OpSpec, Pattern, PatternError, Predicate, predicate
 from .pipeline import BUILTIN_PASSES, Pass, PassError, disabled_passes, passes, register_pass, remove_pass
 from .registry import disabled_rules, register_rule, remove_rule, rules
-from .rule import Match, MatchedOp, Replacement, Rule
+from .rule import Match, MatchedOp, Replacement, Rule, RuleError
 from .verify import VerifyError
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Predicate",
     "Replacement",
     "Rule",
+    "RuleError",
     "VerifyError",
     "disabled_passes",
     "disabled_rules",

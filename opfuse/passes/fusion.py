@@ -7,12 +7,11 @@ from torch import fx
 from ..config import config
 from .context import FusionRecord
 from .matcher import check_legal, find_matches, graph_to_networkx, node_kind
-from .rewrite import replace_match, snake_case
 from .registry import get_registry
+from .rewrite import replace_match, snake_case
+from .rule import Match, Replacement, Rule, RuleError
 
 __all__ = ["FusionRecord", "fuse"]
-
-_MAX_ROUNDS = 10_000
 
 
 def _still_legal(gm: fx.GraphModule, match) -> bool:
@@ -24,14 +23,33 @@ def _still_legal(gm: fx.GraphModule, match) -> bool:
     return check_legal(None, match.pattern, mapping, order=order.__getitem__, kind=lambda n: node_kind(gm, n)) is None
 
 
+def _build(rule: Rule, match: Match) -> Replacement:
+    try:
+        return rule.build(match)
+    except Exception as error:
+        covered = ", ".join(f"{m.node.name} ({m.kind})" for m in match.ordered())
+        raise RuleError(f"rule {rule.name!r} ({rule.source}): its builder raised {type(error).__name__}: {error} "
+                        f"(building the replacement of {covered})") from error
+
+
 def fuse(gm: fx.GraphModule, ctx) -> None:
     """Rounds: the highest-priority rule that matches anywhere fuses all its non-overlapping
     matches, in graph order (each checked again against the graph its predecessors edited), then
-    the next round starts from the highest-priority rule again; until no rule matches."""
+    the next round starts from the highest-priority rule again; until no rule matches.
+
+    Termination: a rewrite replaces the matched nodes by one. One that replaces several nodes, or
+    a node that no rewrite produced, makes progress; one that replaces a single node produced by
+    earlier rewrites is legal once per rule along that node's history (``GELU -> MyGelu ->
+    MyGeluFast``), and a rule that reappears in the history of the node it matches would rewrite
+    forever: that is an error naming the rules, raised at once.
+    """
     if not config.fuse:
         return
     rules = get_registry().active()
-    for _ in range(_MAX_ROUNDS):
+    history: dict[fx.Node, tuple[str, ...]] = {}  # fused node -> rules that produced it, in order
+    # The argument above bounds the rewrites by (nodes + 1) * (rules + 1); the limit is a backstop.
+    limit = (len(gm.graph.nodes) + 1) * (len(rules) + 1)
+    for _ in range(limit):
         graph = graph_to_networkx(gm)
         applied = 0
         for rule in rules:
@@ -42,8 +60,16 @@ def fuse(gm: fx.GraphModule, ctx) -> None:
                     continue
                 taken |= nodes
                 covered = match.ordered()
-                replacement = rule.build(match)
+                before = tuple(dict.fromkeys(r for m in covered for r in history.get(m.node, ())))
+                if len(covered) == 1 and rule.name in before:
+                    chain = " -> ".join(before + (rule.name,))
+                    raise RuleError(
+                        f"rule {rule.name!r} ({rule.source}) matches {covered[0].node.name} ({covered[0].kind}), which "
+                        f"came out of rule {rule.name!r} itself (rules applied to it: {chain}): fusion would rewrite "
+                        f"it forever; let the pattern or a predicate reject the replacement's op")
+                replacement = _build(rule, match)
                 node = replace_match(gm, match, replacement, f"fused_{snake_case(rule.name)}")
+                history[node] = before + (rule.name,)
                 ctx.fusions.append(FusionRecord(
                     rule=rule.name,
                     ops=tuple(m.kind for m in covered),
@@ -57,5 +83,5 @@ def fuse(gm: fx.GraphModule, ctx) -> None:
                 break
         if not applied:
             return
-    raise RuntimeError(f"fusion did not reach a fixed point after {_MAX_ROUNDS} rounds (a rule keeps matching "
-                       f"its own output?)")
+    raise RuleError(f"fusion did not reach a fixed point after {limit} rounds; the last rules applied: "
+                    f"{[r.rule for r in ctx.fusions[-5:]]}")

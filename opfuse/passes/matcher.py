@@ -23,7 +23,7 @@ from networkx.algorithms import isomorphism
 from torch import fx
 
 from .pattern import Pattern
-from .rule import Match, MatchedOp, Rule
+from .rule import Match, MatchedOp, Rule, check_predicate
 
 __all__ = ["node_kind", "graph_to_networkx", "find_matches", "check_legal", "NearMiss", "near_misses",
            "evaluate_match"]
@@ -194,11 +194,11 @@ def evaluate_match(match: Match) -> str | None:
     for name in match.pattern.topological_names():
         matched = match.ops[name]
         for pred in match.pattern.spec(name).where:
-            reason = pred.check(matched)
+            reason = check_predicate(match.rule, pred, matched, f"{name} ({matched.node.name})")
             if reason:
                 return f"{name} ({matched.node.name}): {reason}"
     for pred in match.rule.rule_predicates():
-        reason = pred.check(match)
+        reason = check_predicate(match.rule, pred, match, "the match")
         if reason:
             return reason
     return None
@@ -272,7 +272,7 @@ def _prefix_failure(gm, graph, rule, variant, order, mapping) -> tuple[str, tupl
     for cand in sorted(fitting, key=lambda n: graph.nodes[n]["order"]):
         trial = make_match(gm, rule, variant, {**mapping, nxt.name: cand})
         for pred in nxt.where:
-            reason = pred.check(trial.ops[nxt.name])
+            reason = check_predicate(rule, pred, trial.ops[nxt.name], f"{nxt.name} ({cand.name})")
             if reason:
                 reasons.append(f"{nxt.name} ({cand.name}): predicate failed: {reason}")
                 break
@@ -321,7 +321,7 @@ def near_misses(gm: fx.GraphModule, rule: Rule, disabled_reason: str | None = No
                 failed = None
                 for name in order[:size]:
                     for pred in variant.spec(name).where:
-                        if pred.check(trial.ops[name]):
+                        if check_predicate(rule, pred, trial.ops[name], f"{name} ({mapping[name].name})"):
                             failed = name
                             break
                     if failed:

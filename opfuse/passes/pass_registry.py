@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 from torch import fx
 
+from .. import epoch
 from ..config import config
 
 __all__ = ["Pass", "PassError", "PassRegistry", "generation", "function_location"]
@@ -36,6 +37,7 @@ def generation() -> int:
 def _bump() -> None:
     global _generation
     _generation += 1
+    epoch.bump()  # compiled blocks' per-call guard
 
 
 class PassError(RuntimeError):

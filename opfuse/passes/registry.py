@@ -22,7 +22,8 @@ from .builtin_rules import BUILTIN_RULES
 from .pattern import Pattern, PatternError
 from .rule import Match, Replacement, Rule, RuleRegistry, caller_location
 
-__all__ = ["get_registry", "register_rule", "remove_rule", "disabled_rules", "rules", "generation"]
+__all__ = ["get_registry", "register_rule", "remove_rule", "disabled_rules", "rules", "generation", "active_key",
+           "is_builtin"]
 
 _REGISTRY = RuleRegistry(BUILTIN_RULES)
 
@@ -36,6 +37,17 @@ def generation() -> int:
     """Changes whenever the active rules or the pass pipeline may have changed (compile caches key
     on it): both counters only grow, so their sum changes with either."""
     return _REGISTRY.generation + pass_registry.generation()
+
+
+def is_builtin(name: str) -> bool:
+    """Whether the rule registered as ``name`` is one of opfuse's built-in rules."""
+    rule = _REGISTRY.get(name) if name in _REGISTRY.names() else None
+    return rule is not None and any(rule is builtin for builtin in BUILTIN_RULES)
+
+
+def active_key() -> tuple:
+    """Identifies the set of rules that fire (compile caches key on it)."""
+    return _REGISTRY.key()
 
 
 def register_rule(rule: Rule | None = None, *, name: str | None = None, pattern: Pattern | None = None,

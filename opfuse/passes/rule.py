@@ -16,11 +16,30 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from torch import fx, nn
 
+from .. import epoch
 from ..config import config
 from ..ops.base import Described
 from .pattern import Pattern, PatternError, Predicate, _as_predicates
 
-__all__ = ["Rule", "MatchedOp", "Match", "Replacement", "RuleRegistry", "known_kinds", "caller_location"]
+__all__ = ["Rule", "RuleError", "MatchedOp", "Match", "Replacement", "RuleRegistry", "known_kinds", "caller_location",
+           "check_predicate"]
+
+
+class RuleError(PatternError):
+    """A rule failed while a program was compiled: its builder or a predicate raised, its
+    replacement computes something else than the ops it replaced, or it keeps matching its own
+    output. The message names the rule and where it was defined."""
+
+
+def check_predicate(rule: "Rule", pred: Predicate, subject, where: str = "") -> str | None:
+    """``pred.check(subject)`` for ``rule``; an exception inside the predicate becomes a
+    :class:`RuleError` naming the rule, its ``file:line`` and the predicate."""
+    try:
+        return pred.check(subject)
+    except Exception as error:
+        at = f" on {where}" if where else ""
+        raise RuleError(f"rule {rule.name!r} ({rule.source}): predicate {pred.description!r}{at} raised "
+                        f"{type(error).__name__}: {error}") from error
 
 
 @dataclasses.dataclass
@@ -174,6 +193,11 @@ class Rule:
     def variants(self) -> list[Pattern]:
         return self._variants
 
+    def __setattr__(self, name, value):
+        # Compiled programs depend on a rule's fields (``enabled``, ``priority``, ...).
+        super().__setattr__(name, value)
+        epoch.bump()
+
     def rule_predicates(self) -> tuple[Predicate, ...]:
         return tuple(self.where)
 
@@ -201,14 +225,19 @@ class RuleRegistry:
                 f"{self._rules[rule.name].source}); pass replace=True or remove_rule({rule.name!r})"
             )
         self._rules[rule.name] = rule
-        self.generation += 1
+        self._changed()
         return rule
+
+    def _changed(self) -> None:
+        self.generation += 1
+        epoch.bump()
 
     def remove(self, name: str) -> Rule:
         if name not in self._rules:
             raise KeyError(f"remove_rule: no rule named {name!r}; known: {sorted(self._rules)}")
-        self.generation += 1
-        return self._rules.pop(name)
+        rule = self._rules.pop(name)
+        self._changed()
+        return rule
 
     def get(self, name: str) -> Rule:
         return self._rules[name]
@@ -232,7 +261,17 @@ class RuleRegistry:
         return None
 
     def active(self) -> list[Rule]:
+        """The rules that fire, highest priority first. Names in ``config.disabled_rules`` must be
+        registered rules (a misspelt name would silently keep a rule on)."""
+        unknown = [name for name in config.disabled_rules if name not in self._rules]
+        if unknown:
+            raise ValueError(f"OPFUSE_DISABLE_RULES / opfuse.config.disabled_rules: unknown rule(s) {unknown}; "
+                           f"known: {sorted(self._rules)}")
         return [r for r in self.all() if self.is_disabled(r) is None]
+
+    def key(self) -> tuple:
+        """Identifies the active rule set (compiled-program caches key on it)."""
+        return tuple((r.name, id(r), r.priority) for r in self.active())
 
     @contextlib.contextmanager
     def disabled(self, *names: str) -> Iterator[None]:
@@ -240,10 +279,10 @@ class RuleRegistry:
         if unknown:
             raise KeyError(f"disabled_rules: unknown rule(s) {unknown}; known: {sorted(self._rules)}")
         self._disabled.extend(names)
-        self.generation += 1
+        self._changed()
         try:
             yield
         finally:
             for name in names:
                 self._disabled.remove(name)
-            self.generation += 1
+            self._changed()

@@ -12,12 +12,12 @@ import torch
 from torch import fx
 
 from ..backend import implementations
-from ..backend.registry import FusedOp, choose, parse_forced
+from ..backend.registry import FusedOp, ImplementationError, choose
 from ..backend.runtime import symm_pool
-from ..config import config
+from ..config import config, parse_force_impl
 from ..ops import group as groups
 
-__all__ = ["select_implementations"]
+__all__ = ["select_implementations", "forced_implementations"]
 
 
 def _open_peer_memory(spec) -> None:
@@ -25,9 +25,29 @@ def _open_peer_memory(spec) -> None:
         symm_pool.open_pool(groups.from_name(spec.group_name), spec.device)
 
 
+def forced_implementations() -> dict[str | None, str]:
+    """``config.force_impl`` parsed and checked against the implementation table: every named
+    fused op exists and has the named implementation; a bare name is an implementation of at
+    least one fused op."""
+    forced = parse_force_impl(config.force_impl)
+    table = implementations.names()
+    where = f"OPFUSE_FORCE_IMPL / opfuse.config.force_impl={config.force_impl!r}"
+    for op, impl in forced.items():
+        if op is None:
+            if not any(impl in names for names in table.values()):
+                every = sorted({name for names in table.values() for name in names})
+                raise ImplementationError(f"{where}: no fused op has an implementation {impl!r}; known: {every}")
+        elif op not in table:
+            raise ImplementationError(f"{where}: unknown fused op {op!r}; known: {sorted(table)}")
+        elif impl not in table[op]:
+            raise ImplementationError(f"{where}: fused op {op!r} has no implementation {impl!r}; its "
+                                      f"implementations: {table[op]}")
+    return forced
+
+
 def select_implementations(gm: fx.GraphModule, ctx) -> None:
     records = {r.fused_node: r for r in ctx.fusions}
-    forced = parse_forced(config.force_impl)
+    forced = forced_implementations()
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue

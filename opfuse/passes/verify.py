@@ -4,18 +4,23 @@
 value used before it is defined, no reference to an erased node or a missing module), every value
 carries metadata, and every basic op's recorded shape, dtype and layout agree with what the op
 computes from its inputs. The final :func:`verify` pass adds what only holds at the end:
-composites expanded and an implementation chosen for every fused op.
+composites expanded, an implementation chosen for every fused op, and every node that a user
+rule fused computing the shapes, dtypes and devices of the ops it replaced (a
+:class:`~.rule.RuleError` naming the rule).
 """
 
 from __future__ import annotations
 
 import operator
 
+import torch
 from torch import fx
 
 from ..backend.registry import FusedOp
 from ..config import config
 from ..ops.base import BasicOp, OpInputError, TensorMeta
+from .registry import is_builtin
+from .rule import RuleError
 
 __all__ = ["verify", "check_invariants", "VerifyError"]
 
@@ -85,6 +90,60 @@ def check_invariants(gm: fx.GraphModule, ctx, where: str) -> None:
             _check_basic_op(node, op, where)
 
 
+def _fused_outputs(node: fx.Node) -> dict[int | None, TensorMeta]:
+    """What the matched ops computed, by output index of the fused node (``None``: the node's
+    value itself)."""
+    found = {}
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+            found[user.args[1]] = user.meta.get("opfuse_meta")
+    if not found and isinstance(node.meta.get("opfuse_meta"), TensorMeta):
+        found[None] = node.meta["opfuse_meta"]
+    return found
+
+
+def _computed(module, node: fx.Node):
+    """The replacement's outputs for the node's input metadata: ``infer_meta`` of a basic op,
+    else a run on fake tensors; ``None`` when that cannot be told (a module fake tensors cannot run)."""
+    metas = [a.meta.get("opfuse_meta") if isinstance(a, fx.Node) else a for a in node.args]
+    if isinstance(module, BasicOp):
+        return module.infer_meta(*metas)
+    from torch._subclasses.fake_tensor import FakeTensorMode  # its first use costs ~2 s: only for user rules
+
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            args = [torch.empty(m.shape, dtype=m.dtype, device=m.device) if isinstance(m, TensorMeta) else m
+                    for m in metas]
+            return module(*args)
+    except Exception:  # noqa: BLE001 - an opaque module: nothing to compare
+        return None
+
+
+def check_replacement(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Raise :class:`RuleError` naming the rule that fused ``node`` if its module computes another
+    shape, dtype or device than the ops it replaced."""
+    module = gm.get_submodule(node.target)
+    computed = _computed(module, node)
+    if computed is None:
+        return
+    rule = f"rule {node.meta['opfuse_rule']!r} ({node.meta.get('opfuse_source', '?')})"
+    for index, want in _fused_outputs(node).items():
+        if want is None:
+            continue
+        got = computed
+        if isinstance(computed, (tuple, list)):
+            got = computed[index or 0] if (index or 0) < len(computed) else None
+        if got is None or not hasattr(got, "shape"):
+            raise RuleError(f"{rule}: its replacement {type(module).__name__} has no output {index} for {node.name}")
+        if (tuple(got.shape), got.dtype, torch.device(got.device)) != (tuple(want.shape), want.dtype,
+                                                                      torch.device(want.device)):
+            have = TensorMeta(tuple(got.shape), got.dtype, torch.device(got.device))
+            which = "" if index is None else f" (output {index})"
+            covered = ", ".join(name for name, _ in node.meta.get("opfuse_covered", ()))
+            raise RuleError(f"{rule}: its replacement {type(module).__name__} computes {have}{which} where the ops it "
+                            f"replaced computed {want} (fused node {node.name}, covering {covered})")
+
+
 def verify(gm: fx.GraphModule, ctx) -> None:
     if not config.verify:
         return
@@ -102,3 +161,6 @@ def verify(gm: fx.GraphModule, ctx) -> None:
             raise VerifyError(f"{node.name}: fused op {op.kind} has no implementation selected")
         if "opfuse_meta" not in node.meta:
             raise VerifyError(f"{node.name}: no tensor metadata (a rule dropped node.meta)")
+        if "opfuse_rule" in node.meta and not is_builtin(node.meta["opfuse_rule"]):
+            # Built-in replacements are checked against the unfused math by the test suite.
+            check_replacement(gm, node)

@@ -73,9 +73,9 @@ def test_failed_build_is_a_warning_even_when_quiet(caplog):
 
 
 def test_setting_is_validated():
-    with pytest.raises(ValueError, match=r"OPFUSE_LOG='loud': expected one of warning/info/debug"):
+    with pytest.raises(ValueError, match=r"OPFUSE_LOG='loud': expected one of 'warning', 'info', 'debug'"):
         reload_from_env({"OPFUSE_LOG": "loud"})
-    with pytest.raises(ValueError, match=r"opfuse.config.log='verbose'; accepted: 'warning', 'info', 'debug'"):
+    with pytest.raises(ValueError, match=r"opfuse.config.log='verbose': expected one of 'warning', 'info', 'debug'"):
         opfuse.config.log = "verbose"
     reload_from_env({"OPFUSE_LOG": "DEBUG"})
     try:
