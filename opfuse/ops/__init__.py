@@ -7,7 +7,7 @@ and named here); opfuse lowers, partitions and fuses the chain.
 
 from .activation import GELU, GatedActivation, SwiGLU
 from .base import BasicOp, OpInputError, PartitionError, TensorMeta
-from .collectives import AllGather, AllReduce, GradAllReduce, ReduceScatter, SplitFeatures
+from .collectives import AllGather, AllReduce, GradAllReduce, ReduceScatter, SplitFeatures, TokensToFeatures
 from .extra import AddExtraInput, Identity, MakeExtraOutput
 from .gated import GatedLinear
 from .grouped import BasicGroupedLinear, GroupedLinear
@@ -43,6 +43,7 @@ __all__ = [
     "SplitFeatures",
     "SwiGLU",
     "TensorMeta",
+    "TokensToFeatures",
 ]
 
 

@@ -2,15 +2,21 @@
 
 Each forward/backward pair is the conjugate one (Megatron-LM's "f"/"g" regions):
 
-=================  =============================  ==============================
-op                 forward                        backward
-=================  =============================  ==============================
-``AllReduce``      sum over ranks                 identity
-``GradAllReduce``  identity                       sum over ranks
-``AllGather``      concatenate ranks along dim 0  reduce-scatter along dim 0
-``ReduceScatter``  reduce-scatter along dim 0     all-gather along dim 0
-``SplitFeatures``  this rank's slice of features  all-gather along the last dim
-=================  =============================  ==============================
+====================  ===================================  ===================================
+op                    forward                              backward
+====================  ===================================  ===================================
+``AllReduce``         sum over ranks                       identity
+``GradAllReduce``     identity                             sum over ranks
+``AllGather``         concatenate ranks along dim 0        reduce-scatter along dim 0
+``ReduceScatter``     reduce-scatter along dim 0           all-gather along dim 0
+``SplitFeatures``     this rank's slice of features        all-gather along the last dim
+``TokensToFeatures``  all-to-all: tokens -> features       all-to-all: features -> tokens
+====================  ===================================  ===================================
+
+The gradient of a replicated value is complete on every rank, except where a column-parallel
+GEMM consumes it (its input gradient is a per-rank partial sum): ``GradAllReduce`` marks that
+spot, and ``AllGather``'s reduce-scatter backward assumes it (a sequence-parallel gather feeds
+the column GEMM). A partial sum's gradient is the complete gradient of the sum.
 
 The functions (:func:`all_reduce`, ...) are the reference implementations that fused ops and the
 backend fall back on.
@@ -32,11 +38,13 @@ __all__ = [
     "AllGather",
     "ReduceScatter",
     "SplitFeatures",
+    "TokensToFeatures",
     "all_reduce",
     "grad_all_reduce",
     "all_gather",
     "reduce_scatter",
     "split_features",
+    "tokens_to_features",
     "raw_all_reduce",
     "raw_all_gather",
     "raw_reduce_scatter",
@@ -117,6 +125,31 @@ def raw_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _raw_tokens_to_features(x: torch.Tensor, group) -> torch.Tensor:
+    """``[T/w, ..., K]`` (this rank's tokens) -> ``[T, ..., K/w]`` (every token, this rank's
+    features), with one all-to-all."""
+    pg = groups.resolve(group)
+    world = dist.get_world_size(pg)
+    lead, width = x.shape[0], x.shape[-1] // world
+    # Chunk j (sent to rank j) holds this rank's tokens, features of slice j.
+    parts = x.reshape(lead, -1, world, width).permute(2, 0, 1, 3).contiguous()
+    out = torch.empty_like(parts)
+    dist.all_to_all_single(out, parts, group=pg)
+    return out.reshape((world * lead,) + tuple(x.shape[1:-1]) + (width,))
+
+
+def _raw_features_to_tokens(y: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of :func:`_raw_tokens_to_features`: ``[T, ..., K/w]`` -> ``[T/w, ..., K]``."""
+    pg = groups.resolve(group)
+    world = dist.get_world_size(pg)
+    lead, width = y.shape[0] // world, y.shape[-1]
+    # Chunk j (sent to rank j) holds rank j's tokens of this rank's feature slice.
+    parts = y.reshape(world, lead, -1, width).contiguous()
+    out = torch.empty_like(parts)
+    dist.all_to_all_single(out, parts, group=pg)
+    return out.permute(1, 2, 0, 3).reshape((lead,) + tuple(y.shape[1:-1]) + (world * width,))
+
+
 def _raw_all_gather_features(x: torch.Tensor, group) -> torch.Tensor:
     pg = groups.resolve(group)
     world = dist.get_world_size(pg)
@@ -186,6 +219,17 @@ class _SplitFeaturesFn(torch.autograd.Function):
         return _raw_all_gather_features(dy, ctx.group), None
 
 
+class _TokensToFeaturesFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _raw_tokens_to_features(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _raw_features_to_tokens(dy, ctx.group), None
+
+
 def all_reduce(x, group=None):
     """Sum ``x`` over the ranks of ``group``; the gradient passes through unchanged."""
     return _AllReduceFn.apply(x, group)
@@ -209,6 +253,12 @@ def reduce_scatter(x, group=None):
 def split_features(x, group=None):
     """This rank's contiguous slice of the last dim; the gradient is all-gathered."""
     return _SplitFeaturesFn.apply(x, group)
+
+
+def tokens_to_features(x, group=None):
+    """Token-sharded ``x`` -> every token, this rank's slice of features (an all-to-all); the
+    gradient goes back with the inverse all-to-all."""
+    return _TokensToFeaturesFn.apply(x, group)
 
 
 # Ops ------------------------------------------------------------------------------------
@@ -338,6 +388,32 @@ class SplitFeatures(_CollectiveOp):
                 f"{self.describe()}: {x.features} features are not divisible by the world size {world}"
             )
         return x.with_(shape=x.shape[:-1] + (x.features // world,))
+
+
+class TokensToFeatures(_CollectiveOp):
+    """Re-shard a token-sharded value on features: every token, this rank's slice of features
+    (one all-to-all). What a row-parallel GEMM needs from a sequence-parallel activation.
+    Backward: the inverse all-to-all."""
+
+    def forward(self, x):
+        return tokens_to_features(x, self.group)
+
+    def natural_input_sharding(self, x: TensorMeta) -> Sharding:
+        return Sharding(tokens=True, group=self.group)
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        """Tokens become whole, features sharded."""
+        if x.partial or x.features:
+            raise PartitionError(f"{self.describe()}: expects a token-sharded value, got {x.describe()}")
+        return Sharding(features=True, group=self.group)
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        super().infer_meta(x)
+        world = self.world_size
+        if x.features % world:
+            raise OpInputError(
+                f"{self.describe()}: {x.features} features are not divisible by the world size {world}")
+        return x.with_(shape=(x.shape[0] * world,) + x.shape[1:-1] + (x.features // world,))
 
 
 def sync_sequence_parallel_grads(module: torch.nn.Module) -> int:

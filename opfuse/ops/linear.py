@@ -285,7 +285,7 @@ class Linear(BasicOp):
             sharding, rhs_k=self.parallel == "row", rhs_n=self.parallel == "column",
             sequence_parallel=self.sequence_parallel, who=self.describe())
         collectives = {"all_gather": coll.AllGather, "split_features": coll.SplitFeatures,
-                       "grad_all_reduce": coll.GradAllReduce}
+                       "tokens_to_features": coll.TokensToFeatures, "grad_all_reduce": coll.GradAllReduce}
         ops = [collectives[kind](group) for kind in pre]
         ops.append(BasicLinear(self.local_in_features, self.local_out_features, weight=self.weight,
                                weight_sharding="in" if self.parallel == "row" else "out"))

@@ -7,13 +7,20 @@ rules of :func:`plan_gemm` require. The partition pass calls them.
 The rules for a sharded GEMM ``LHS [M, K] x RHS [K, N]`` (``RHS`` is the weight, stored
 ``[N, K]``; batch dims of the activation go with M and keep their partitioning):
 
-1. RHS sharded on both K and N: an error (no 1-D tensor-parallel layout does that).
-2. LHS sharded on M (sequence parallel) and the GEMM sharded: all-gather LHS along M.
-3. K of LHS follows K of RHS: RHS K-sharded and LHS not -> take this rank's slice of LHS's
-   features; LHS K-sharded and RHS not -> an error.
+1. RHS sharded on both K and N, or LHS sharded on both M and K: an error (1-D tensor
+   parallelism shards one dim of each).
+2. LHS sharded on M (sequence parallel), RHS sharded on N: all-gather LHS along M. The gather's
+   backward reduce-scatters the GEMM's input gradient, a per-rank partial sum.
+3. K of LHS follows K of RHS: RHS K-sharded and LHS replicated -> take this rank's slice of LHS's
+   features (backward: all-gather the slices); LHS sharded on M -> one all-to-all to
+   "every token, this rank's features" (backward: the inverse all-to-all); LHS K-sharded and
+   RHS not -> an error.
 4. RHS N-sharded and LHS replicated: the gradient of LHS is a partial sum -> ``GradAllReduce``.
 5. K sharded: the output is a partial sum -> all-reduce it, or reduce-scatter it along M when
    the layer is sequence parallel (M and K sharded). A row-parallel bias follows the reduction.
+
+Each collective here is paired with its exact conjugate in backward: a layer's input gradient has
+the input's layout and is complete (summed over ranks) exactly where the input is replicated.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def reject_partial(op, x: Sharding, what: str = "input") -> None:
 def plan_gemm(lhs: Sharding, rhs_k: bool, rhs_n: bool, sequence_parallel: bool, who: str = "GEMM"):
     """Apply the sharded-GEMM rules (module docstring). Returns ``(pre, reduce, out)``: collective
     kinds applied to LHS before the GEMM (``"all_gather"``, ``"split_features"``,
-    ``"grad_all_reduce"``), the reduction of the output (``None``, ``"all_reduce"``,
+    ``"tokens_to_features"``, ``"grad_all_reduce"``), the reduction of the output (``None``, ``"all_reduce"``,
     ``"reduce_scatter"``), and the output sharding flags ``(tokens, features)``."""
     if rhs_k and rhs_n:
         raise PartitionError(
@@ -75,21 +82,28 @@ def plan_gemm(lhs: Sharding, rhs_k: bool, rhs_n: bool, sequence_parallel: bool, 
         )
     if lhs.partial:
         raise PartitionError(f"{who}: its input is a partial sum; reduce it (AllReduce) before the GEMM")
-    sharded = rhs_k or rhs_n
-    pre = []
-    tokens = lhs.tokens
-    if lhs.tokens and sharded:
-        pre.append("all_gather")
-        tokens = False
+    if lhs.tokens and lhs.features:
+        raise PartitionError(
+            f"{who}: its input is sharded on both tokens and features; 1-D tensor parallelism shards one of them")
     if lhs.features and not rhs_k:
         raise PartitionError(
             f"{who}: its input is sharded on features (K) but the weight is not sharded on K; "
             f"use parallel='row' for a layer that follows a column-parallel one"
         )
-    if rhs_k and not lhs.features:
+    pre = []
+    tokens = lhs.tokens
+    if rhs_n:
+        # The gather's reduce-scatter backward sums the GEMM's partial input gradients; a
+        # replicated input gets the same sum from GradAllReduce.
+        pre.append("all_gather" if lhs.tokens else "grad_all_reduce")
+        tokens = False
+    elif rhs_k and lhs.tokens:
+        # One all-to-all, not a gather then a slice: the gather's backward would sum complete
+        # gradients over the ranks (world x too large).
+        pre.append("tokens_to_features")
+        tokens = False
+    elif rhs_k and not lhs.features:
         pre.append("split_features")
-    if rhs_n and not lhs.tokens:
-        pre.append("grad_all_reduce")
     reduce = None
     if rhs_k:
         reduce = "reduce_scatter" if sequence_parallel else "all_reduce"

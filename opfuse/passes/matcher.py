@@ -208,7 +208,10 @@ def find_matches(gm: fx.GraphModule, rule: Rule, graph: nx.DiGraph | None = None
     """Legal matches of ``rule`` in ``gm`` whose predicates all accept, variant by variant
     (most ops first), in graph order."""
     graph = graph if graph is not None else graph_to_networkx(gm)
+    present = {kind for _, kind in graph.nodes(data="kind")}
     for variant in rule.variants:
+        if not all(present.intersection(spec.kinds) for spec in variant.specs):
+            continue  # a kind the variant needs is absent: no subgraph search
         for mapping in _structural(graph, _pattern_graph(variant)):
             if check_legal(graph, variant, mapping) is not None:
                 continue

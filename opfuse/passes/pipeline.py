@@ -135,7 +135,9 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, after_pass: Callable[[str
         if item.builtin:
             item.run(gm, ctx)
         else:
+            gm.recompile()  # a registered pass may run the module it is given
             _run_registered(item, gm, ctx, after_pass)
-        gm.recompile()
         after_pass(item.name, gm)
     ctx.current = None
+    # Built-in passes edit the graph only; its Python code is generated once, for the final graph.
+    gm.recompile()
