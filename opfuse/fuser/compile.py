@@ -21,6 +21,7 @@ import itertools
 import os
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
 from ..config import config, env_name, snapshot
@@ -30,10 +31,12 @@ from ..ops.base import TensorMeta
 from ..passes import pass_registry
 from ..passes.pipeline import PassContext, run_pipeline
 from ..passes.registry import active_key
+from .agree import Agreement, groups_of, signature_lines
 from .lower import lower
 from .program import Program
 
-__all__ = ["state_key", "call_key", "build_program", "DumpError", "PassRecorder", "new_dump_dir"]
+__all__ = ["state_key", "call_key", "build_program", "default_group", "uses_default_group", "DumpError", "PassRecorder",
+           "new_dump_dir"]
 
 _program_ids = itertools.count()
 
@@ -42,10 +45,20 @@ class DumpError(OSError):
     """``OPFUSE_DUMP`` / ``opfuse.config.dump_dir`` names a directory that cannot be written."""
 
 
+def default_group():
+    """The default process group, or ``None`` before ``init_process_group`` (ops built with
+    ``group=None`` use it; a re-created one invalidates their programs)."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 def state_key(seq) -> tuple:
     """What every program of ``seq`` depends on besides its inputs (see the module docstring)."""
     return (tuple(map(id, seq._modules.values())), tuple(op._op_version for op in seq), snapshot(), active_key(),
-            pass_registry.generation())
+            pass_registry.generation(), id(default_group()))
+
+
+def uses_default_group(seq) -> bool:
+    return any(group is None for op in seq for group in op.process_groups())
 
 
 def call_key(inputs, params) -> tuple:
@@ -120,12 +133,31 @@ class PassRecorder:
 
 
 def build_program(seq, inputs) -> Program:
+    """Lower ``seq`` for ``inputs``, check that every rank of its groups compiles the same program
+    (:mod:`.agree`), run the pass pipeline and wrap the result."""
     metas = [TensorMeta.of(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     recorder_dir = new_dump_dir()
-    gm = lower(seq, metas)
+    agreement = Agreement(groups_of(seq))
     ctx = PassContext(recipe=current_recipe())
     recorder = PassRecorder(ctx, recorder_dir)
-    run_pipeline(gm, ctx, recorder)
+    published = False
+
+    def after_pass(name: str, module: fx.GraphModule) -> None:
+        nonlocal published
+        recorder(name, module)
+        if name == "partition":
+            # The partitioned graph has every collective; nothing has communicated yet.
+            agreement.publish(signature_lines(module))
+            published = True
+            agreement.verify()
+
+    try:
+        gm = lower(seq, metas)
+        run_pipeline(gm, ctx, after_pass)
+    except Exception as error:
+        if not published:  # the other ranks fail at once instead of waiting for this one
+            agreement.publish(error=error)
+        raise
     program = Program(seq, gm, ctx.unfused, ctx.fusions, metas, notes=ctx.notes)
     recorder.write_explanation(program)
     return program

@@ -47,7 +47,14 @@ def _meta_and_sharding(op, args):
             raise type(error)(f"{op.describe()}: {error}") from None
         return meta, out
     out = op.propagate_sharding(*shardings)
-    return output_meta(op, *metas), out
+    try:
+        return output_meta(op, *metas), out
+    except OpInputError as error:
+        if len(args) > 1 and not shardings[0].replicated:
+            # Per-rank shapes follow from the layout: say which one the extra input must have.
+            raise type(error)(f"{error} (the value here is {shardings[0].describe()} over its process group, and an "
+                              f"extra input is laid out like the value it meets: pass this rank's part)") from None
+        raise
 
 
 def lower(seq, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:

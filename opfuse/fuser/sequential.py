@@ -6,17 +6,20 @@ It lives with the compiler (it is the compiled block); ``opfuse.ops.Sequential``
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import epoch, log
 from ..fp8.state import current_recipe
 from ..ops.base import BasicOp, OpInputError
-from .compile import build_program, call_key, state_key
+from .compile import build_program, call_key, default_group, state_key, uses_default_group
 from .diagnose import diagnose_failure
 
 __all__ = ["Sequential", "compile"]
 
-_COLD = (-1, None, None)
+_COLD = (-1, None, None, None)
+#: The ``world`` entry of a block whose ops name their groups (or use none).
+_ANY_GROUP = object()
 
 
 class Sequential(nn.Sequential):
@@ -44,7 +47,8 @@ class Sequential(nn.Sequential):
         self._programs: dict = {}
         self._state = None
         self._params: list = []
-        # (epoch, call key, program) of the last call: what the next call checks first.
+        # (epoch, call key, program, default group or _ANY_GROUP) of the last call: what the
+        # next call checks first.
         self._hot = _COLD
 
     # Structure ---------------------------------------------------------------------------
@@ -183,21 +187,23 @@ class Sequential(nn.Sequential):
             program = build_program(self, inputs)
             self._programs[(state, key)] = program
         # Compiling creates ops (and so moves the epoch): record the epoch after it.
-        self.__dict__["_hot"] = (epoch.value, key, program)
+        world = default_group() if uses_default_group(self) else _ANY_GROUP
+        self.__dict__["_hot"] = (epoch.value, key, program, world)
         return program
 
     def forward(self, *inputs):
         """``y = block(x, *extra_inputs)``. Per call: the inputs' shapes, dtypes, devices and
         ``requires_grad``, the grad mode, the parameters' ``requires_grad`` and the FP8 recipe are
-        compared with the last call's, and one integer (:mod:`opfuse.epoch`) stands for everything
-        else."""
-        now, last, program = self._hot
+        compared with the last call's, one integer (:mod:`opfuse.epoch`) stands for everything
+        else, and a block with ops on the default group checks that it is still the same group."""
+        now, last, program, world = self._hot
         try:
             key = (tuple([(t.shape, t.dtype, t.device, t.requires_grad) for t in inputs]), torch.is_grad_enabled(),
                    tuple([p.requires_grad for p in self._params]), current_recipe())
         except AttributeError:  # an input that is not a tensor: check_inputs names it
             key = None
-        if now != epoch.value or key != last or key is None:
+        if now != epoch.value or key != last or key is None or (world is not _ANY_GROUP and world is not
+                                                                 dist.group.WORLD):
             self.check_inputs(inputs)
             program = self._lookup(inputs)
         try:
