@@ -12,7 +12,7 @@ from .extra import AddExtraInput, Identity, MakeExtraOutput
 from .gated import GatedLinear
 from .grouped import BasicGroupedLinear, GroupedLinear
 from .linear import BasicLinear, Bias, Linear
-from .norm import LayerNorm, RMSNorm
+from .norm import ExtraOutputNorm, LayerNorm, RMSNorm
 from .quantize import Quantize
 from .sharding import Sharding
 
@@ -24,6 +24,7 @@ __all__ = [
     "BasicLinear",
     "BasicOp",
     "Bias",
+    "ExtraOutputNorm",
     "GELU",
     "GatedActivation",
     "GatedLinear",

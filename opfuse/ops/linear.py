@@ -31,7 +31,7 @@ def _init_weight_(weight: torch.Tensor, fan_in: int) -> None:
 
 
 class BasicLinear(BasicOp):
-    """``y = x @ weight.T`` on the local shard, no bias, no communication.
+    """``y = x @ weight.T (+ bias)`` on the local shard, no communication.
 
     Parameters
     ----------
@@ -47,17 +47,25 @@ class BasicLinear(BasicOp):
         An :mod:`opfuse.fp8` recipe: the GEMM runs on FP8 operands (forward, data gradient and,
         per recipe, weight gradient; the reference emulates them in float32). Set by the FP8 pass
         under :func:`opfuse.fp8.autocast`.
+    bias:
+        A bias parameter added inside the GEMM (one rounding of ``x @ W.T + b``; programs fold a
+        ``Bias`` that follows a GEMM into it). Not with ``weight_sharding="in"``: a partial sum
+        takes its bias after the reduction.
     """
 
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None,
                  weight: nn.Parameter | None = None, fan_in: int | None = None,
-                 weight_sharding: str | None = None, recipe: Recipe | None = None):
+                 weight_sharding: str | None = None, recipe: Recipe | None = None,
+                 bias: nn.Parameter | None = None):
         super().__init__()
         if recipe is not None and not isinstance(recipe, Recipe):
             raise ValueError(f"BasicLinear: recipe={recipe!r}; expected an opfuse.fp8 recipe or None")
         self.recipe = recipe
         if weight_sharding not in (None, "in", "out"):
             raise ValueError(f"BasicLinear: weight_sharding={weight_sharding!r}; accepted: None, 'in', 'out'")
+        if bias is not None and weight_sharding == "in":
+            raise ValueError("BasicLinear: a bias inside a row-parallel (weight_sharding='in') GEMM would be added "
+                             "once per rank; add it after the reduction")
         self.weight_sharding = weight_sharding
         self.in_features = int(in_features)
         self.out_features = int(out_features)
@@ -69,22 +77,26 @@ class BasicLinear(BasicOp):
                 f"BasicLinear: weight has shape {list(weight.shape)}, expected "
                 f"[{out_features}, {in_features}]"
             )
+        if bias is not None and tuple(bias.shape) != (out_features,):
+            raise OpInputError(f"BasicLinear: bias has shape {list(bias.shape)}, expected [{out_features}]")
         self.weight = weight
+        self.bias = bias
 
     def extra_repr(self) -> str:
         text = f"in_features={self.in_features}, out_features={self.out_features}"
         text += f", weight_sharding={self.weight_sharding!r}" if self.weight_sharding else ""
-        return text + (f", fp8={self.recipe.describe()}" if self.recipe is not None else "")
+        text += f", fp8={self.recipe.describe()}" if self.recipe is not None else ""
+        return text + (", bias" if self.bias is not None else "")
 
     def with_recipe(self, recipe: Recipe | None) -> "BasicLinear":
-        """The same GEMM (sharing the weight) with FP8 ``recipe``."""
+        """The same GEMM (sharing the weight and bias) with FP8 ``recipe``."""
         return BasicLinear(self.in_features, self.out_features, weight=self.weight,
-                           weight_sharding=self.weight_sharding, recipe=recipe)
+                           weight_sharding=self.weight_sharding, recipe=recipe, bias=self.bias)
 
     def forward(self, x):
         if self.recipe is not None:
-            return fp8_linear(x, self.weight, None, self.recipe)
-        return F.linear(x, self.weight)
+            return fp8_linear(x, self.weight, self.bias, self.recipe)
+        return F.linear(x, self.weight, self.bias)
 
     def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
         """``"in"`` (a K-shard of a row-parallel weight): a partial sum; ``"out"`` (an N-shard of a
@@ -104,9 +116,10 @@ class BasicLinear(BasicOp):
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         self._require_float(x)
         self._require_features(x, self.in_features)
-        self._require_param_match(x, [self.weight])
+        self._require_param_match(x, [self.weight, self.bias])
         return x.with_(shape=x.shape[:-1] + (self.out_features,),
-                       requires_grad=x.requires_grad or self.weight.requires_grad)
+                       requires_grad=x.requires_grad or self.weight.requires_grad
+                       or (self.bias is not None and self.bias.requires_grad))
 
 
 class Bias(BasicOp):

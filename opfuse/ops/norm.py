@@ -13,7 +13,8 @@ from torch import nn
 from .base import BasicOp, PartitionError, TensorMeta
 from .sharding import Sharding, reject_partial
 
-__all__ = ["RMSNorm", "LayerNorm", "rms_norm_reference", "layer_norm_reference", "compute_dtype"]
+__all__ = ["RMSNorm", "LayerNorm", "ExtraOutputNorm", "rms_norm_reference", "layer_norm_reference", "norm_backward",
+           "compute_dtype"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -37,6 +38,39 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, bias: tor
     y = F.layer_norm(x.to(ct), (x.shape[-1],), None if weight is None else weight.to(ct),
                      None if bias is None else bias.to(ct), eps)
     return y.to(x.dtype)
+
+
+def norm_backward(dy, h, dh_out, weight, bias, eps: float, kind: str):
+    """Gradients of ``y = norm(h)`` (``kind`` ``"rms"`` or ``"layer"``), in closed form with
+    float32 (or wider) arithmetic: ``(dh, dweight, dbias)``, the last two empty when absent.
+
+    ``dh_out`` is the gradient reaching ``h`` from its other use (e.g. the residual that
+    ``MakeExtraOutput`` exports); it is added before ``dh`` is rounded to ``h``'s dtype, so the
+    sum is rounded once. ``dy`` may be ``None`` (only ``dh_out`` flows back)."""
+    ct = compute_dtype(h.dtype)
+    hidden = h.shape[-1]
+    hf = h.to(ct).reshape(-1, hidden)
+    if dy is None:
+        dyf = hf.new_zeros(hf.shape)
+    else:
+        dyf = dy.to(ct).reshape(-1, hidden)
+    g = dyf * weight.to(ct) if weight is not None else dyf
+    if kind == "rms":
+        rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = hf * rstd
+        dh = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    elif kind == "layer":
+        mean = hf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt((hf - mean).pow(2).mean(-1, keepdim=True) + eps)
+        xhat = (hf - mean) * rstd
+        dh = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+    else:
+        raise ValueError(f"norm backward: kind={kind!r}; accepted: 'rms', 'layer'")
+    if dh_out is not None:
+        dh = dh + dh_out.to(ct).reshape(dh.shape)
+    dw = (dyf * xhat).sum(0).to(weight.dtype) if weight is not None else h.new_empty(0)
+    db = dyf.sum(0).to(bias.dtype) if bias is not None else h.new_empty(0)
+    return dh.to(h.dtype).reshape(h.shape), dw, db
 
 
 class _Norm(BasicOp):
@@ -107,3 +141,53 @@ class LayerNorm(_Norm):
     def forward(self, x):
         return layer_norm_reference(x, self.weight, self.bias, self.eps)
 
+
+class _NormKeepingInput(torch.autograd.Function):
+    """``(norm(x), x)`` with one backward for both uses of ``x`` (see :class:`ExtraOutputNorm`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, kind):
+        y = rms_norm_reference(x, weight, eps) if kind == "rms" else layer_norm_reference(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.eps, ctx.kind = eps, kind
+        ctx.set_materialize_grads(False)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dx_out):
+        x, weight, bias = ctx.saved_tensors
+        if dy is None and dx_out is None:
+            return None, None, None, None, None
+        dx, dw, db = norm_backward(dy, x, dx_out, weight, bias, ctx.eps, ctx.kind)
+        return (dx, dw if weight is not None and dy is not None else None,
+                db if bias is not None and dy is not None else None, None, None)
+
+
+class ExtraOutputNorm(BasicOp):
+    """``MakeExtraOutput -> RMSNorm/LayerNorm`` as one op: returns ``(norm(x), x)``.
+
+    The gradient reaching ``x`` from the norm and from the extra output is summed in float32 and
+    rounded once (autograd would round the norm's input gradient to bfloat16/float16 before adding
+    the other: nearly cancelling terms lose their digits). Programs use it where no fusion rule
+    took the pair; it shares ``norm``'s parameters.
+    """
+
+    num_extra_outputs = 1
+
+    def __init__(self, norm: _Norm):
+        super().__init__()
+        self.norm = norm
+        self.kind_name = "rms" if isinstance(norm, RMSNorm) else "layer"
+
+    def extra_repr(self) -> str:
+        return self.norm.describe()
+
+    def forward(self, x):
+        return _NormKeepingInput.apply(x, self.norm.weight, getattr(self.norm, "bias", None), self.norm.eps,
+                                       self.kind_name)
+
+    def propagate_sharding(self, x: Sharding, *extra) -> Sharding:
+        return self.norm.propagate_sharding(x)
+
+    def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
+        return self.norm.infer_meta(x)

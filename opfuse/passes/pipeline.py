@@ -6,7 +6,8 @@ Each pass is ``fn(graph_module, ctx) -> None`` and edits the graph in place (``c
     partition               expand composite ops, insert the collectives their layouts need
     horizontal_gemm         GEMMs reading the same value -> one GEMM (registered with register_pass)
     fuse                    fusion rules by priority, to a fixed point
-    cleanup                 drop identities and dead values
+    cleanup                 fold what no rule fused and would round twice (GEMM + bias, extra output +
+                            norm), drop identities and dead values
     select_implementations  backend dispatch per fused op
     verify                  lint and invariants
 

@@ -132,8 +132,28 @@ def one_case(rank, world, first, norm, second, bias, fuse, full, hidden):
     return "checked"
 
 
+def zero_tokens(rank, world):
+    """A tensor-parallel MLP block with no tokens, fused and unfused, with and without sequence
+    parallelism: empty outputs, zero gradients."""
+    h = 4 * world
+    for sp in (False, True):
+        block = ops.Sequential(
+            ops.RMSNorm(h, dtype=DT), ops.Linear(h, 2 * h, parallel="column", sequence_parallel=sp, dtype=DT),
+            ops.GELU(), ops.Linear(2 * h, h, parallel="row", sequence_parallel=sp, dtype=DT), ops.AddExtraInput(),
+            ops.MakeExtraOutput(), ops.RMSNorm(h, dtype=DT))
+        for fuse in (True, False):
+            x, r = torch.randn(0, h, dtype=DT, requires_grad=True), torch.randn(0, h, dtype=DT, requires_grad=True)
+            with opfuse.config.override(fuse=fuse):
+                y, res = block(x, r)
+                (y.sum() + res.sum()).backward()
+            assert y.shape == res.shape == x.grad.shape == r.grad.shape == (0, h), (sp, fuse)
+            assert all(p.grad is not None and not p.grad.any() for p in block.parameters()), (sp, fuse)
+            block.zero_grad()
+
+
 def all_layouts(rank, world):
     torch.set_num_threads(1)
+    zero_tokens(rank, world)
     hidden, tokens = 4 * world, 2 * world
     full = Full(hidden, tokens, torch.Generator().manual_seed(29))
     outcomes = {"checked": 0, "refused": 0}

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from ...ops import group as groups
 from ...ops.collectives import raw_all_reduce
-from ...ops.norm import compute_dtype, layer_norm_reference, rms_norm_reference
+from ...ops.norm import layer_norm_reference, norm_backward, rms_norm_reference
 from ..quantize import reference as quantize_reference
 
 __all__ = ["NORMS", "apply_norm", "forward", "backward", "forward_quantize"]
@@ -53,23 +52,6 @@ def backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):
     """Gradient of ``y = norm(h)`` plus ``dh_out`` (the gradient reaching ``h`` from its other use),
     summed in float32 and rounded once (closed form; custom ops run without autograd):
     ``(dh, dweight, dnorm_bias)``, the latter two empty when absent."""
-    ct = compute_dtype(h.dtype)
-    hf = h.to(ct).reshape(-1, h.shape[-1])
-    dyf = dy.to(ct).reshape(-1, h.shape[-1])
-    g = dyf * weight.to(ct) if weight is not None else dyf
-    if norm == "rms":
-        rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-        xhat = hf * rstd
-        dh = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-    elif norm == "layer":
-        mean = hf.mean(-1, keepdim=True)
-        rstd = torch.rsqrt((hf - mean).pow(2).mean(-1, keepdim=True) + eps)
-        xhat = (hf - mean) * rstd
-        dh = rstd * (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
-    else:
+    if norm not in ("rms", "layer"):
         raise ValueError(f"residual_norm backward: norm={norm!r}; accepted: 'rms', 'layer'")
-    if dh_out is not None:
-        dh = dh + dh_out.to(ct).reshape(dh.shape)
-    dw = (dyf * xhat).sum(0).to(weight.dtype) if weight is not None else dy.new_empty(0)
-    db = dyf.sum(0).to(norm_bias.dtype) if norm_bias is not None else dy.new_empty(0)
-    return dh.to(h.dtype).reshape(h.shape), dw, db
+    return norm_backward(dy, h, dh_out, weight, norm_bias, eps, norm)
