@@ -9,6 +9,7 @@ fused.
 """
 
 from . import fp8, ops, passes
+from .backend.runtime.peer_watch import PeerTimeoutError, check_peers
 from .checkpoint import load_unsharded_state_dict, unsharded_state_dict
 from .config import config  # the settings object (shadows the module name on purpose)
 from .fuser import Program, compile
@@ -20,6 +21,7 @@ from .torch_compile import register as _register_backend
 __version__ = "0.1.0"
 
 __all__ = ["ops", "passes", "fp8", "config", "compile", "graphed", "optimize", "programs", "Program",
-           "sync_sequence_parallel_grads", "unsharded_state_dict", "load_unsharded_state_dict", "__version__"]
+           "sync_sequence_parallel_grads", "unsharded_state_dict", "load_unsharded_state_dict", "check_peers",
+           "PeerTimeoutError", "__version__"]
 
 _register_backend()  # backend="opfuse" for torch.compile (see opfuse.torch_compile.backend)

@@ -8,6 +8,7 @@ a multi-GPU machine; tests/gpu/test_residual_norm_dist.py runs them across real 
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -89,17 +90,21 @@ class SimulatedRanks:
         torch.cuda.synchronize()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.blocks = max(1, (sms - 4) // world)  # every rank's grid must be resident at once
+        self.watches = [ext.PeerWatch() for _ in range(world)]
 
-    def run(self, xs, bias, residual, weight, norm_bias, norm, eps=1e-6, write_h=True):
+    def run(self, xs, bias, residual, weight, norm_bias, norm, eps=1e-6, write_h=True, ranks=None, timeout_ns=0):
+        """One call on every rank (or on ``ranks`` only: the others skip it)."""
         tokens, hidden = xs[0].shape
         ys = [torch.full_like(xs[0], float("nan")) for _ in range(self.world)]
         hs = [torch.full_like(xs[0], float("nan")) if write_h else None for _ in range(self.world)]
         ready = torch.cuda.current_stream()
         for stream in self.streams:
             stream.wait_stream(ready)
-        for r in range(self.world):
+        for r in range(self.world) if ranks is None else ranks:
+            watch = self.watches[r]
             args = (ptr(xs[r]), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), ys[r].data_ptr(), ptr(hs[r]),
-                    tokens, hidden, eps, norm_code(norm), code(xs[0].dtype), self.regions[r])
+                    tokens, hidden, eps, norm_code(norm), code(xs[0].dtype), self.regions[r], watch.flag,
+                    watch.record, timeout_ns, 7)
             with torch.cuda.stream(self.streams[r]):
                 if self.kind == "oneshot":
                     self.ext.allreduce_oneshot(*args, self.blocks, self.streams[r].cuda_stream)
@@ -209,3 +214,22 @@ def test_kernel_argument_errors(ext):
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         ext.add_norm(x.data_ptr() + 2, 0, 0, 0, 0, x.data_ptr(), 0, 2, 128, 1e-6, 1, 1, 8,
                      torch.cuda.current_stream().cuda_stream)
+
+
+@pytest.mark.parametrize("kind", ["oneshot", "twoshot"])
+def test_a_peer_that_skips_a_call_times_out_instead_of_hanging(ext, kind):
+    """Rank 1 of 2 never launches: rank 0's kernel gives up after the timeout, finishes, and its
+    record names the wait and the peer; no trap, the context stays usable."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    ranks = SimulatedRanks(ext, kind, 2, torch.bfloat16, 8 << 20)
+    xs, bias, res, w, nb = make(64, 1024, torch.bfloat16, 2, gen)
+    ranks.run(xs, bias, res, w, nb, "rms")  # both ranks: fine
+    assert not ranks.watches[0].failed()
+    start = time.perf_counter()
+    ranks.run(xs, bias, res, w, nb, "rms", ranks=[0], timeout_ns=200_000_000)  # synchronizes
+    elapsed = time.perf_counter() - start
+    assert 0.2 <= elapsed < 5, elapsed
+    failed, site, rank, peer, op, block, waited_ns = ranks.watches[0].read()
+    assert failed and (rank, peer, op) == (0, 1, 7) and waited_ns >= 200_000_000
+    assert site == ext.PEER_WAIT_SITES["one-shot" if kind == "oneshot" else "two-shot reduce-scatter"]
+    torch.ones(1, device="cuda").sum().item()  # the context is alive

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ...config import config
 from ...ops import group as groups
 from ...ops.base import dtype_name
-from ..runtime import extension, symm_pool
+from ..runtime import extension, peer_watch, symm_pool
 from ..runtime.device import current_stream, is_capturing, sm_count
 from . import crossovers, reference
 
@@ -36,6 +36,9 @@ __all__ = ["check_oneshot", "check_twoshot", "check_nccl_then_kernel", "check_lo
            "norm_backward", "one_dtype_reason", "SUPPORTED_DTYPES", "FAMILY"]
 
 FAMILY = "residual_norm"
+#: The fused op a peer kernel runs for each norm kind (the op code the kernels record on a timeout).
+_PEER_OPS = {"none": "allreduce", "rms": "allreduce_add_rmsnorm", "layer": "allreduce_add_layernorm"}
+_OP_CODES = {norm: code for code, norm in enumerate(_PEER_OPS)}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20}
 
@@ -163,6 +166,7 @@ class _PeerPlan:
     peer_region: object     # _opfuse_residual_norm.PeerRegion
     peers: torch.Tensor     # device array of peer addresses (kept alive)
     capacity: int
+    watch: peer_watch.PeerWatch  # the bound on its waits, checked before every launch
 
 
 _plans: dict[tuple, _PeerPlan] = {}
@@ -188,10 +192,15 @@ def _prepare_peer(kind: str):
             ext.oneshot_init(peer_region, ext.DTYPES[dtype_name(spec.dtype)], stream)
         else:
             ext.twoshot_init(peer_region, stream)
+        with torch.cuda.device(device):
+            record = ext.PeerWatch()
+        watch = peer_watch.PeerWatch(record, tuple(_PEER_OPS.values()), ext.PEER_WAIT_SITES,
+                                     dist.get_process_group_ranks(pool.group),
+                                     f"residual_norm {kind} region of group {spec.group_name!r}")
         # Every rank's buffers must hold their initial state before any peer pushes into them.
         torch.cuda.synchronize()
         dist.barrier(group=pool.group)
-        _plans[key] = _PeerPlan(region, peer_region, peers, capacity)
+        _plans[key] = _PeerPlan(region, peer_region, peers, capacity, watch)
 
     return prepare
 
@@ -251,13 +260,16 @@ def _peer_forward(kind: str):
         if plan is None:
             raise RuntimeError(f"residual_norm {kind}: no peer region for group {group!r} and {tuple(x.shape)} "
                                f"{dtype_name(x.dtype)}; the program that chose this implementation prepares it")
+        watch = plan.watch
+        watch.check()  # a wait of an earlier call timed out: the region is out of step with the peers
         y, h = _outputs(x, norm, write_residual)
         hidden = x.shape[-1]
         tokens = x.numel() // hidden
         ext = extension.load(FAMILY)
         args = (_ptr(x), _ptr(bias), _ptr(residual), _ptr(weight), _ptr(norm_bias), y.data_ptr(),
                 _ptr(h if h.numel() else None), tokens, hidden, float(eps), ext.NORMS[norm],
-                ext.DTYPES[dtype_name(x.dtype)], plan.peer_region)
+                ext.DTYPES[dtype_name(x.dtype)], plan.peer_region, watch.flag, watch.address,
+                peer_watch.timeout_ns(), _OP_CODES[norm])
         if kind == "oneshot":
             ext.allreduce_oneshot(*args, sm_count(), current_stream())
         else:

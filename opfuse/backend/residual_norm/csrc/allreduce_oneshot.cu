@@ -32,6 +32,7 @@ inline int64_t buffer_bytes(int world, int64_t capacity) { return align256(world
 
 struct OneShotLaunch {
   ResidualNormArgs args;
+  PeerWait wait;
   const uint64_t* peers;
   uint32_t* state;
   int rank;
@@ -97,12 +98,15 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
           value = clear_negative_zero<T>(__ldg(x + row * nvec + idx));
         } else {
           const uint4* slot = inbox + src * message_packs + row * nvec + idx;
-          const long long start = clock64();
+          uint64_t start = 0;
           int polls = 0;
           while (true) {
             value = ld_volatile(slot);
             if (!has_sentinel<T>(value)) break;
-            if ((++polls & 1023) == 0) spin_check(start, "one-shot all-reduce");
+            // A peer that never arrives: give up after the timeout (the sentinels sum as -0.0).
+            if ((++polls & 1023) == 0 &&
+                peer_wait_expired(p.wait, start, PeerWaitSite::kOneShot, p.rank, src))
+              break;
           }
         }
         regs.add(j, value);
@@ -142,8 +146,8 @@ const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t strea
   return launch_status();
 }
 
-const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, int max_blocks,
-                              cudaStream_t stream) {
+const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
+                              int max_blocks, cudaStream_t stream) {
   if (const char* bad = check_residual_norm_args(args)) return bad;
   if (region.world < 1 || region.world > kMaxWorld || region.rank < 0 || region.rank >= region.world)
     return "opfuse one-shot: rank/world out of range (world 1..8)";
@@ -158,7 +162,7 @@ const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& re
   int64_t want = (packs + kPushPacksPerBlock - 1) / kPushPacksPerBlock;
   if (want < args.tokens) want = args.tokens;
   const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
-  OneShotLaunch launch{args, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
+  OneShotLaunch launch{args, wait, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
                        buffer_bytes(region.world, align256(region.capacity))};
   return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {
     oneshot_kernel<T, VPT><<<blocks, layout.threads, 0, stream>>>(launch);

@@ -43,6 +43,7 @@ __host__ __device__ inline int64_t ag_offset(int world, int64_t capacity) { retu
 
 struct TwoShotLaunch {
   ResidualNormArgs args;
+  PeerWait wait;
   const uint64_t* peers;
   uint32_t* state;
   int rank;
@@ -64,14 +65,16 @@ __device__ __forceinline__ void signal_peers(const TwoShotLaunch& p, int phase, 
   }
 }
 
-__device__ __forceinline__ void wait_peers(const TwoShotLaunch& p, int phase, uint32_t epoch, const char* what) {
+__device__ __forceinline__ void wait_peers(const TwoShotLaunch& p, int phase, uint32_t epoch, PeerWaitSite site) {
   const int src = threadIdx.x;
   if (src < p.world && src != p.rank) {
     const uint32_t* flag = flag_ptr(p.peers[p.rank], phase, blockIdx.x, src);
-    const long long start = clock64();
+    uint64_t start = 0;
     int polls = 0;
     while (static_cast<int32_t>(ld_acquire_sys(flag) - epoch) < 0) {
-      if ((++polls & 1023) == 0) spin_check(start, what);
+      // A peer that never arrives: give up after the timeout; the block goes on with stale rows
+      // (every thread still reaches the same barriers) and the host raises before the next call.
+      if ((++polls & 1023) == 0 && peer_wait_expired(p.wait, start, site, p.rank, src)) break;
     }
   }
   __syncthreads();
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
 
   // B(s): reduce this rank's rows of stage s over all slots, push the sums to every rank.
   auto reduce_stage = [&](int stage) {
-    wait_peers(p, 0, seq0 + stage + 1, "two-shot reduce-scatter");
+    wait_peers(p, 0, seq0 + stage + 1, PeerWaitSite::kTwoShotReduceScatter);
     const uint4* own_rs = rs_slot(p.rank, 0, 0);
     for (int r = 0; r < R; ++r) {
       const int64_t i = row_of(stage, r);
@@ -153,7 +156,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
 
   // C(s): bias + residual + norm for rows of stage s of every chunk.
   auto finish_stage = [&](int stage) {
-    wait_peers(p, 1, seq0 + stage + 1, "two-shot all-gather");
+    wait_peers(p, 1, seq0 + stage + 1, PeerWaitSite::kTwoShotAllGather);
     for (int r = 0; r < R; ++r) {
       const int64_t i = row_of(stage, r);
       if (i >= rows_per_rank) break;
@@ -197,8 +200,8 @@ const char* twoshot_init(const PeerRegion& region, cudaStream_t stream) {
   return nullptr;
 }
 
-const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, int blocks,
-                              cudaStream_t stream) {
+const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
+                              int blocks, cudaStream_t stream) {
   if (const char* bad = check_residual_norm_args(args)) return bad;
   if (region.world < 1 || region.world > kMaxWorld || region.rank < 0 || region.rank >= region.world)
     return "opfuse two-shot: rank/world out of range (world 1..8)";
@@ -216,7 +219,7 @@ const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& re
   const int64_t per_block = (rows_per_rank + blocks - 1) / blocks;
   int64_t rows_per_stage = (per_block + kMaxStages - 1) / kMaxStages;
   if (rows_per_stage < kMinStageRows) rows_per_stage = kMinStageRows;
-  TwoShotLaunch launch{args, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
+  TwoShotLaunch launch{args, wait, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
                        ag_offset(region.world, region.capacity), rows_per_stage};
   return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {
     twoshot_kernel<T, VPT><<<blocks, layout.threads, 0, stream>>>(launch);

@@ -44,6 +44,63 @@ opfuse::ResidualNormArgs make_args(uintptr_t x, uintptr_t bias, uintptr_t residu
 
 cudaStream_t stream_of(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
+opfuse::PeerWait make_wait(uintptr_t flag, uintptr_t record, uint64_t timeout_ns, int op) {
+  opfuse::PeerWait wait;
+  wait.flag = ptr<uint32_t>(flag);
+  wait.record = ptr<opfuse::PeerWaitRecord>(record);
+  wait.timeout_ns = timeout_ns;
+  wait.op = op;
+  return wait;
+}
+
+void cuda_check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(status));
+}
+
+// The flag (device memory) and the record (host-mapped pinned memory) of one region's bounded
+// waits (peer_wait.h), on the current device. Read without a stream sync.
+class PeerWatch {
+ public:
+  PeerWatch() {
+    void* host = nullptr;
+    cuda_check(cudaHostAlloc(&host, sizeof(opfuse::PeerWaitRecord), cudaHostAllocMapped | cudaHostAllocPortable),
+               "PeerWatch: cudaHostAlloc");
+    host_ = static_cast<opfuse::PeerWaitRecord*>(host);
+    *host_ = opfuse::PeerWaitRecord{};
+    void* device_record = nullptr;
+    cuda_check(cudaHostGetDevicePointer(&device_record, host, 0), "PeerWatch: cudaHostGetDevicePointer");
+    record_ = reinterpret_cast<uintptr_t>(device_record);
+    void* flag = nullptr;
+    cuda_check(cudaMalloc(&flag, sizeof(uint32_t)), "PeerWatch: cudaMalloc");
+    cuda_check(cudaMemset(flag, 0, sizeof(uint32_t)), "PeerWatch: cudaMemset");
+    flag_ = reinterpret_cast<uintptr_t>(flag);
+  }
+  PeerWatch(const PeerWatch&) = delete;
+  PeerWatch& operator=(const PeerWatch&) = delete;
+  ~PeerWatch() {
+    // Errors are ignored: at interpreter exit the CUDA context may be gone already.
+    cudaFree(reinterpret_cast<void*>(flag_));
+    cudaFreeHost(host_);
+  }
+
+  bool failed() const { return reinterpret_cast<volatile const opfuse::PeerWaitRecord*>(host_)->failed != 0; }
+
+  py::tuple read() const {
+    volatile const opfuse::PeerWaitRecord* r = host_;
+    return py::make_tuple(r->failed != 0, static_cast<int>(r->site), static_cast<int>(r->rank),
+                          static_cast<int>(r->peer), static_cast<int>(r->op), static_cast<int>(r->block),
+                          static_cast<uint64_t>(r->waited_ns));
+  }
+
+  uintptr_t flag() const { return flag_; }
+  uintptr_t record() const { return record_; }
+
+ private:
+  opfuse::PeerWaitRecord* host_ = nullptr;
+  uintptr_t record_ = 0;
+  uintptr_t flag_ = 0;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_opfuse_residual_norm, m) {
@@ -73,6 +130,18 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
       .def_readonly("bytes", &opfuse::PeerRegion::bytes)
       .def_readonly("capacity", &opfuse::PeerRegion::capacity);
 
+  py::class_<PeerWatch>(m, "PeerWatch")
+      .def(py::init<>())
+      .def("failed", &PeerWatch::failed)
+      .def("read", &PeerWatch::read, "(failed, site, rank, peer, op, block, waited_ns)")
+      .def_property_readonly("flag", &PeerWatch::flag)
+      .def_property_readonly("record", &PeerWatch::record);
+  pybind11::dict sites;
+  sites["one-shot"] = static_cast<int>(opfuse::PeerWaitSite::kOneShot);
+  sites["two-shot reduce-scatter"] = static_cast<int>(opfuse::PeerWaitSite::kTwoShotReduceScatter);
+  sites["two-shot all-gather"] = static_cast<int>(opfuse::PeerWaitSite::kTwoShotAllGather);
+  m.attr("PEER_WAIT_SITES") = sites;
+
   m.attr("MAX_WORLD") = opfuse::kMaxWorld;
   m.attr("MAX_BLOCKS") = opfuse::kMaxBlocks;
   m.def("oneshot_region_bytes", &opfuse::oneshot_region_bytes, py::arg("world"), py::arg("capacity"));
@@ -85,19 +154,27 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
     check(opfuse::twoshot_init(region, stream_of(stream)), "twoshot_init");
   });
 
+  // The launches take the region's PeerWatch as (flag, record) addresses, the timeout in ns and
+  // the caller's op code (peer_wait.h).
   m.def("allreduce_oneshot",
         [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,
            uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm, int dtype,
-           const opfuse::PeerRegion& region, int max_blocks, uintptr_t stream) {
+           const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns, int op,
+           int max_blocks, uintptr_t stream) {
           const auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
-          check(opfuse::allreduce_oneshot(args, region, max_blocks, stream_of(stream)), "allreduce_oneshot");
+          check(opfuse::allreduce_oneshot(args, region, make_wait(flag, record, timeout_ns, op), max_blocks,
+                                          stream_of(stream)),
+                "allreduce_oneshot");
         });
   m.def("allreduce_twoshot",
         [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,
            uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm, int dtype,
-           const opfuse::PeerRegion& region, int blocks, uintptr_t stream) {
+           const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns, int op,
+           int blocks, uintptr_t stream) {
           const auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
-          check(opfuse::allreduce_twoshot(args, region, blocks, stream_of(stream)), "allreduce_twoshot");
+          check(opfuse::allreduce_twoshot(args, region, make_wait(flag, record, timeout_ns, op), blocks,
+                                          stream_of(stream)),
+                "allreduce_twoshot");
         });
   m.def("add_norm",
         [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "peer_wait.h"
+
 namespace opfuse {
 
 enum class NormKind : int { kNone = 0, kRMS = 1, kLayer = 2 };
@@ -47,16 +49,18 @@ int64_t oneshot_region_bytes(int world, int64_t capacity);
 int64_t twoshot_region_bytes(int world, int64_t capacity);
 
 // Lamport one-shot all-reduce (+ bias + residual + norm). The region must start zeroed state and
-// sentinel-filled buffers (oneshot_init); ``max_blocks`` caps the grid.
-const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, int max_blocks,
-                              cudaStream_t stream);
+// sentinel-filled buffers (oneshot_init); ``max_blocks`` caps the grid. Waits on peers are
+// bounded by ``wait`` (peer_wait.h).
+const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
+                              int max_blocks, cudaStream_t stream);
 // Writes the initial state of a one-shot region on this rank (zero state, sentinel buffers).
 const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t stream);
 
 // Two-shot all-reduce: reduce-scatter by token rows, all-gather the reduced rows, then every rank
-// applies bias + residual + norm to all rows. ``blocks`` must be the same on every rank.
-const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, int blocks,
-                              cudaStream_t stream);
+// applies bias + residual + norm to all rows. ``blocks`` must be the same on every rank. Waits on
+// peers are bounded by ``wait`` (peer_wait.h).
+const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
+                              int blocks, cudaStream_t stream);
 const char* twoshot_init(const PeerRegion& region, cudaStream_t stream);
 
 // Single GPU: y = norm(x + bias + residual), h = the sum.

@@ -1,5 +1,6 @@
 // Shared device helpers for opfuse kernels: 16-byte packs of bf16/fp16/fp32, the -0.0 sentinel
-// used by the Lamport protocol, memory-model-aware loads/stores, and block reductions.
+// used by the Lamport protocol, memory-model-aware loads/stores, bounded waits on peers, and block
+// reductions.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "dtype.h"
+#include "peer_wait.h"
 
 namespace opfuse {
 
@@ -118,15 +120,41 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Spinning on peers is bounded: a lost peer traps (a CUDA error the host reports) instead of
-// hanging the GPU forever. ~20 s at Hopper clocks.
-constexpr long long kSpinLimitCycles = 40LL * 1000 * 1000 * 1000;
+// --- Bounded waits on peers (peer_wait.h) ---------------------------------------------------
 
-__device__ __forceinline__ void spin_check(long long start, const char* what) {
-  if (clock64() - start > kSpinLimitCycles) {
-    printf("opfuse: %s timed out in block %d thread %d (a peer never arrived)\n", what, blockIdx.x, threadIdx.x);
-    __trap();
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Call every ~1k polls of a spin on ``peer``; ``start`` is 0 on the first call (the clock starts
+// then, so a wait that succeeds at once never reads the timer). True when the wait must stop: it
+// exceeded the timeout (recorded for the host), or another wait already gave up (the call's data
+// is incomplete anyway; spinning on would only delay the error).
+__device__ __forceinline__ bool peer_wait_expired(const PeerWait& w, uint64_t& start, PeerWaitSite site, int rank,
+                                                  int peer) {
+  if (w.flag == nullptr) return false;
+  if (*reinterpret_cast<volatile uint32_t*>(w.flag) != 0u) return true;
+  const uint64_t now = global_timer_ns();
+  if (start == 0) {
+    start = now;
+    return false;
   }
+  if (w.timeout_ns == 0 || now - start < w.timeout_ns) return false;
+  if (atomicCAS(w.flag, 0u, 1u) == 0u) {
+    volatile PeerWaitRecord* r = w.record;
+    r->site = static_cast<int32_t>(site);
+    r->rank = rank;
+    r->peer = peer;
+    r->op = w.op;
+    r->block = static_cast<int32_t>(blockIdx.x);
+    r->waited_ns = now - start;
+    __threadfence_system();
+    r->failed = 1;
+    __threadfence_system();
+  }
+  return true;
 }
 
 // --- Block reductions -------------------------------------------------------------------------
