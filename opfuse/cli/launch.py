@@ -1,9 +1,12 @@
 """Run a function in N spawned processes with a gloo (CPU) or NCCL (GPU) process group.
 
 ``run(fn, world, *args)`` starts ``world`` processes, each calling ``fn(rank, world, *args)``
-after ``init_process_group``; an exception in any rank fails the caller with that rank's
-traceback (:class:`LaunchError`). ``fn`` must be importable (module level): processes are
-spawned. Used by ``python -m opfuse demo/dump``, the benchmarks and the distributed tests.
+after ``init_process_group``; an exception in any rank fails the caller with the traceback of the
+rank that failed *first* (:class:`LaunchError`): a failing rank makes its peers fail too (gloo's
+"connection reset"), and those are consequences, listed after it. Once a rank failed, the others
+get a few seconds to finish, then are stopped (they may wait for the dead one forever). ``fn``
+must be importable (module level): processes are spawned. Used by ``python -m opfuse demo/dump``,
+the benchmarks and the distributed tests.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the processes already exist:
 :func:`run_here_or_spawn` joins torchrun's group in this process instead of spawning its own.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import traceback
 
 import torch
@@ -49,7 +53,7 @@ def _worker(rank, world, port, backend, fn, args, errors):
         fn(rank, world, *args)
         ok = True
     except BaseException:  # noqa: BLE001 - reported to the parent
-        errors.put((rank, traceback.format_exc()))
+        errors.put((time.time(), rank, traceback.format_exc()))
     finally:
         try:
             if ok and dist.is_initialized():
@@ -71,28 +75,47 @@ def default_backend() -> tuple[str, int]:
     return "gloo", 2
 
 
+#: Seconds the other ranks get to finish after one failed, before they are stopped.
+FAILURE_GRACE_S = 10.0
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
 def run(fn, world: int, *args, backend: str = "gloo", timeout: float = 300.0) -> None:
     """Spawn ``world`` processes, each running ``fn(rank, world, *args)`` in a ``backend`` group;
     raises :class:`LaunchError` when a rank fails or does not finish within ``timeout`` seconds."""
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise LaunchError(f"world={world} needs {world} GPUs for NCCL, this host has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    errors = ctx.SimpleQueue()  # put() writes through before the worker's os._exit
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, errors)) for r in range(world)]
     for proc in procs:
         proc.start()
-    for proc in procs:
-        proc.join(timeout)
+    failures = []
+    deadline = time.monotonic() + timeout
+    stop_at = deadline
+    while any(p.is_alive() for p in procs) and time.monotonic() < stop_at:
+        while not errors.empty():
+            failures.append(errors.get())
+            stop_at = min(stop_at, time.monotonic() + FAILURE_GRACE_S)
+        time.sleep(0.05)
     alive = [p for p in procs if p.is_alive()]
     for proc in alive:
         proc.kill()
-    failures = []
+    for proc in procs:
+        proc.join()
     while not errors.empty():
         failures.append(errors.get())
     if failures:
-        rank, text = sorted(failures)[0]
-        raise LaunchError(f"rank {rank} failed:\n{text}")
+        failures.sort()
+        _, rank, text = failures[0]
+        later = "".join(f"\nthen rank {r} failed: {_last_line(t)}" for _, r, t in failures[1:])
+        stopped = f"\nranks stopped after it: {sorted(procs.index(p) for p in alive)}" if alive else ""
+        raise LaunchError(f"rank {rank} failed first:\n{text}{later}{stopped}")
     if alive:
         raise LaunchError(f"{len(alive)} rank(s) did not finish within {timeout}s (deadlock?)")
     bad = [p.exitcode for p in procs if p.exitcode != 0]
