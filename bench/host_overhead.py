@@ -1,11 +1,24 @@
-"""Host overhead of a compiled ``ops.Sequential`` call against calling the same ops directly.
+"""Host overhead of a compiled ``ops.Sequential`` call against calling the same modules by hand.
 
-    PYTHONPATH=. python3 bench/host_overhead.py [--device cpu|cuda] [--tokens 1] [--json FILE] [--plot FILE.png]
+    PYTHONPATH=. python3 bench/host_overhead.py [--device cpu|cuda] [--tokens 1] [--calls 2000] [--grad]
+                                                [--json FILE] [--plot FILE.png] [--from-json FILE]
 
-Both sides run the same unfused basic ops on tiny tensors (so op time is small and the
-difference is opfuse's Python cost per call: signature check, cache lookup, GraphModule call),
-plus the fused program for reference. Best of 7 repetitions of many calls (host timings on a
-shared machine are noisy upwards), microseconds. Target (issue 3): at most 10 us added per call.
+Tiny tensors, so op time is small and differences are Python cost per call. For the unfused and
+the fused program of the same block:
+
+* ``block(x, res)``: the compiled block as users call it (guard, then the program);
+* ``program only``: the program's own callable (``Program.run``: its module calls, no guard);
+* ``by hand``: the same modules the program runs, called one after the other by hand (for the
+  unfused program: the block's basic ops; for the fused one: its fused modules and leftovers);
+* ``added``: ``block(x, res)`` minus ``by hand``, opfuse's cost per call (target <= 10 us).
+
+A second table times each fused module of the fused program against its implementation's
+``forward`` called directly with the same arguments: the eager dispatch cost of a fused op.
+
+Times are the process's CPU time per call (``time.process_time``), not wall time: on a shared
+host, time spent descheduled is not this process's cost. Every variant is timed in turn, round
+after round (``--rounds``), and the best round counts (noise only adds time; interleaving keeps
+slow phases from favouring one row). With ``--device cuda`` each loop ends with a synchronize.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import common  # noqa: E402  (bench/common.py)
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
+from opfuse.backend.registry import FusedOp  # noqa: E402
 
 
 def block(hidden, device):
@@ -31,16 +45,88 @@ def block(hidden, device):
                           ops.RMSNorm(hidden, device=device))
 
 
-def per_call_us(fn, calls, repeats, sync):
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e6 / calls)
-    return min(samples)
+def by_hand(program):
+    """The program's modules called one after the other by hand, as straight-line code (what a
+    user would write; tuple outputs indexed in place)."""
+    gm = program.graph_module
+    names, consts, lines, params = {}, {}, [], []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            names[node] = f"a{len(params)}"
+            params.append(names[node])
+        elif node.op == "call_function":  # getitem of a module's tuple output
+            src, index = node.args
+            names[node] = f"{names[src]}[{index}]"
+        elif node.op == "call_module":
+            consts[f"m{len(consts)}"] = gm.get_submodule(node.target)
+            names[node] = f"v{len(lines)}"
+            lines.append(f"    {names[node]} = m{len(consts) - 1}({', '.join(names[a] for a in node.args)})")
+        elif node.op == "output":
+            lines.append(f"    return ({', '.join(names[a] for a in node.args[0])},)")
+    source = f"def hand({', '.join(params)}):\n" + "\n".join(lines) + "\n"
+    exec(compile(source, "<by hand>", "exec"), consts)  # noqa: S102 - straight-line calls of the program's modules
+    return consts["hand"]
+
+
+def fused_dispatch_cases(program, inputs):
+    """``(name, module call, implementation call)`` for each fused module of ``program``: the
+    module as the program calls it, and its implementation's ``forward`` called directly with the
+    arguments the module hands to its custom op (recorded from one call)."""
+    from opfuse.backend import registry
+
+    recorded, original = [], registry.FusedCall.__call__
+
+    def record(self, *args):
+        recorded.append(args)
+        return original(self, *args)
+
+    cases = []
+    for node in program.graph_module.graph.nodes:
+        module = program.graph_module.get_submodule(node.target) if node.op == "call_module" else None
+        if not isinstance(module, FusedOp):
+            continue
+        values = {n: v for n, v in zip((n for n in program.graph_module.graph.nodes if n.op == "placeholder"),
+                                       inputs)}
+        args = _node_inputs(program, node, values)
+        recorded.clear()
+        registry.FusedCall.__call__ = record
+        try:
+            module(*args)
+        finally:
+            registry.FusedCall.__call__ = original
+        op_args = recorded[0]
+        impl = module.implementation.forward
+        cases.append((f"{module.name} ({module.impl})", lambda m=module, a=args: m(*a),
+                      lambda f=impl, a=op_args[:-1]: f(*a)))
+    return cases
+
+
+def _node_inputs(program, target, values):
+    """The values flowing into ``target`` for the placeholder ``values`` (runs the graph up to it)."""
+    gm = program.graph_module
+    for node in gm.graph.nodes:
+        if node is target:
+            return [values[a] for a in node.args]
+        if node.op == "call_module":
+            values[node] = gm.get_submodule(node.target)(*[values[a] for a in node.args])
+        elif node.op == "call_function":
+            values[node] = node.target(*[values[a] if isinstance(a, torch.fx.Node) else a for a in node.args])
+    raise KeyError(target)
+
+
+def timed(variants, calls, rounds, sync):
+    """Best time per call (us) of each ``{label: fn}``, rounds interleaved."""
+    best = {label: float("inf") for label in variants}
+    for _ in range(rounds):
+        for label, fn in variants.items():
+            fn()  # warm
+            sync()
+            start = time.process_time()
+            for _ in range(calls):
+                fn()
+            sync()
+            best[label] = min(best[label], (time.process_time() - start) * 1e6 / calls)
+    return best
 
 
 def main() -> int:
@@ -49,6 +135,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--grad", action="store_true", help="inputs require grad (forward only is timed)")
     args = parser.parse_args()
     if args.from_json:
         report(common.load_json(args.from_json), args)
@@ -58,55 +146,65 @@ def main() -> int:
     torch.set_num_threads(1)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     seq = block(args.hidden, args.device)
-    x = torch.randn(args.tokens, args.hidden, device=args.device)
+    x = torch.randn(args.tokens, args.hidden, device=args.device, requires_grad=args.grad)
     res = torch.randn(args.tokens, args.hidden, device=args.device)
-    basic = [op for op in seq]
-
-    def direct():
-        h = x
-        for op in basic[:4]:
-            h = op(h)
-        h = basic[4](h, res)
-        h = basic[5](h)
-        return basic[6](h), h
-
-    rows = []
-    with torch.no_grad():
+    mode = torch.enable_grad if args.grad else torch.no_grad
+    variants, programs = {}, {}
+    with mode():
         for label, fuse in (("unfused program", False), ("fused program", True)):
             with opfuse.config.override(fuse=fuse):
-                seq(x, res)  # compile outside the timing
                 program = opfuse.compile(seq, x, res)
-                compiled = per_call_us(lambda: seq(x, res), args.calls, 7, sync)
-                bare = per_call_us(lambda: program.graph_module(x, res), args.calls, 7, sync)
-            rows.append((label, compiled, bare))
+            programs[label] = program
+            # The setting is part of the cache key: each variant runs under its own value.
+            variants[label] = (fuse, {"block(x, res)": lambda: seq(x, res),
+                                      "program only": lambda p=program: p.run(x, res),
+                                      "by hand": lambda h=by_hand(program): h(x, res)})
+        best = {}
+        for _ in range(args.rounds):
+            for label, (fuse, fns) in variants.items():
+                with opfuse.config.override(fuse=fuse):
+                    seq(x, res)  # arms the fast path for this setting
+                    for name, value in timed(fns, args.calls, 1, sync).items():
+                        best[(label, name)] = min(best.get((label, name), float("inf")), value)
+        for label in variants:
             common.progress(f"{label} done")
-        direct_us = per_call_us(direct, args.calls, 7, sync)
+        dispatch = []
+        for case, module_call, impl_call in fused_dispatch_cases(programs["fused program"], (x, res)):
+            got = timed({"module": module_call, "impl": impl_call}, args.calls, args.rounds, sync)
+            dispatch.append({"op": case, "module": got["module"], "impl": got["impl"]})
+        common.progress("fused op dispatch done")
     data = {"device": args.device, "tokens": args.tokens, "hidden": args.hidden, "calls": args.calls,
-            "torch": torch.__version__, "direct": direct_us,
-            "rows": [{"path": label, "seq": compiled, "graph_module": bare} for label, compiled, bare in rows]}
+            "rounds": args.rounds, "grad": args.grad, "torch": torch.__version__,
+            "rows": [{"path": label, "modules": len(programs[label].graph_module.graph.find_nodes(op="call_module")),
+                      "block": best[(label, "block(x, res)")], "program": best[(label, "program only")],
+                      "hand": best[(label, "by hand")]} for label in variants],
+            "dispatch": dispatch}
     report(data, args)
     return 0
 
 
 def report(data, args) -> None:
-    """Print the table (and --json, --plot) of one run."""
-    direct_us = data["direct"]
-    rows = [(r["path"], r["seq"], r["graph_module"]) for r in data["rows"]]
-    print(f"host overhead, {data['device']}, tokens={data['tokens']}, hidden={data['hidden']}, torch {data['torch']}, "
-          f"best of 7 x {data['calls']} calls (us per call)")
-    print("| path | seq(x, res) | GraphModule only | seq - direct ops |")
+    """Print the tables (and --json, --plot) of one run."""
+    print(f"host overhead, {data['device']}, tokens={data['tokens']}, hidden={data['hidden']}, "
+          f"{'inputs require grad' if data['grad'] else 'no_grad'}, torch {data['torch']}, best of {data['rounds']} "
+          f"interleaved rounds x {data['calls']} calls (us of CPU time per call)")
+    print("| program | block(x, res) | program only | by hand | added by opfuse | of which the guard |")
+    print("|---|---|---|---|---|---|")
+    for row in data["rows"]:
+        print(f"| {row['path']} ({row['modules']} modules) | {row['block']:.1f} | {row['program']:.1f} | "
+              f"{row['hand']:.1f} | {row['block'] - row['hand']:+.1f} | {row['block'] - row['program']:+.1f} |")
+    print()
+    print("| fused op (implementation) | module call | implementation called directly | dispatch |")
     print("|---|---|---|---|")
-    print(f"| direct calls of the basic ops | {direct_us:.1f} | - | - |")
-    for label, compiled, bare in rows:
-        extra = compiled - direct_us if label == "unfused program" else float("nan")
-        print(f"| {label} | {compiled:.1f} | {bare:.1f} | {extra:+.1f} |")
-    print(f"added per call by opfuse (unfused program vs direct): {rows[0][1] - direct_us:+.1f} us "
-          f"(target <= 10 us); of which Sequential dispatch (signature, cache lookup): "
-          f"{rows[0][1] - rows[0][2]:.1f} us")
-    bars = {"direct calls of the basic ops": direct_us}
-    bars.update({f"{label}: seq(x, res)": compiled for label, compiled, _ in rows})
-    bars.update({f"{label}: GraphModule only": bare for label, _, bare in rows})
-    common.finish(args, data, bars=bars, ylabel="us per call (host)",
+    for case in data["dispatch"]:
+        print(f"| {case['op']} | {case['module']:.1f} | {case['impl']:.1f} | {case['module'] - case['impl']:+.1f} |")
+    worst = max(row["block"] - row["hand"] for row in data["rows"])
+    print(f"\nadded per call by opfuse (worst program): {worst:+.1f} us (target <= 10 us: "
+          f"{'met' if worst <= 10 else 'NOT met'})")
+    bars = {}
+    for row in data["rows"]:
+        bars.update({f"{row['path']}: block(x, res)": row["block"], f"{row['path']}: by hand": row["hand"]})
+    common.finish(args, data, bars=bars, ylabel="us of CPU time per call (host)",
                   title=f"host cost of one call, {data['device']}, tokens={data['tokens']}")
 
 

@@ -151,14 +151,7 @@ class FusedOp(Described, nn.Module):
         return self.implementation.name
 
 
-def _must_use_custom_op(args) -> bool:
-    """Under torch.compile, or with fake/functional/proxy tensors, the registered custom op (with
-    its fake implementation) must run; plain eager calls take the direct path."""
-    if torch.compiler.is_compiling():
-        return True
-    # Tensor types that mark themselves (opfuse.fp8.Float8Activation) are eager values, not tracers.
-    return any(isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter)
-               and not getattr(type(a), "_opfuse_eager", False) for a in args)
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 class FusedCall:
@@ -169,7 +162,8 @@ class FusedCall:
     dispatcher's Python custom-op path costs tens of microseconds per eager call, which
     decode-size blocks cannot afford, so eager calls run ``fn`` directly, inside an equivalent
     ``autograd.Function`` when gradients are needed. Both paths share ``fn``, ``setup_context`` and
-    ``backward``.
+    ``backward``. Under torch.compile, or when the main (first) argument is a fake, functional or
+    proxy tensor, the custom op runs.
     """
 
     def __init__(self, qualname: str, fn, fake, setup_context=None, backward=None):
@@ -195,11 +189,19 @@ class FusedCall:
             self._function = _Eager
 
     def __call__(self, *args):
-        if _must_use_custom_op(args):
+        # Eager calls of small ops are host-bound: decide from the first argument (the op's main
+        # tensor; tracing wraps every tensor alike, so a plain one, or a tensor type that marks
+        # itself eager such as opfuse.fp8.Float8Activation, means eager) and scan the arguments
+        # for requires_grad only when autograd is on.
+        cls = args[0].__class__
+        if cls is not _TENSOR and cls is not _PARAMETER and not getattr(cls, "_opfuse_eager", False):
+            return self.op(*args)  # a fake, functional or proxy tensor: tracing
+        if torch.compiler.is_compiling():
             return self.op(*args)
-        if self._function is not None and torch.is_grad_enabled() and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return self._function.apply(*args)
+        if self._function is not None and torch.is_grad_enabled():
+            for a in args:
+                if isinstance(a, _TENSOR) and a.requires_grad:
+                    return self._function.apply(*args)
         return self.fn(*args)
 
 
@@ -212,11 +214,20 @@ def _dispatching(qualname: str, prototype: Callable, lookup: Callable[[str], Imp
     if not params or params[-1].name != "impl":
         raise TypeError(f"{qualname}: the prototype's last parameter must be 'impl: str' (the implementation name)")
 
-    def run(*args):
-        chosen = lookup(args[-1])
+    resolved: dict[str, Callable] = {}  # implementation name -> its function (looked up once)
+
+    def resolve(name: str) -> Callable:
+        chosen = lookup(name)
         fn = getattr(chosen, which)
         if fn is None:
             raise ImplementationError(f"{qualname}: implementation {chosen.name!r} has no {which}")
+        resolved[name] = fn
+        return fn
+
+    def run(*args):
+        fn = resolved.get(args[-1])
+        if fn is None:
+            fn = resolve(args[-1])
         return fn(*args[:-1])
 
     run.__name__ = qualname.split("::")[-1]

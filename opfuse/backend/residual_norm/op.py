@@ -148,6 +148,7 @@ class _ResidualNorm(FusedOp):
         self.has_residual = has_residual
         self.export_residual = export_residual
         self.write_residual = export_residual
+        self.group_name = None  # set by call_spec, when the program chooses the implementation
 
     def extra_repr(self) -> str:
         parts = []
@@ -170,6 +171,8 @@ class _ResidualNorm(FusedOp):
         requires_grad = torch.is_grad_enabled() and (
             any(m.requires_grad for m in metas if m is not None) or any(p.requires_grad for p in params))
         self.write_residual = self.norm != "none" and (self.export_residual or requires_grad)
+        # The program is compiled for this group (a re-created default group recompiles it).
+        self.group_name = groups.group_name(self.group) if self.reduces else ""
         meta = lambda t: None if t is None else TensorMeta.of(t)  # noqa: E731
         return CallSpec(
             op=self.name,
@@ -182,7 +185,9 @@ class _ResidualNorm(FusedOp):
         )
 
     def forward(self, x, residual=None):
-        group = groups.group_name(self.group) if self.reduces else ""
+        group = self.group_name
+        if group is None:  # called outside a program
+            group = groups.group_name(self.group) if self.reduces else ""
         return self.custom_op(x, self.bias, residual, self.weight, self.norm_bias, self.eps, group,
                               self.write_residual, self._impl())
 
