@@ -182,52 +182,42 @@ class _GradAllReduceFn(torch.autograd.Function):
         return raw_all_reduce(dy, ctx.group), None
 
 
-class _AllGatherFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        if isinstance(x, Float8Activation):
-            return all_gather_fp8(x, group)
-        return raw_all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return raw_reduce_scatter(dy, ctx.group), None
+def _gather_tokens(x, group):
+    """Every rank's ``x`` along dim 0; an FP8 activation is gathered as FP8 (payload and scales)."""
+    if isinstance(x, Float8Activation):
+        return all_gather_fp8(x, group)
+    return raw_all_gather(x, group)
 
 
-class _ReduceScatterFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return raw_reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return raw_all_gather(dy, ctx.group), None
+def _local_features(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's contiguous slice of the last dim."""
+    world, rank = groups.world_size(group), groups.rank(group)
+    width = x.shape[-1] // world
+    return x[..., rank * width:(rank + 1) * width].contiguous()
 
 
-class _SplitFeaturesFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        world, rank = groups.world_size(group), groups.rank(group)
-        width = x.shape[-1] // world
-        return x[..., rank * width:(rank + 1) * width].contiguous()
+def _conjugates(name: str, forward, backward) -> type:
+    """An ``autograd.Function`` running ``forward(x, group)``, whose gradient is
+    ``backward(dy, group)`` (the conjugate collective)."""
 
-    @staticmethod
-    def backward(ctx, dy):
-        return _raw_all_gather_features(dy, ctx.group), None
+    class Conjugates(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return backward(dy, ctx.group), None
+
+    Conjugates.__name__ = Conjugates.__qualname__ = f"_{name}Fn"
+    return Conjugates
 
 
-class _TokensToFeaturesFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _raw_tokens_to_features(x, group)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _raw_features_to_tokens(dy, ctx.group), None
+_AllGatherFn = _conjugates("AllGather", _gather_tokens, raw_reduce_scatter)
+_ReduceScatterFn = _conjugates("ReduceScatter", raw_reduce_scatter, raw_all_gather)
+_SplitFeaturesFn = _conjugates("SplitFeatures", _local_features, _raw_all_gather_features)
+_TokensToFeaturesFn = _conjugates("TokensToFeatures", _raw_tokens_to_features, _raw_features_to_tokens)
 
 
 def all_reduce(x, group=None):
