@@ -3,6 +3,7 @@
 # benchmarks of a stage, keep every log under $OUT, and print a short summary last.
 #
 #   tools/gpu_session.sh validate  # 1-2 GPUs: every GPU test (world 2 where 2 GPUs), no benchmarks
+#   tools/gpu_session.sh correctness  # 1-2 GPUs: the bounded peer waits and rounding tests, host overhead
 #   tools/gpu_session.sh validate-multi  # the same without the grouped-GEMM tests
 #   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
 #   tools/gpu_session.sh grouped   # 1 GPU: grouped-GEMM tests, bench/grouped.py, bench/grouped_tune.py (~4 min)
@@ -45,14 +46,22 @@ case "$stage" in
   validate-multi)
     step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
     step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
     step overlap_tests 200 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
     step graphed_tests 200 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
     step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
+    ;;
+  correctness)
+    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
+    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
+    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py -k "2]" "$@"
+    step host_overhead 120 python3 bench/host_overhead.py --device cuda --calls 2000
     ;;
   validate)
     step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
     step grouped_tests 240 python3 -m pytest -x -q tests/gpu/test_grouped.py "$@"
     step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
     step overlap_tests 200 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
     step graphed_tests 200 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
     ;;
@@ -72,6 +81,7 @@ case "$stage" in
   multi-tests)
     step kernels 120 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
     step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
     step overlap_tests 120 python3 -m pytest -x -q tests/gpu/test_overlap*.py "$@"
     step graphed_tests 150 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
     step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
