@@ -155,17 +155,25 @@ class BasicOp(Described, nn.Module):
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
-        self._changed()
+        if name != "training":  # train()/eval() every epoch must not recompile: no op reads it
+            self._changed()
 
     def __delattr__(self, name):
         super().__delattr__(name)
         self._changed()
 
     def _apply(self, fn, recurse=True):
-        # .to(), .double(), .cuda(), ...: parameters keep their identity but change dtype/device.
+        # .to(), .double(), .cuda(), ...: parameters keep their identity but may change dtype or
+        # device. A conversion that changes nothing (.to() of where it already is) keeps programs.
+        before = self._tensor_placement()
         result = super()._apply(fn, recurse)
-        self._changed()
+        if self._tensor_placement() != before:
+            self._changed()
         return result
+
+    def _tensor_placement(self) -> tuple:
+        return tuple((t.dtype, t.device, t.shape) if t is not None else None
+                     for t in (*self._parameters.values(), *self._buffers.values()))
 
     def _changed(self) -> None:
         self.__dict__["_op_version"] = self.__dict__.get("_op_version", 0) + 1

@@ -145,3 +145,16 @@ def test_program_callable_matches_graph_module(rng):
     assert "def program(" in program.run.source
     for got, want in zip(program(x, r), program.graph_module(x, r)):
         torch.testing.assert_close(got, want)
+
+
+def test_train_eval_and_a_no_op_to_keep_the_programs(rng):
+    block = ops.Sequential(ops.Linear(8, 8), ops.RMSNorm(8))
+    x = torch.randn(2, 8, generator=rng)
+    program = opfuse.compile(block, x)
+    block.eval()
+    block.train()
+    block.to(torch.float32)
+    block.to("cpu")
+    assert opfuse.compile(block, x) is program
+    block.to(torch.float64)
+    assert opfuse.compile(block, x.double()) is not program
