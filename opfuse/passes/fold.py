@@ -68,6 +68,8 @@ def _fold_norm(gm: fx.GraphModule, node: fx.Node) -> None:
 
 
 def fold(gm: fx.GraphModule, ctx) -> None:
+    if not getattr(gm, "runs_modules", True):
+        return  # a graph whose modules never run (torch.compile's op graphs: Inductor runs aten)
     for node in list(gm.graph.nodes):
         op = _op(gm, node)
         if isinstance(op, BasicLinear):

@@ -44,6 +44,10 @@ class OpGraphModule(fx.GraphModule):
     """An op graph. It is never run (its aten graph is), so the pass pipeline's recompiles only
     mark its Python code stale; ``code`` generates it when asked (seconds for a large model)."""
 
+    #: Its op modules never run (the aten graph does): passes that only change how the modules
+    #: compute (the cleanup pass's folding) leave it alone.
+    runs_modules = False
+
     def recompile(self):
         self._opfuse_stale = True
 
