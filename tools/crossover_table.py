@@ -52,8 +52,9 @@ def loss(sizes: list[tuple[int, dict]], oneshot_max: int, twoshot_max: int) -> f
 
 
 def candidates(messages: list[int]) -> list[int]:
-    """0, a limit between each pair of neighbouring measured messages, and the largest one."""
-    between = [int(round(math.sqrt(a * b))) for a, b in zip(messages, messages[1:])]
+    """0, a limit between each pair of neighbouring measured messages (their geometric mean,
+    rounded down, so it stays in ``[a, b)`` even for neighbours one byte apart), and the largest one."""
+    between = [math.isqrt(a * b) for a, b in zip(messages, messages[1:])]
     return [0] + between + [messages[-1]]
 
 

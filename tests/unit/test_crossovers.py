@@ -131,6 +131,13 @@ def sweep_sizes(messages, a, b, noise=()):
     return sizes
 
 
+def test_a_limit_between_neighbours_one_byte_apart_stays_below_the_larger():
+    messages = [(1 << 28) - 1, 1 << 28, (1 << 28) + 1]
+    assert crossover_table.candidates(messages) == [0, (1 << 28) - 1, 1 << 28, (1 << 28) + 1]
+    one, two, worst = crossover_table.fit(sweep_sizes(messages, 0, 1))
+    assert (one, two, worst) == ((1 << 28) - 1, 1 << 28, 1.0)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(3, 9), st.data())
 def test_fit_picks_the_fastest_at_every_measured_size_when_the_crossovers_are_clean(n, data):
