@@ -2,7 +2,7 @@
 # The one command sent to a lent GPU machine: build the extension, run the GPU tests and the
 # benchmarks of a stage, keep every log under $OUT, and print a short summary last.
 #
-#   tools/gpu_session.sh validate  # 1-2 GPUs: every GPU test (world 2 where 2 GPUs), no benchmarks
+#   tools/gpu_session.sh validate  # 1-4 GPUs: every GPU test but the optional libraries' (nvidia-libs), no benchmarks
 #   tools/gpu_session.sh correctness  # 1-2 GPUs: the bounded peer waits and rounding tests, host overhead
 #   tools/gpu_session.sh validate-multi  # the same without the grouped-GEMM tests
 #   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
@@ -64,6 +64,9 @@ case "$stage" in
     step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
     step overlap_tests 200 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
     step graphed_tests 200 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
+    step fp8_tests 300 python3 -m pytest -x -q tests/gpu/test_fp8.py tests/gpu/test_fp8_dist.py "$@"
+    step compile_backend_tests 300 python3 -m pytest -x -q tests/gpu/test_compile_backend.py "$@"
     ;;
   single)
     step kernels 400 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py "$@"
