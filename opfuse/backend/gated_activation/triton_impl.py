@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ops.base import dtype_name
-from ..grouped_linear.triton_impl import triton_status
+from ..runtime.device import triton_gpu_reason
 
 __all__ = ["check", "forward", "backward"]
 
@@ -19,17 +18,7 @@ _ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 def check(spec) -> str | None:
-    if spec.device.type != "cuda":
-        return "needs a CUDA device"
-    reason = triton_status()
-    if reason:
-        return reason
-    if spec.dtype not in _DTYPES:
-        return f"dtype {dtype_name(spec.dtype)} not supported (bfloat16, float16, float32)"
-    major, minor = torch.cuda.get_device_capability(spec.device)
-    if major < 8:
-        return f"compute capability {major}.{minor} < 8.0"
-    return None
+    return triton_gpu_reason(spec, _DTYPES, 8)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

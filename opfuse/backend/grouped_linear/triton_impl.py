@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ...ops.base import dtype_name
-from ..runtime.device import triton_status
+from ..runtime.device import triton_gpu_reason, triton_status
 
 __all__ = ["GemmConfig", "gemm_config", "m_tile_bound", "wgrad_config", "grouped_mm", "grouped_wgrad", "check",
            "triton_gpu_reason", "wgrad_outputs", "make_backward",
@@ -210,26 +210,6 @@ def grouped_wgrad(dy: Tensor, x: Tensor, sizes: Tensor, groups: int, *, need_db:
 
 
 # Dispatch-table entries ---------------------------------------------------------------------------
-
-
-def triton_gpu_reason(spec, dtypes: tuple[torch.dtype, ...], min_major: int) -> str | None:
-    """The conditions every opfuse Triton kernel shares: a CUDA device of compute capability
-    ``min_major``.0 or newer, triton importable, ``x`` and the weight of one dtype in ``dtypes``."""
-    if spec.device.type != "cuda":
-        return "needs a CUDA device"
-    reason = triton_status()
-    if reason:
-        return reason
-    if spec.dtype not in dtypes:
-        accepted = ", ".join(dtype_name(d) for d in dtypes)
-        return f"dtype {dtype_name(spec.dtype)} not supported ({accepted})"
-    weight = spec.inputs["weight"]
-    if weight.dtype != spec.dtype:
-        return f"weight dtype {dtype_name(weight.dtype)} differs from x dtype {dtype_name(spec.dtype)}"
-    major, minor = torch.cuda.get_device_capability(spec.device)
-    if major < min_major:
-        return f"compute capability {major}.{minor} < {min_major}.0"
-    return None
 
 
 def check(spec) -> str | None:

@@ -7,7 +7,9 @@ import importlib.util
 
 import torch
 
-__all__ = ["sm_count", "current_stream", "is_capturing", "triton_status"]
+from ...ops.base import dtype_name
+
+__all__ = ["sm_count", "current_stream", "is_capturing", "triton_status", "triton_gpu_reason"]
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -44,4 +46,25 @@ def triton_status() -> str | None:
         return f"import triton failed: {error}"
     if int(triton.__version__.split(".")[0]) < 3:
         return f"triton {triton.__version__} is too old (3.0 or newer needed)"
+    return None
+
+
+def triton_gpu_reason(spec, dtypes: tuple[torch.dtype, ...], min_major: int) -> str | None:
+    """The conditions every opfuse Triton kernel shares: a CUDA device of compute capability
+    ``min_major``.0 or newer, triton importable, ``x`` (and the weight, when the op has one) of one
+    dtype in ``dtypes``. Pure: reads the spec and cached device facts."""
+    if spec.device.type != "cuda":
+        return "needs a CUDA device"
+    reason = triton_status()
+    if reason:
+        return reason
+    if spec.dtype not in dtypes:
+        accepted = ", ".join(dtype_name(d) for d in dtypes)
+        return f"dtype {dtype_name(spec.dtype)} not supported ({accepted})"
+    weight = spec.inputs.get("weight")
+    if weight is not None and weight.dtype != spec.dtype:
+        return f"weight dtype {dtype_name(weight.dtype)} differs from x dtype {dtype_name(spec.dtype)}"
+    major, minor = torch.cuda.get_device_capability(spec.device)
+    if major < min_major:
+        return f"compute capability {major}.{minor} < {min_major}.0"
     return None
