@@ -17,14 +17,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import collectives as coll
 from . import group as groups
 from .activation import ACTIVATIONS, GatedActivation
 from .base import BasicOp, PartitionError, TensorMeta
 from .expansion import INPUT, Step, evaluate
-from .linear import BasicLinear, Bias, _init_weight_
+from .linear import BasicLinear, Bias, _init_weight_, check_group_unchanged, gemm_input_plan
 from .packing import pack_rows_
-from .sharding import REPLICATED, Sharding, plan_gemm, reject_partial
+from .sharding import REPLICATED, Sharding, reject_partial
 
 __all__ = ["GatedLinear"]
 
@@ -79,10 +78,11 @@ class GatedLinear(BasicOp):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GatedLinear: {name}={value!r}; expected a positive int")
         self.in_features, self.out_features = in_features, out_features
-        self.parallel, self.sequence_parallel, self.group = parallel, bool(sequence_parallel), group
+        self.parallel, self.sequence_parallel = parallel, bool(sequence_parallel)
+        self.group = groups.check(group, "GatedLinear")
         self.activation = activation
-        self.world_size = groups.world_size(group) if parallel else 1
-        self.rank = groups.rank(group) if parallel else 0
+        self.world_size = groups.world_size(group, "GatedLinear") if parallel else 1
+        self.rank = groups.rank(group, "GatedLinear") if parallel else 0
         if out_features % self.world_size:
             raise ValueError(f"GatedLinear(parallel='column'): out_features={out_features} is not divisible by the "
                              f"world size {self.world_size}")
@@ -125,6 +125,9 @@ class GatedLinear(BasicOp):
 
     # Sharding -----------------------------------------------------------------------------
 
+    def process_groups(self) -> list:
+        return [self.group] if self.parallel else []
+
     def natural_input_sharding(self, x: TensorMeta | None = None) -> Sharding | None:
         if self.parallel is None:
             return None
@@ -134,6 +137,7 @@ class GatedLinear(BasicOp):
         """The collectives :func:`~opfuse.ops.sharding.plan_gemm` requires for a column-parallel
         GEMM (shared by both projections), the gate GEMM (+ bias), the up GEMM (+ bias) on the
         same input, and the gated activation; and the output's layout."""
+        check_group_unchanged(self, "GatedLinear")
         reject_partial(self, sharding)
         if self.parallel is None:
             if sharding.features:
@@ -141,15 +145,7 @@ class GatedLinear(BasicOp):
                                      f"parallel; a gated layer needs every input feature")
             pre, out, weight_sharding = [], sharding, None
         else:
-            if not sharding.replicated and not groups.same_group(sharding.group, self.group):
-                raise PartitionError(
-                    f"{self.describe()}: its input is sharded over process group "
-                    f"{groups.group_name(sharding.group)!r} but the layer is parallel over "
-                    f"{groups.group_name(self.group)!r}")
-            kinds, _, (tokens, features) = plan_gemm(sharding, rhs_k=False, rhs_n=True,
-                                                     sequence_parallel=self.sequence_parallel, who=self.describe())
-            collectives = {"all_gather": coll.AllGather, "grad_all_reduce": coll.GradAllReduce}
-            pre = [collectives[kind](self.group) for kind in kinds]
+            pre, _, (tokens, features) = gemm_input_plan(self, sharding, rhs_k=False, rhs_n=True)
             out = Sharding(tokens=tokens, features=features, group=self.group)
             weight_sharding = "out"
         steps = [Step(op, (index - 1 if index else INPUT,)) for index, op in enumerate(pre)]

@@ -22,6 +22,37 @@ __all__ = ["BasicLinear", "Bias", "Linear"]
 _PARALLEL_MODES = (None, "column", "row")
 
 
+#: The collective op of each kind :func:`~opfuse.ops.sharding.plan_gemm` asks for before a GEMM.
+_INPUT_COLLECTIVES = {"all_gather": coll.AllGather, "split_features": coll.SplitFeatures,
+                      "tokens_to_features": coll.TokensToFeatures, "grad_all_reduce": coll.GradAllReduce}
+
+
+def gemm_input_plan(layer, sharding: Sharding, *, rhs_k: bool, rhs_n: bool):
+    """For a tensor-parallel GEMM layer (``layer.group``, ``layer.sequence_parallel``) whose input
+    is laid out as ``sharding``: ``(collective ops before the GEMM, reduction of its output,
+    (tokens, features) of the output)`` from :func:`~opfuse.ops.sharding.plan_gemm`, after checking
+    that a sharded input is sharded over the layer's own group."""
+    if not sharding.replicated and not groups.same_group(sharding.group, layer.group):
+        raise PartitionError(
+            f"{layer.describe()}: its input is sharded over process group {groups.group_name(sharding.group)!r} "
+            f"but the layer is parallel over {groups.group_name(layer.group)!r}")
+    pre, reduce, out = plan_gemm(sharding, rhs_k=rhs_k, rhs_n=rhs_n, sequence_parallel=layer.sequence_parallel,
+                                 who=layer.describe())
+    return [_INPUT_COLLECTIVES[kind](layer.group) for kind in pre], reduce, out
+
+
+def check_group_unchanged(layer, who: str) -> None:
+    """Raise :class:`~opfuse.ops.group.GroupError` when a parallel layer's group no longer gives
+    this process the rank and world size the layer was built (and sharded) for."""
+    if layer.parallel:
+        world, rank = groups.world_size(layer.group, who), groups.rank(layer.group, who)
+        if (world, rank) != (layer.world_size, layer.rank):
+            raise groups.GroupError(
+                f"{layer.describe()}: built as rank {layer.rank} of {layer.world_size} of its process group, which "
+                f"now has this process as rank {rank} of {world} (was the process group re-created?); build the "
+                f"layer again for the new group")
+
+
 def _init_weight_(weight: torch.Tensor, fan_in: int) -> None:
     # nn.Linear's default (kaiming_uniform with a=sqrt(5)) computed from the *global* fan-in,
     # so a sharded layer starts with the same distribution as its unsharded twin.
@@ -244,13 +275,7 @@ class Linear(BasicOp):
     def check_state(self) -> None:
         """Raise if the layer no longer matches what it was built for: its group changed size (a
         re-created process group) or a parameter was replaced by one of another shape."""
-        if self.parallel:
-            world, rank = groups.world_size(self.group, "Linear"), groups.rank(self.group, "Linear")
-            if (world, rank) != (self.world_size, self.rank):
-                raise groups.GroupError(
-                    f"{self.describe()}: built as rank {self.rank} of {self.world_size} of its process group, which "
-                    f"now has this process as rank {rank} of {world} (was the process group re-created?); build the "
-                    f"layer again for the new group")
+        check_group_unchanged(self, "Linear")
         local = (self.local_out_features, self.local_in_features)
         if tuple(self.weight.shape) != local:
             shard = f" (this rank's shard of [{self.out_features}, {self.in_features}])" if self.parallel else ""
@@ -290,16 +315,8 @@ class Linear(BasicOp):
             if self.bias is not None:
                 ops.append(Bias(self.out_features, bias=self.bias))
             return ops, sharding
-        if not sharding.replicated and not groups.same_group(sharding.group, group):
-            raise PartitionError(
-                f"{self.describe()}: its input is sharded over process group {groups.group_name(sharding.group)!r} "
-                f"but the layer is parallel over {groups.group_name(group)!r}")
-        pre, reduce, (tokens, features) = plan_gemm(
-            sharding, rhs_k=self.parallel == "row", rhs_n=self.parallel == "column",
-            sequence_parallel=self.sequence_parallel, who=self.describe())
-        collectives = {"all_gather": coll.AllGather, "split_features": coll.SplitFeatures,
-                       "tokens_to_features": coll.TokensToFeatures, "grad_all_reduce": coll.GradAllReduce}
-        ops = [collectives[kind](group) for kind in pre]
+        ops, reduce, (tokens, features) = gemm_input_plan(self, sharding, rhs_k=self.parallel == "row",
+                                                          rhs_n=self.parallel == "column")
         ops.append(BasicLinear(self.local_in_features, self.local_out_features, weight=self.weight,
                                weight_sharding="in" if self.parallel == "row" else "out"))
         if reduce == "all_reduce":

@@ -216,3 +216,13 @@ def test_gated_linear_arguments_and_loading(world1, rng):
         with pytest.raises(ValueError, match=message):
             layer.load_unsharded(**kwargs)
 
+
+
+def test_gated_linear_declares_its_group_like_linear(world1):
+    """A column-parallel GatedLinear takes part in the once-per-compile rank agreement and the
+    default-group guard (its process_groups), and validates group= like Linear."""
+    layer = ops.GatedLinear(8, 8, parallel="column")
+    assert layer.process_groups() == [None] == ops.Linear(8, 8, parallel="column").process_groups()
+    assert ops.GatedLinear(8, 8).process_groups() == []
+    with pytest.raises(TypeError, match=r"GatedLinear: group='0' is a str; expected a torch.distributed.ProcessGroup"):
+        ops.GatedLinear(8, 8, parallel="column", group="0")
