@@ -5,6 +5,9 @@
 #   tools/gpu_session.sh validate  # 1-4 GPUs: every GPU test but the optional libraries' (nvidia-libs), no benchmarks
 #   tools/gpu_session.sh correctness  # 1-2 GPUs: the bounded peer waits and rounding tests, host overhead
 #   tools/gpu_session.sh validate-multi  # the same without the grouped-GEMM tests
+#   tools/gpu_session.sh one-gpu   # 1 GPU, everything one chip can check (~8 min on H100): kernels (simulated
+#                                  # ranks), fused ops, grouped GEMM tests + bench + tuning, FP8 at world 1, host
+#                                  # overhead, then the optional NVIDIA libraries (carry .whl)
 #   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
 #   tools/gpu_session.sh grouped   # 1 GPU: grouped-GEMM tests, bench/grouped.py, bench/grouped_tune.py (~4 min)
 #   tools/gpu_session.sh multi-tests   # 2-4 GPUs: NCCL tests at world 2 and 4
@@ -67,6 +70,31 @@ case "$stage" in
     step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
     step fp8_tests 300 python3 -m pytest -x -q tests/gpu/test_fp8.py tests/gpu/test_fp8_dist.py "$@"
     step compile_backend_tests 300 python3 -m pytest -x -q tests/gpu/test_compile_backend.py "$@"
+    ;;
+  one-gpu)
+    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
+    step grouped_tests 200 python3 -m pytest -q --maxfail=10 tests/gpu/test_grouped.py "$@"
+    step grouped_bench 100 python3 bench/grouped.py
+    step grouped_tune 150 python3 bench/grouped_tune.py --reps 5 --json "$OUT/grouped_tune.json"
+    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
+    step fp8_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
+    step fp8_bench 150 python3 bench/fp8.py --world 1 --json "$OUT/fp8_w1.json"
+    step host_overhead 120 python3 bench/host_overhead.py --device cuda --calls 2000
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+      PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 step doctor 90 python3 -m opfuse doctor
+      PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 step nvidia_tests 200 python3 -m pytest -q -rs tests/gpu/test_nvidia_libs.py "$@"
+      PYTHONPATH=.:/tmp/site step nvidia_bench 150 python3 bench/nvidia_libs.py --part norms grouped epilogue --tokens 1 128 2048 8192 \
+        --json "$OUT/nvidia_libs_w1.json"
+    fi
+    final_summary() {
+      echo "=== grouped bench summary"; sed -n '/^HBM bandwidth/p; /^summary/,$p' "$OUT/grouped_bench.log"
+      echo "=== grouped tuning"; sed -n '/^=== tuning-table/,$p' "$OUT/grouped_tune.log"
+      echo "=== host overhead"; tail -15 "$OUT/host_overhead.log"
+      echo "=== fp8"; tail -12 "$OUT/fp8_bench.log"
+      grep -E "^(note:|library:|cudnn faster|cublasmp faster)" "$OUT/nvidia_bench.log" 2>/dev/null
+    }
     ;;
   single)
     step kernels 400 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py "$@"
