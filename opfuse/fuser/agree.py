@@ -27,7 +27,7 @@ import json
 import torch.distributed as dist
 from torch import fx
 
-from ..config import config, snapshot
+from ..config import config
 from ..ops import group as groups
 from ..passes.pipeline import get_pass_registry
 from ..passes.registry import active_key

@@ -20,7 +20,6 @@ import functools
 import torch
 from torch import Tensor
 
-from ...ops.base import dtype_name
 from ..runtime.device import triton_gpu_reason, triton_status
 
 __all__ = ["GemmConfig", "gemm_config", "m_tile_bound", "wgrad_config", "grouped_mm", "grouped_wgrad", "check",
