@@ -31,7 +31,11 @@ set -uo pipefail
 stage=${1:-single}; shift || true
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OPFUSE_CACHE_DIR=${OPFUSE_CACHE_DIR:-/tmp/opfuse-cache}
-OUT=${OUT:-/tmp/opfuse-out}; mkdir -p "$OUT"
+# The device tool returns only a few files from $OUT: logs and JSON go to a local folder, packed
+# into $OUT/logs.tgz after every step (a call cut off at its time limit still returns what ran).
+RESULTS=${OUT:-/tmp/opfuse-out}; mkdir -p "$RESULTS"
+OUT=/tmp/opfuse-logs; rm -rf "$OUT"; mkdir -p "$OUT"
+pack() { tar -czf "$RESULTS/logs.tgz" -C "$OUT" . 2>/dev/null; }
 summary=()
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
@@ -39,6 +43,8 @@ step() {  # step NAME TIMEOUT CMD...
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(grep -E '(passed|failed|error)' "$OUT/$name.log" | tail -1)")")
+  printf '%s\n' "${summary[@]}" > "$OUT/summary.txt"
+  pack
   return 0
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
@@ -200,3 +206,4 @@ if [ "$stage" = grouped ]; then
 fi
 echo "=== summary"; printf '%s\n' "${summary[@]}"
 if declare -F final_summary >/dev/null; then final_summary; fi
+pack

@@ -141,12 +141,13 @@ def test_shipped_tables_name_known_implementations_and_classes():
 
 def test_persistent_tiles_default_and_candidates_fit_an_sm():
     # Shared memory per stage (A and B tiles, 2 bytes each) times stages, times programs per SM,
-    # must fit H100/H200's 227 KiB; warp specialisation on Hopper needs num_warps=4.
+    # must fit H100/H200's 227 KiB. None warp-specialises: that kernel did not finish on H100
+    # (Triton 3.6; docs/PERF_NOTES.md).
     for cls in tuning.SIZE_CLASSES:
         for t in (persistent.default_tiles(cls), *persistent.CANDIDATES[cls]):
             smem = t.num_stages * (t.bm + t.bn) * t.bk * 2
             assert smem * t.programs_per_sm <= 227 * 1024, (cls, t)
-            assert not t.warp_specialize or (t.num_warps == 4 and t.bm == 128), (cls, t)
+            assert not t.warp_specialize, (cls, t)
     assert persistent.tiles(torch.device("cpu"), 32768, 32, 7168, 2048) == persistent.default_tiles("large_m")
 
 

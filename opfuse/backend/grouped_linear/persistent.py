@@ -52,17 +52,19 @@ def _map_warps(gp: int) -> int:
 def default_tiles(cls: str) -> tuning.Tiles:
     """Tiles before measurement, per size class (sm90 compile: no spills, shared memory in budget).
 
-    ``large_m``: 128x256x64 with warp specialisation (one TMA warpgroup, two MMA warpgroups of
-    64x256 each, as CUTLASS's cooperative kernels), three stages. ``small_m``: 64x128x64, two
-    programs per SM. ``decode``: the weights stream through 32x64x128 tiles (every group's rows
-    in one m-tile up to 32 rows, so each weight tile is read once), two programs per SM and four
-    stages keep ~128 KiB of loads in flight per SM.
+    ``large_m``: 128x256x64 over two warpgroups (8 warps, 64x256 each), three stages.
+    ``small_m``: 64x128x64, two programs per SM. ``decode``: the weights stream through 32x64x128
+    tiles (every group's rows in one m-tile up to 32 rows, so each weight tile is read once), two
+    programs per SM and four stages keep ~128 KiB of loads in flight per SM.
+
+    No tile warp-specialises the work loop: on H100 with Triton 3.6 the warp-specialised kernel
+    did not finish (docs/PERF_NOTES.md, grouped GEMM, session 4).
     """
     if cls == "decode":
         return tuning.Tiles(32, 64, 128, num_warps=4, num_stages=4, programs_per_sm=2)
     if cls == "small_m":
         return tuning.Tiles(64, 128, 64, num_warps=4, num_stages=4, programs_per_sm=2)
-    return tuning.Tiles(128, 256, 64, num_warps=4, num_stages=3, warp_specialize=True)
+    return tuning.Tiles(128, 256, 64, num_warps=8, num_stages=3)
 
 
 #: Tiles bench/grouped_tune.py times per size class besides :func:`default_tiles` (all compile for
@@ -77,12 +79,12 @@ CANDIDATES: dict[str, tuple[tuning.Tiles, ...]] = {
     ),
     "small_m": (
         tuning.Tiles(64, 256, 64, num_warps=4, num_stages=3),
-        tuning.Tiles(128, 128, 64, num_warps=4, num_stages=4, warp_specialize=True),
-        tuning.Tiles(128, 256, 64, num_warps=4, num_stages=3, warp_specialize=True),
+        tuning.Tiles(128, 128, 64, num_warps=4, num_stages=4),
+        tuning.Tiles(128, 256, 64, num_warps=8, num_stages=3),
     ),
     "large_m": (
-        tuning.Tiles(128, 256, 64, num_warps=8, num_stages=3),
-        tuning.Tiles(128, 128, 64, num_warps=4, num_stages=4, warp_specialize=True),
+        tuning.Tiles(64, 256, 64, num_warps=4, num_stages=3),
+        tuning.Tiles(128, 128, 64, num_warps=4, num_stages=4),
         tuning.Tiles(128, 128, 64, num_warps=8, num_stages=3),
     ),
 }
