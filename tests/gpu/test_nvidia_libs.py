@@ -64,6 +64,18 @@ def impl_of(block, *inputs):
     return {f.rule: f.impl for f in opfuse.compile(block, *inputs).fusions}
 
 
+def forced_impl_or_skip(block, *inputs):
+    """``impl_of`` under a forced implementation, skipping (also with OPFUSE_EXPECT_NVIDIA_LIBS=1)
+    when the library is loaded but its capability check finds no engine for the graph on this
+    GPU and cuDNN build: engine coverage is the library's, the check reporting it is opfuse's."""
+    try:
+        return impl_of(block, *inputs)
+    except ImplementationError as error:
+        if "cuDNN has no engine for this graph here" in str(error):
+            pytest.skip(str(error))
+        raise
+
+
 # cuDNN: residual norms ---------------------------------------------------------------------------------------------
 
 
@@ -259,7 +271,7 @@ def test_cudnn_grouped_gemm(dtype, sizes, tail, k, n):
     x = randn(gen, tokens, k, dtype=dtype).requires_grad_()
     group_sizes = torch.tensor(sizes, dtype=torch.int32, device="cuda")
     with forced("grouped_linear"):
-        assert impl_of(block, x, group_sizes) == {"grouped_linear": "cudnn"}
+        assert forced_impl_or_skip(block, x, group_sizes) == {"grouped_linear": "cudnn"}
         y = block(x, group_sizes)
     weight = layer.weight.detach().view(groups, n, k)
     what = f"grouped {dtype} sizes={sizes} tail={tail} {k}->{n}"
@@ -289,6 +301,7 @@ def test_cudnn_grouped_gemm_replays_with_fresh_routing():
     x = randn(gen, tokens, k, dtype=dtype)
     sizes = torch.tensor([100] * groups, dtype=torch.int32, device="cuda")
     with forced("grouped_linear"), torch.no_grad():
+        assert forced_impl_or_skip(block, x, sizes) == {"grouped_linear": "cudnn"}
         step = graphed(block, x, sizes)
         weight = layer.weight.view(groups, n, k)
         for replay in range(10):

@@ -42,20 +42,34 @@ class Tiles(GemmConfig):
     #: Programs per SM of the persistent grid (decode wants several, to keep more weight bytes in flight).
     programs_per_sm: int = 1
     #: Triton's automatic warp specialisation of the work-item loop (a TMA producer warpgroup and
-    #: two consumer warpgroups that split the M tile; Hopper needs ``num_warps=4`` for it).
+    #: two consumer warpgroups that split the M tile; Hopper needs ``num_warps=4`` for it). No
+    #: shipped tile sets it: that kernel did not finish on H100 with Triton 3.6.
     warp_specialize: bool = False
 
 
 #: ``{device name: {class key: implementation names, fastest first}}``; class keys are the size
 #: classes, ``+train`` for forward + backward (``class_key``). Measured by bench/grouped_tune.py.
-#: Not measured yet on any GPU: the table order applies everywhere until the lead's runs land here.
+#: Other GPUs take the table order. H100: `tools/gpu_session.sh one-gpu`, session 4
+#: (docs/measurements/grouped_tune_h100_s4.txt).
 ORDER: Mapping[str, Mapping[str, tuple[str, ...]]] = {
+    'NVIDIA H100 80GB HBM3': {
+        'decode': ('triton', 'triton_tma', 'triton_persistent', 'torch_grouped_mm'),
+        'small_m': ('triton', 'triton_persistent', 'torch_grouped_mm', 'triton_tma'),
+        'small_m+train': ('torch_grouped_mm', 'triton', 'triton_tma', 'triton_persistent'),
+        'large_m': ('triton_persistent', 'triton', 'triton_tma', 'torch_grouped_mm'),
+        'large_m+train': ('torch_grouped_mm', 'triton_persistent', 'triton_tma', 'triton'),
+    },
 }
 
 #: ``{device name: {size class: Tiles}}`` for ``triton_persistent``; bench/grouped_tune.py
-#: picks them among a few candidates. Not measured yet: the defaults of
+#: picks them among a few candidates; elsewhere the defaults of
 #: :func:`opfuse.backend.grouped_linear.persistent.default_tiles` apply.
 PERSISTENT_TILES: Mapping[str, Mapping[str, Tiles]] = {
+    'NVIDIA H100 80GB HBM3': {
+        'decode': Tiles(16, 64, 128, num_warps=4, num_stages=4, programs_per_sm=2),
+        'small_m': Tiles(128, 256, 64, num_warps=8, num_stages=3),
+        'large_m': Tiles(128, 256, 64, num_warps=8, num_stages=3),
+    },
 }
 
 
