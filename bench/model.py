@@ -5,6 +5,7 @@ applies) and eager, in one run.
     PYTHONPATH=. python3 bench/model.py --world 2 4          # hidden 8192, 64 heads (8 kv), ffn 28672, 2 layers
     PYTHONPATH=. python3 bench/model.py --world 2 --layers 4 # more layers (compiling dominates the run time)
     PYTHONPATH=. python3 bench/model.py --world 2 --quick    # hidden 1024, 2 layers: a smoke test
+    PYTHONPATH=. python3 bench/model.py --world 2 --decode 1 64 --train 2048   # fewer compiles
     python3 bench/model.py --world 2 --cpu                    # gloo + CPU dry run of the code paths
 
 The model is the example's (F.scaled_dot_product_attention, rotary, SwiGLU MLP, hand-written
@@ -265,6 +266,10 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="gloo + CPU dry run of the code paths (no timings)")
     parser.add_argument("--no-train-8192", action="store_true", help="drop the 8192-token training cases")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2; --cpu/--quick: 2)")
+    parser.add_argument("--decode", type=int, nargs="*", default=None, metavar="T",
+                        help="decode token counts (default 1 16 64; each is its own compile)")
+    parser.add_argument("--train", type=int, nargs="*", default=None, metavar="T",
+                        help="training token counts (default 2048 8192)")
     args = parser.parse_args()
     results, summary, started = {}, [], time.perf_counter()
     if args.from_json:
@@ -280,6 +285,13 @@ def main() -> int:
             opts["train"] = [t for t in opts["train"] if t != 8192]
         if args.layers:
             opts["model"] = dict(opts["model"], layers=args.layers)
+        for case in ("decode", "train"):
+            counts = getattr(args, case)
+            if counts is not None:
+                bad = [t for t in counts if t < 1]
+                if bad:
+                    parser.error(f"--{case}: token counts must be >= 1, got {bad}")
+                opts[case] = counts
         for world in args.world if args.cpu else common.worlds(args.world):
             results[str(world)] = common.run_ranks(worker, world, opts, backend="gloo" if args.cpu else "nccl",
                                                    timeout=3600)
