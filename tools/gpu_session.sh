@@ -27,6 +27,9 @@
 #                                      # crossover sweep (world 2, 3, 4) and the table fitted from it
 #                                      # (allreduce-bench ~4.5 min / allreduce-crossover ~3 min, build included)
 #                                      # FlashInfer needs .thirdparty/ (tools/fetch_flashinfer.py) carried along
+#   tools/gpu_session.sh oneshot       # 2 GPUs (~3 min): the one-shot's protocol tests (simulated ranks, graph
+#                                      # replays), bounded waits, world-2 NCCL tests, then the all-reduce+norm
+#                                      # bench at world 2 without FlashInfer (allreduce-bench has that column)
 #   tools/gpu_session.sh nvidia-libs   # 1-2 GPUs: cuDNN frontend + cuBLASMp implementations (the
 #                                      # wheels carried in .whl/ are installed first), tests + bench
 #   tools/gpu_session.sh fp8           # 1+ GPU (sm90): FP8 tests and benchmark at world 1
@@ -226,6 +229,14 @@ case "$stage" in
       echo "=== crossovers"; sed -n '/^summary: automatic/,$p' "$OUT/crossover_sweep.log" 2>/dev/null
       cat "$OUT/crossover_table.log" 2>/dev/null
     }
+    ;;
+  oneshot)
+    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py "$@"
+    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
+    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py -k "2]" "$@"
+    step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 --hidden 8192 5120 \
+      --tokens 1 16 64 256 1024 --json "$OUT/allreduce_norm.json" --no-flashinfer
+    final_summary() { echo "=== all-reduce + norm summary"; sed -n '/^summary/,$p' "$OUT/allreduce_bench.log" 2>/dev/null; }
     ;;
   nvidia-libs)
     # Carried wheels (nvidia-cudnn-frontend 1.32.0, nvidia-cublasmp-cu13 0.7.0.125; --no-deps: the

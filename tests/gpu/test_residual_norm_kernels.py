@@ -92,27 +92,36 @@ class SimulatedRanks:
         self.blocks = max(1, (sms - 4) // world)  # every rank's grid must be resident at once
         self.watches = [ext.PeerWatch() for _ in range(world)]
 
+    def launch(self, r, x, bias, residual, weight, norm_bias, y, h, norm, eps=1e-6, timeout_ns=0):
+        """Enqueue rank ``r``'s call on its stream; nothing waits for it."""
+        tokens, hidden = x.shape
+        watch = self.watches[r]
+        args = (ptr(x), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), y.data_ptr(), ptr(h),
+                tokens, hidden, eps, norm_code(norm), code(x.dtype), self.regions[r], watch.flag,
+                watch.record, timeout_ns, 7)
+        with torch.cuda.stream(self.streams[r]):
+            if self.kind == "oneshot":
+                self.ext.allreduce_oneshot(*args, self.blocks, self.streams[r].cuda_stream)
+            else:
+                blocks = max(1, min(self.blocks, math.ceil(tokens / self.world)))
+                self.ext.allreduce_twoshot(*args, blocks, self.streams[r].cuda_stream)
+
+    def fork(self):
+        for stream in self.streams:
+            stream.wait_stream(torch.cuda.current_stream())
+
+    def join(self):
+        for stream in self.streams:
+            torch.cuda.current_stream().wait_stream(stream)
+
     def run(self, xs, bias, residual, weight, norm_bias, norm, eps=1e-6, write_h=True, ranks=None, timeout_ns=0):
         """One call on every rank (or on ``ranks`` only: the others skip it)."""
-        tokens, hidden = xs[0].shape
         ys = [torch.full_like(xs[0], float("nan")) for _ in range(self.world)]
         hs = [torch.full_like(xs[0], float("nan")) if write_h else None for _ in range(self.world)]
-        ready = torch.cuda.current_stream()
-        for stream in self.streams:
-            stream.wait_stream(ready)
+        self.fork()
         for r in range(self.world) if ranks is None else ranks:
-            watch = self.watches[r]
-            args = (ptr(xs[r]), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), ys[r].data_ptr(), ptr(hs[r]),
-                    tokens, hidden, eps, norm_code(norm), code(xs[0].dtype), self.regions[r], watch.flag,
-                    watch.record, timeout_ns, 7)
-            with torch.cuda.stream(self.streams[r]):
-                if self.kind == "oneshot":
-                    self.ext.allreduce_oneshot(*args, self.blocks, self.streams[r].cuda_stream)
-                else:
-                    blocks = max(1, min(self.blocks, math.ceil(tokens / self.world)))
-                    self.ext.allreduce_twoshot(*args, blocks, self.streams[r].cuda_stream)
-        for stream in self.streams:
-            ready.wait_stream(stream)
+            self.launch(r, xs[r], bias, residual, weight, norm_bias, ys[r], hs[r], norm, eps, timeout_ns)
+        self.join()
         torch.cuda.synchronize()
         return ys, hs
 
@@ -160,6 +169,94 @@ def test_peer_kernels_negative_zero_and_options(ext, kind):
             x[:, r::5] = -0.0
         ys, hs = sim.run(xs, bias, res, w, None, "rms", write_h=step % 2 == 1)
         check_ranks(ys, hs, xs, bias, res, w, None, "rms", dtype)
+
+
+# Back-to-back calls whose sizes change so that every receive buffer is reused after a larger
+# call (stale data past the smaller message, or at other offsets when the row size changes) and
+# after a smaller one (the larger message lands on cleared sentinels only if the clearing of the
+# previous user covered it). (tokens, hidden) per call; 11 calls, so the three buffers meet
+# different sizes on every lap and in every graph replay.
+SEQUENCE = [(96, 8192), (1, 8192), (7, 2048), (33, 5120), (1, 5120), (128, 4096), (2, 16384), (5, 8192),
+            (64, 2880), (1, 1024), (40, 8192)]
+SEQUENCE_TIMEOUT_NS = 2_000_000_000  # a wait that never ends fails the test instead of hanging it
+
+
+class Sequence:
+    """Inputs and outputs of SEQUENCE on every simulated rank, allocated once (graph-friendly)."""
+
+    def __init__(self, sim, dtype, gen):
+        self.sim, self.dtype, self.gen = sim, dtype, gen
+        self.inputs = [make(t, h, dtype, sim.world, gen) for t, h in SEQUENCE]
+        self.ys = [[torch.full((t, h), float("nan"), device="cuda", dtype=dtype) for _ in range(sim.world)]
+                   for t, h in SEQUENCE]
+        self.hs = [[torch.full_like(y, float("nan")) for y in ys] for ys in self.ys]
+        self.refill()
+
+    def refill(self):
+        """Fresh random inputs (in place; -0.0 in every rank's message) and NaN outputs."""
+        for (xs, bias, res, w, nb), ys, hs in zip(self.inputs, self.ys, self.hs):
+            for r, x in enumerate(xs):
+                x.copy_(torch.randn(x.shape, generator=self.gen, device="cuda"))
+                x[:, r::7] = -0.0
+            for t in (bias, res):
+                t.copy_(torch.randn(t.shape, generator=self.gen, device="cuda"))
+            w.copy_(1 + 0.2 * torch.randn(w.shape, generator=self.gen, device="cuda"))
+            for out in (*ys, *hs):
+                out.fill_(float("nan"))
+
+    def enqueue(self):
+        """Every call on every rank, back to back on each rank's stream: no host or cross-rank
+        synchronisation between calls, so a fast rank runs into its next call (pushing, clearing)
+        while a slow one still reduces the previous."""
+        self.sim.fork()
+        for (xs, bias, res, w, nb), ys, hs in zip(self.inputs, self.ys, self.hs):
+            for r in range(self.sim.world):
+                self.sim.launch(r, xs[r], bias, res, w, nb, ys[r], hs[r], "rms", timeout_ns=SEQUENCE_TIMEOUT_NS)
+        self.sim.join()
+
+    def check(self, what):
+        torch.cuda.synchronize()
+        for r, watch in enumerate(self.sim.watches):
+            assert not watch.failed(), f"{what}: rank {r} waited past the timeout: {watch.read()}"
+        for (t, h), (xs, bias, res, w, nb), ys, hs in zip(SEQUENCE, self.inputs, self.ys, self.hs):
+            try:
+                check_ranks(ys, hs, xs, bias, res, w, nb, "rms", self.dtype)
+            except AssertionError as err:
+                raise AssertionError(f"{what}, call ({t} x {h}), world {self.sim.world}: {err}") from None
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_oneshot_back_to_back_calls_of_changing_sizes(ext, world, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(40 + world)
+    capacity = max(t * h for t, h in SEQUENCE) * xs_elem(dtype)
+    sim = SimulatedRanks(ext, "oneshot", world, dtype, capacity=capacity)
+    seq = Sequence(sim, dtype, gen)
+    for lap in range(3):  # 33 calls: every buffer is reused by every size class
+        seq.enqueue()
+        seq.check(f"lap {lap}")
+        seq.refill()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_oneshot_graph_replays_with_fresh_data(ext, world):
+    """SEQUENCE captured once per rank in one CUDA graph, replayed with new inputs each time: the
+    buffer index and dirty sizes live in device memory, so every replay starts where the last
+    ended (11 calls: a different buffer each replay)."""
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(60 + world)
+    capacity = max(t * h for t, h in SEQUENCE) * xs_elem(dtype)
+    sim = SimulatedRanks(ext, "oneshot", world, dtype, capacity=capacity)
+    seq = Sequence(sim, dtype, gen)
+    seq.enqueue()  # eager first (the kernels are loaded before capture)
+    seq.check("eager")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seq.enqueue()
+    for replay in range(4):
+        seq.refill()
+        graph.replay()
+        seq.check(f"replay {replay}")
 
 
 def test_add_norm_kernel_many_shapes(ext):

@@ -6,13 +6,20 @@
 // in float32 on every rank, so all ranks produce bitwise-identical results.
 //
 // Three receive buffers rotate: call k writes buffer k%3 and clears (back to the sentinel) the
-// part of buffer (k-1)%3 that call k-1 filled. A peer can only write buffer (k-1)%3 again at call
-// k+2, which it cannot reach before this rank's call k+1 pushed its data, i.e. after this call
-// (and its clearing) finished. Which buffer, and how much of it is dirty, lives in device memory,
-// so the kernel needs nothing from the host per call and can be captured in CUDA graphs.
+// part of buffer (k-1)%3 that call k-1 filled. It clears after pushing, so the local stores
+// overlap the transfer. That is safe because peers write buffer (k-1)%3 again only at call k+2,
+// and a peer reaches call k+2 only after its call k+1 received this rank's call-k+1 data, which
+// this rank pushes from its next launch, after this whole call (clearing included) finished. No
+// peer writes buffer (k-1)%3 during call k either: call k-1 already received every peer's
+// data (a peer that timed out is the exception; the host then refuses further calls). Which
+// buffer, and how much of it is dirty, lives in device memory, so the kernel needs nothing from
+// the host per call and can be captured in CUDA graphs.
 //
 // Blocks: every block pushes an equal share of the message (several SMs per row at small token
-// counts); blocks [0, tokens) then reduce and normalise one row at a time.
+// counts), clears its share of the previous buffer, then blocks [0, tokens) reduce and normalise
+// one row at a time. Before a row's first wait a block requests everything else the row needs
+// (its own contribution, the bias, residual and norm weight), so those loads' latency overlaps
+// the peers' transfer instead of following it.
 //
 // Region layout (bytes): [0, 256) state; then 3 buffers of world * capacity bytes.
 //   state[0]: completed calls (the iteration counter);  state[1]: blocks finished in this call;
@@ -40,29 +47,38 @@ struct OneShotLaunch {
   int64_t buffer_bytes;
 };
 
+// Rows with at most this many packs per thread hold their operands in registers across the wait
+// (kernels are bounded to 64 registers at 1024 threads; larger rows would spill).
+constexpr int kHeldMaxVpt = 1;
+
+// Pack ``slot`` of a peer's message, once it has arrived (no element is the sentinel), or what it
+// holds when the wait gives up (a peer that never arrives: the sentinels sum as -0.0).
+template <typename T>
+__device__ __forceinline__ uint4 wait_arrival(const uint4* slot, const OneShotLaunch& p, int src) {
+  uint64_t start = 0;
+  int polls = 0;
+  while (true) {
+    const uint4 value = ld_volatile(slot);
+    if (!has_sentinel<T>(value)) return value;
+    if ((++polls & 1023) == 0 && peer_wait_expired(p.wait, start, PeerWaitSite::kOneShot, p.rank, src))
+      return value;
+  }
+}
+
 template <typename T, int VPT>
 __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunch p) {
+  constexpr bool kHeld = VPT <= kHeldMaxVpt;
   __shared__ float scratch[33];
   const ResidualNormArgs& a = p.args;
   const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
   const int64_t message_packs = a.tokens * nvec;  // packs per rank slot
 
-  const uint32_t iteration = *reinterpret_cast<volatile uint32_t*>(p.state);
+  const uint32_t iteration = read_call_state(p.state);
   const int current = iteration % 3;
   const int previous = (iteration + 2) % 3;
   char* local = reinterpret_cast<char*>(p.peers[p.rank]);
 
-  // 1. Return the part of the previous buffer that was used to the sentinel.
-  {
-    uint4* prev = reinterpret_cast<uint4*>(local + kStateBytes + previous * p.buffer_bytes);
-    const int64_t dirty_packs = p.state[2 + previous] / Pack<T>::kElems;
-    const uint4 sentinel = sentinel_pack<T>();
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < dirty_packs;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      prev[i] = sentinel;
-  }
-
-  // 2. Push this rank's message into slot [rank] of every peer's current buffer. The message is
+  // 1. Push this rank's message into slot [rank] of every peer's current buffer. The message is
   //    split into equal pack ranges over *all* blocks (there may be more blocks than rows): one
   //    SM cannot keep enough remote stores in flight, so a single-token message spread over
   //    several SMs arrives sooner.
@@ -83,9 +99,32 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
     }
   }
 
+  // 2. Return the part of the previous buffer that was used to the sentinel, while the pushes
+  //    are in flight (the header says why no peer can be writing it).
+  {
+    uint4* prev = reinterpret_cast<uint4*>(local + kStateBytes + previous * p.buffer_bytes);
+    const int64_t dirty_packs = p.state[2 + previous] / Pack<T>::kElems;
+    const uint4 sentinel = sentinel_pack<T>();
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < dirty_packs;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      prev[i] = sentinel;
+  }
+
   // 3. Reduce every row this block owns, in rank order, then the epilogue.
   const uint4* inbox = reinterpret_cast<const uint4*>(local + kStateBytes + current * p.buffer_bytes);
   for (int64_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
+    // Local loads first, the waits after them: the operands and this rank's own contribution
+    // (-0.0 flushed, as its peers receive it) are in flight while the peers' packs arrive.
+    HeldOperands<T, VPT> in;
+    if constexpr (kHeld) in.load(row, a, nvec);
+    uint4 own[VPT];
+    if constexpr (kHeld) {
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int idx = j * blockDim.x + threadIdx.x;
+        own[j] = idx < nvec ? clear_negative_zero<T>(__ldg(x + row * nvec + idx)) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
     RowRegs<T, VPT> regs;
     regs.zero();
     for (int src = 0; src < p.world; ++src) {
@@ -94,25 +133,16 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
         const int idx = j * blockDim.x + threadIdx.x;
         if (idx >= nvec) continue;
         uint4 value;
-        if (src == p.rank) {
+        if (src != p.rank)
+          value = wait_arrival<T>(inbox + src * message_packs + row * nvec + idx, p, src);
+        else if constexpr (kHeld)
+          value = own[j];
+        else
           value = clear_negative_zero<T>(__ldg(x + row * nvec + idx));
-        } else {
-          const uint4* slot = inbox + src * message_packs + row * nvec + idx;
-          uint64_t start = 0;
-          int polls = 0;
-          while (true) {
-            value = ld_volatile(slot);
-            if (!has_sentinel<T>(value)) break;
-            // A peer that never arrives: give up after the timeout (the sentinels sum as -0.0).
-            if ((++polls & 1023) == 0 &&
-                peer_wait_expired(p.wait, start, PeerWaitSite::kOneShot, p.rank, src))
-              break;
-          }
-        }
         regs.add(j, value);
       }
     }
-    finish_row<T, VPT>(regs, row, a, nvec, scratch);
+    finish_row<T, VPT>(regs, row, a, nvec, scratch, kHeld ? &in : nullptr);
   }
 
   // 4. The last block to finish advances the iteration and records how much it dirtied.

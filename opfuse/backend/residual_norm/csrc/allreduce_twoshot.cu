@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
   // Stage s of this block covers chunk rows i = blockIdx.x + (s * R + r) * G, r < R.
   const int64_t R = p.rows_per_stage;
   const int stages = static_cast<int>((rows_per_rank + G * R - 1) / (G * R));
-  const uint32_t seq0 = *reinterpret_cast<volatile uint32_t*>(p.state);
+  const uint32_t seq0 = read_call_state(p.state);
   const uint4* x = static_cast<const uint4*>(a.x);
 
   auto rs_slot = [&](int owner, int src, int64_t i) {  // row i of src's contribution, on owner

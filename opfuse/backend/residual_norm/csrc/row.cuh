@@ -43,12 +43,37 @@ struct RowRegs {
   }
 };
 
+// The epilogue's per-row operands, loaded into registers ahead of finish_row: a kernel that
+// waits for peers loads them before its wait, so their latency overlaps it instead of following
+// it. Costs 4 x VPT x 16 B of registers per thread; absent operands (null pointers) stay zero.
+template <typename T, int VPT>
+struct HeldOperands {
+  enum : int { kBias = 0, kResidual = 1, kWeight = 2, kNormBias = 3 };
+  uint4 pack[4][VPT];
+
+  __device__ __forceinline__ void load(int64_t row, const ResidualNormArgs& a, int nvec) {
+    const uint4* src[4] = {static_cast<const uint4*>(a.bias),
+                           a.residual ? static_cast<const uint4*>(a.residual) + row * nvec : nullptr,
+                           static_cast<const uint4*>(a.weight), static_cast<const uint4*>(a.norm_bias)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        const int idx = j * blockDim.x + threadIdx.x;
+        pack[k][j] = src[k] && idx < nvec ? __ldg(src[k] + idx) : make_uint4(0u, 0u, 0u, 0u);
+      }
+  }
+};
+
 // h = T(sum + bias + residual) (written when args.h is set); y = norm(h) or h.
-// ``regs`` holds the reduced sum of row ``row`` (zero in packs past the row end).
-// Every thread of the block must call this (it contains barriers).
+// ``regs`` holds the reduced sum of row ``row`` (zero in packs past the row end). The bias,
+// residual and norm weight/bias come from ``held`` when given (loaded for this row), otherwise
+// from global memory where they are used. Every thread of the block must call this (it contains
+// barriers).
 template <typename T, int VPT>
 __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, const ResidualNormArgs& a, int nvec,
-                                           float* scratch) {
+                                           float* scratch, const HeldOperands<T, VPT>* held = nullptr) {
+  using Held = HeldOperands<T, VPT>;
   constexpr int E = Pack<T>::kElems;
   const uint4* bias = static_cast<const uint4*>(a.bias);
   const uint4* res = a.residual ? static_cast<const uint4*>(a.residual) + row * nvec : nullptr;
@@ -59,8 +84,8 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
   for (int j = 0; j < VPT; ++j) {
     const int idx = j * blockDim.x + threadIdx.x;
     if (idx < nvec) {
-      if (bias) regs.add(j, __ldg(bias + idx));
-      if (res) regs.add(j, __ldg(res + idx));
+      if (bias) regs.add(j, held ? held->pack[Held::kBias][j] : __ldg(bias + idx));
+      if (res) regs.add(j, held ? held->pack[Held::kResidual][j] : __ldg(res + idx));
       const uint4 packed = regs.round(j);
       if (h_out) h_out[idx] = packed;
       if (a.norm == static_cast<int>(NormKind::kNone)) y_out[idx] = packed;
@@ -101,8 +126,8 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
     const int idx = j * blockDim.x + threadIdx.x;
     if (idx < nvec) {
       Pack<T> w, b, out;
-      if (weight) w.raw = __ldg(weight + idx);
-      if (nbias) b.raw = __ldg(nbias + idx);
+      if (weight) w.raw = held ? held->pack[Held::kWeight][j] : __ldg(weight + idx);
+      if (nbias) b.raw = held ? held->pack[Held::kNormBias][j] : __ldg(nbias + idx);
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         float val = (regs.v[j][e] - mean) * rstd;
@@ -115,15 +140,28 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
   }
 }
 
-// The last block of a call to finish stores ``next`` into state[0] (the call/sequence counter
-// every block read at its start) and resets the finished-blocks counter state[1]. All blocks
-// read state[0] before any can be last, so they all saw the same value; the next launch on the
-// stream sees the new one. ``on_last`` runs in the last block's thread 0 before the publish.
+// The call counter (state[0]) as this call's blocks see it; every thread that uses it reads it
+// here, once, at its start. The acquire orders the read before everything the thread does later,
+// in particular (through publish_call's barrier) before its block's increment of the finished-
+// blocks counter, so no block can read the value the last block publishes.
+__device__ __forceinline__ uint32_t read_call_state(const uint32_t* state) { return ld_acquire_gpu(state); }
+
+// The last block of a call to finish stores ``next`` into state[0] (the counter every block read
+// with read_call_state) and resets the finished-blocks counter state[1]. ``on_last`` runs in the
+// last block's thread 0 before the publish.
+//
+// No fence before the increment: nothing the other blocks wrote is read in this kernel after it.
+// The counter only elects the last block; the state it writes is read by the next launch on this
+// stream, after the kernel boundary; peers never read it (they read their receive buffers, where
+// the data itself is the flag, and the buffer rotation is ordered by stream order plus the
+// arrival of this rank's next call's data, see allreduce_oneshot.cu). A fence here would only
+// make every block wait for its remote stores to be acknowledged before it retires. The fence
+// before the publish pairs with read_call_state's acquire: if a block could read ``next``, the
+// last block's increment would be ordered before that block's own earlier increment.
 template <typename OnLast>
 __device__ __forceinline__ void publish_call(uint32_t* state, uint32_t next, OnLast&& on_last) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
     const uint32_t done = atomicAdd(state + 1, 1u);
     if (done == gridDim.x - 1) {
       state[1] = 0;

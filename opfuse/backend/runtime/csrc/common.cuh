@@ -110,6 +110,12 @@ __device__ __forceinline__ void st_volatile(uint4* p, const uint4& v) {
 // Read through L2 only: data that peers wrote into our memory must not come from a stale L1 line.
 __device__ __forceinline__ uint4 ld_l2(const uint4* p) { return __ldcg(p); }
 
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
