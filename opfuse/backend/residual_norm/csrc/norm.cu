@@ -115,21 +115,40 @@ __global__ void __launch_bounds__(kMaxThreads) rms_backward_kernel(const RMSNorm
   }
 }
 
-// out0[k] = sum over b of partial[b, k] in order b = 0, 1, ...; with ``slabs`` == 2, out1 likewise
-// from the next [blocks, hidden] slab. A null output's slab is skipped.
+// Column sums of float32 partial rows: out0[k] = sum over b of partial[b, k]; with ``slabs`` == 2,
+// out1 likewise from the next [blocks, hidden] slab (a null output's slab is skipped). A block
+// takes 32 adjacent columns (coalesced reads); each of its kSumGroups thread rows sums every
+// kSumGroups-th partial row in order, then thread row 0 adds the groups in order: a fixed order
+// (deterministic) with blocks / kSumGroups loads per thread instead of blocks.
+constexpr int kSumLanes = 32, kSumGroups = 8;
+
 template <typename T>
-__global__ void sum_partials_kernel(const float* partial, int blocks, int64_t hidden, int slabs, T* out0, T* out1) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < slabs * hidden;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__global__ void __launch_bounds__(kSumLanes * kSumGroups)
+    sum_partials_kernel(const float* partial, int blocks, int64_t hidden, int slabs, T* out0, T* out1) {
+  __shared__ float group_sums[kSumGroups][kSumLanes + 1];
+  const int64_t columns = slabs * hidden;
+  for (int64_t base = blockIdx.x * static_cast<int64_t>(kSumLanes); base < columns;
+       base += static_cast<int64_t>(gridDim.x) * kSumLanes) {  // uniform over the block: barriers are safe
+    const int64_t k = base + threadIdx.x;
     const int slab = k < hidden ? 0 : 1;
     T* out = slab ? out1 : out0;
-    if (!out) continue;
     const int64_t col = k - slab * hidden;
-    const float* src = partial + slab * blocks * hidden + col;
+    const bool active = k < columns && out != nullptr;
     float total = 0.f;
-#pragma unroll 8
-    for (int b = 0; b < blocks; ++b) total += src[b * hidden];
-    out[col] = Elem<T>::from_float(total);
+    if (active) {
+      const float* src = partial + slab * blocks * hidden + col;
+#pragma unroll 4
+      for (int b = threadIdx.y; b < blocks; b += kSumGroups) total += src[b * hidden];
+    }
+    group_sums[threadIdx.y][threadIdx.x] = total;
+    __syncthreads();
+    if (threadIdx.y == 0 && active) {
+      float sum = 0.f;
+#pragma unroll
+      for (int g = 0; g < kSumGroups; ++g) sum += group_sums[g][threadIdx.x];
+      out[col] = Elem<T>::from_float(sum);
+    }
+    __syncthreads();
   }
 }
 
@@ -297,11 +316,10 @@ const char* failure(const char* format, ...) {
 template <typename T>
 const char* launch_sum_partials(const float* partial, int blocks, int64_t hidden, T* out0, T* out1,
                                 cudaStream_t stream) {
-  constexpr int kThreads = 128;  // small blocks: hidden / 128 of them spread over the SMs
   const int slabs = out1 ? 2 : 1;
-  const int64_t grid = (slabs * hidden + kThreads - 1) / kThreads;
-  sum_partials_kernel<T><<<static_cast<int>(grid < (1 << 20) ? grid : (1 << 20)), kThreads, 0, stream>>>(
-      partial, blocks, hidden, slabs, out0, out1);
+  const int64_t grid = (slabs * hidden + kSumLanes - 1) / kSumLanes;
+  sum_partials_kernel<T><<<static_cast<int>(grid < (1 << 20) ? grid : (1 << 20)), dim3(kSumLanes, kSumGroups), 0,
+                           stream>>>(partial, blocks, hidden, slabs, out0, out1);
   return launch_status();
 }
 
