@@ -11,9 +11,11 @@ Parts (bf16; microseconds per call):
 
 * ``norms`` (one GPU): ``h = x + residual``, ``y = RMSNorm / LayerNorm(h)`` at hidden 8192 and 1 ...
   8192 tokens; forward and backward (with the residual's gradient summed in, as in a block):
-  opfuse ``cuda`` (LayerNorm backward: the torch reference, opfuse has no kernel), ``cudnn``, and
-  torch.compile of the same math (forward: add + norm; backward: the closed-form gradient). CUDA
-  graph of 40 calls, median of 7 replays.
+  opfuse ``cuda`` (the fused kernels, both directions), ``cudnn``, and torch.compile of the same
+  math (forward: add + norm; backward: the closed-form gradient). CUDA graph of 40 calls, median of
+  7 replays. Floor: either direction moves four [tokens, hidden] tensors (forward: reads x and the
+  residual, writes h and y; backward: reads dy, h and the residual's gradient, writes dh) plus the
+  parameters, over the HBM copy bandwidth measured in the run.
 * ``grouped`` (one GPU): the MoE grouped GEMM, 32 experts, K=7168, N=2048, 32768 and 256 routed
   tokens, forward: ``cudnn`` vs ``triton`` vs ``torch_grouped_mm`` (CUDA graph, as above).
 * ``epilogue`` (one GPU): GEMM + bias + GELU(tanh), inference, 128 / 2048 / 8192 tokens, K=8192,
@@ -45,7 +47,7 @@ from opfuse.backend import implementations  # noqa: E402
 from opfuse.backend.registry import CallSpec  # noqa: E402
 from opfuse.backend.residual_norm import reference as norm_reference  # noqa: E402
 from opfuse.ops.base import TensorMeta  # noqa: E402
-from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
+from timing import device_copy_gbs, graph_replay_us, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPLAYS = 40, 7
 BF16 = torch.bfloat16
@@ -105,6 +107,7 @@ def measure_norms(tokens_list, hidden) -> list[dict]:
                                dynamic=True)}
     bwd_compiled = {norm: torch.compile(lambda dy, h, dh, w, b, norm=norm: norm_reference.backward(
         dy, h, dh, w, b, eps, norm=norm), dynamic=True) for norm in ("rms", "layer")}
+    hbm_gbs = attempt("HBM copy bandwidth", device_copy_gbs)
     rows = []
     for norm in ("rms", "layer"):
         op = "add_rmsnorm" if norm == "rms" else "add_layernorm"
@@ -119,6 +122,9 @@ def measure_norms(tokens_list, hidden) -> list[dict]:
                                            "norm_bias": None if b is None else TensorMeta.of(b)},
                             attrs={"norm": norm, "eps": eps, "write_residual": True}, requires_grad=True)
             row = {"norm": norm, "tokens": tokens}
+            if hbm_gbs:  # 4 activations + the parameters (w; LayerNorm: w, b) read and their gradients written
+                moved = (4 * tokens * hidden + (4 if norm == "layer" else 2) * hidden) * x.element_size()
+                row["floor"], row["hbm_gbs"] = moved / hbm_gbs / 1e3, hbm_gbs
             ref_y = norm_reference.forward(x, None, r, w, b, eps, "", False, norm=norm)[0]
             for impl in ("cuda", "cudnn"):
                 chosen = attempt(f"{op} {impl} {tokens} tokens", lambda: prepared(op, impl, spec))
@@ -139,17 +145,20 @@ def measure_norms(tokens_list, hidden) -> list[dict]:
 
 
 def table_norms(rows, hidden) -> str:
-    head = ["norm", "tokens", "fwd cuda", "fwd cudnn", "fwd compiled", "cudnn/cuda", "cudnn/compiled",
-            "bwd cuda", "bwd cudnn", "bwd compiled", "cudnn/cuda", "cudnn/compiled", "cudnn err"]
-    body = [[r["norm"], r["tokens"], fmt(r.get("cuda_fwd")), fmt(r.get("cudnn_fwd")), fmt(r.get("compiled_fwd")),
-             ratio(r.get("cudnn_fwd"), r.get("cuda_fwd")), ratio(r.get("cudnn_fwd"), r.get("compiled_fwd")),
-             fmt(r.get("cuda_bwd")), fmt(r.get("cudnn_bwd")), fmt(r.get("compiled_bwd")),
-             ratio(r.get("cudnn_bwd"), r.get("cuda_bwd")), ratio(r.get("cudnn_bwd"), r.get("compiled_bwd")),
-             err(r.get("cudnn_err"))] for r in rows]
+    head = ["norm", "tokens", "floor", "fwd cuda", "fwd cudnn", "fwd compiled", "cudnn/cuda", "cudnn/compiled",
+            "bwd cuda", "bwd cudnn", "bwd compiled", "cudnn/cuda", "cudnn/compiled", "fwd cuda/floor", "bwd cuda/floor",
+            "cudnn err"]
+    body = [[r["norm"], r["tokens"], fmt(r.get("floor")), fmt(r.get("cuda_fwd")), fmt(r.get("cudnn_fwd")),
+             fmt(r.get("compiled_fwd")), ratio(r.get("cudnn_fwd"), r.get("cuda_fwd")),
+             ratio(r.get("cudnn_fwd"), r.get("compiled_fwd")), fmt(r.get("cuda_bwd")), fmt(r.get("cudnn_bwd")),
+             fmt(r.get("compiled_bwd")), ratio(r.get("cudnn_bwd"), r.get("cuda_bwd")),
+             ratio(r.get("cudnn_bwd"), r.get("compiled_bwd")), ratio(r.get("cuda_fwd"), r.get("floor")),
+             ratio(r.get("cuda_bwd"), r.get("floor")), err(r.get("cudnn_err"))] for r in rows]
+    hbm = next((r["hbm_gbs"] for r in rows if r.get("hbm_gbs")), None)
     wins = [f"{r['norm']}@{r['tokens']} {d}" for r in rows for d in ("fwd", "bwd")
             if r.get(f"cudnn_{d}") is not None and r.get(f"cuda_{d}") is not None and r[f"cudnn_{d}"] < r[f"cuda_{d}"]]
     return (f"Add + norm, hidden {hidden}, bf16, us per call (CUDA graph of {CALLS} calls, median of {REPLAYS}); "
-            f"bwd includes the residual gradient (LayerNorm 'cuda' bwd = torch reference)\n"
+            f"bwd includes the residual gradient; floor: 4 activations over HBM at {fmt(hbm, 0)} GB/s\n"
             + markdown(head, body) + f"\ncudnn faster than cuda: {', '.join(wins) or 'nowhere'}")
 
 

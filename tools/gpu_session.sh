@@ -32,6 +32,9 @@
 #                                      # bench at world 2 without FlashInfer (allreduce-bench has that column)
 #   tools/gpu_session.sh nvidia-libs   # 1-2 GPUs: cuDNN frontend + cuBLASMp implementations (the
 #                                      # wheels carried in .whl/ are installed first), tests + bench
+#   tools/gpu_session.sh layernorm-backward  # 1 GPU (~2 min, build included): the norm backward kernels' tests
+#                                      # (raw kernels, the family's backward, programs) and the norms bench
+#                                      # (floor, cuda, compiled; cudnn when its wheel is installed)
 #   tools/gpu_session.sh fp8           # 1+ GPU (sm90): FP8 tests and benchmark at world 1
 #   tools/gpu_session.sh fp8-multi     # 2 GPUs: FP8 NCCL tests and benchmark at world 2
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
@@ -254,6 +257,15 @@ case "$stage" in
   fp8)
     step fp8_tests 300 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
     step fp8_bench 300 python3 bench/fp8.py --world 1 --json "$OUT/fp8_w1.json"
+    ;;
+  layernorm-backward)
+    step norm_kernels 150 python3 -m pytest -q tests/gpu/test_residual_norm_kernels.py -k "backward or argument" "$@"
+    step norm_programs 150 python3 -m pytest -q tests/gpu/test_fused_single_gpu.py -k "norm" "$@"
+    step norms_bench 200 python3 bench/nvidia_libs.py --part norms --tokens 1 128 2048 8192 --json "$OUT/norms.json"
+    final_summary() {
+      echo "=== norms bench"; sed -n '/^Add + norm/,/^cudnn faster/p' "$OUT/norms_bench.log"
+      grep -E "^note:" "$OUT/norms_bench.log" | head -5
+    }
     ;;
   fp8-multi)
     step fp8_dist_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8_dist.py "$@"

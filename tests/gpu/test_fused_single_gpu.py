@@ -89,14 +89,15 @@ def test_linear_bias_gelu_epilogue(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_rmsnorm_backward_kernel_rounds_the_residual_gradient_sum_once(dtype):
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_backward_kernel_rounds_the_residual_gradient_sum_once(kind, dtype):
     """The residual's gradient nearly cancels the norm's input gradient: the kernel adds it in
     float32 before rounding (two roundings: ~0.3 relative error of dx in bf16)."""
     from tests.unit.test_numerics import cancelling_case, norm_block, rel_err
 
     gen = torch.Generator().manual_seed(3)
-    x, r, w, dy, dh_out, want = cancelling_case("rms", dtype, gen, tokens=64, hidden=4096)
-    block = norm_block("rms", dtype, w).cuda()
+    x, r, w, dy, dh_out, want = cancelling_case(kind, dtype, gen, tokens=64, hidden=4096)
+    block = norm_block(kind, dtype, w).cuda()
     x, r = x.cuda().requires_grad_(), r.cuda().requires_grad_()
     y, h = block(x, r)
     assert opfuse.compile(block, x, r).fusions[0].impl == "cuda"

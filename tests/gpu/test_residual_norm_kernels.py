@@ -301,6 +301,138 @@ def test_rms_backward_kernel(ext):
             assert rel(dw, wr.grad) < 2 * TOL[dtype], (dtype, tokens, hidden, rel(dw, wr.grad))
 
 
+def layer_backward_reference(dy, h, w, b, dh_out, eps):
+    """float64 gradients of ``y = LayerNorm(h) * w + b`` (unfused math) plus ``dh_out``:
+    ``(dh, dw, db)``, ``None`` for an absent parameter."""
+    hr = h.double().requires_grad_()
+    wr = None if w is None else w.double().requires_grad_()
+    br = None if b is None else b.double().requires_grad_()
+    mu = hr.mean(-1, keepdim=True)
+    yr = (hr - mu) / torch.sqrt(((hr - mu) ** 2).mean(-1, keepdim=True) + eps)
+    if wr is not None:
+        yr = yr * wr
+    if br is not None:
+        yr = yr + br
+    yr.backward(dy.double())
+    dh = hr.grad + (0 if dh_out is None else dh_out.double())
+    return dh, None if wr is None else wr.grad, None if br is None else br.grad
+
+
+def run_layer_backward(ext, dy, h, w, b, dh_out, eps, blocks):
+    """The raw kernel on NaN-filled outputs (an element it fails to write shows)."""
+    tokens, hidden = h.shape
+    dh = torch.full_like(h, float("nan"))
+    dw = None if w is None else torch.full_like(w, float("nan"))
+    db = None if b is None else torch.full_like(b, float("nan"))
+    partial = torch.full((2, blocks, hidden), float("nan"), device="cuda") if (w is not None or b is not None) else None
+    ext.layer_norm_backward(dy.data_ptr(), h.data_ptr(), ptr(w), ptr(dh_out), dh.data_ptr(), ptr(partial), ptr(dw),
+                            ptr(db), tokens, hidden, eps, code(h.dtype), blocks,
+                            torch.cuda.current_stream().cuda_stream)
+    return dh, dw, db
+
+
+# (tokens, hidden): packed rows (one / odd / many rows per block, 1-8 packs per thread) and rows
+# that are not whole 16-byte packs (the scalar kernel), with more rows than blocks. float32 at
+# 65536 exceeds 8 packs per thread: the scalar kernel too.
+LAYER_BACKWARD_SHAPES = [(1, 2880), (37, 8192), (700, 1024), (4, 16384), (3, 65536), (1, 1), (5, 1001), (600, 777),
+                         (2, 4097), (9, 24)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_layer_backward_kernel(ext, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(dtype)  # noqa: E731
+    eps = 1e-5
+    for case, (tokens, hidden) in enumerate(LAYER_BACKWARD_SHAPES):
+        # weight / norm bias / residual gradient each on and off across the cases
+        with_w, with_b, with_extra = case % 3 != 1, case % 2 == 0, case % 4 != 3
+        h = (3 * rnd(tokens, hidden) + 0.5).to(dtype)  # a mean far from zero: centring matters
+        dy = rnd(tokens, hidden)
+        w = (1 + 0.1 * rnd(hidden)).to(dtype) if with_w else None
+        b = rnd(hidden) if with_b else None
+        dh_out = rnd(tokens, hidden) if with_extra else None
+        blocks = min(tokens, 264)
+        dh, dw, db = run_layer_backward(ext, dy, h, w, b, dh_out, eps, blocks)
+        want_dh, want_dw, want_db = layer_backward_reference(dy, h, w, b, dh_out, eps)
+        what = (dtype, tokens, hidden, with_w, with_b, with_extra)
+        assert rel(dh, want_dh) < 2 * TOL[dtype], (what, rel(dh, want_dh))
+        if with_w:
+            assert rel(dw, want_dw) < 2 * TOL[dtype], (what, rel(dw, want_dw))
+        if with_b:
+            assert rel(db, want_db) < 2 * TOL[dtype], (what, rel(db, want_db))
+        # Deterministic: the same call again gives the same bits (no atomics, fixed order).
+        again = run_layer_backward(ext, dy, h, w, b, dh_out, eps, blocks)
+        for first, second in zip((dh, dw, db), again):
+            if first is not None:
+                assert torch.equal(first, second), what
+
+
+def test_layer_backward_kernel_unaligned_rows_and_no_rows(ext):
+    """Operands 2 bytes off 16-byte alignment take the scalar kernel; zero rows give zero
+    parameter gradients."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    tokens, hidden, dtype = 33, 1024, torch.bfloat16
+    storage = torch.randn(3, tokens * hidden + 1, generator=gen, device="cuda").to(dtype)
+    h, dy, dh_out = (row[1:].view(tokens, hidden) for row in storage)  # not 16-byte aligned
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
+    b = torch.randn(hidden, generator=gen, device="cuda").to(dtype)
+    dh, dw, db = run_layer_backward(ext, dy, h, w, b, dh_out, 1e-5, 16)
+    want = layer_backward_reference(dy, h, w, b, dh_out, 1e-5)
+    for got, ref in zip((dh, dw, db), want):
+        assert rel(got, ref) < 2 * TOL[dtype], rel(got, ref)
+    empty = torch.empty(0, hidden, device="cuda", dtype=dtype)
+    dw = torch.full_like(w, float("nan"))
+    db = torch.full_like(b, float("nan"))
+    partial = torch.empty(2, 1, hidden, device="cuda")
+    ext.layer_norm_backward(empty.data_ptr(), empty.data_ptr(), w.data_ptr(), 0, empty.data_ptr(),
+                            partial.data_ptr(), dw.data_ptr(), db.data_ptr(), 0, hidden, 1e-5, code(dtype), 1,
+                            torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert not dw.any() and not db.any() and not dw.isnan().any()
+
+
+@pytest.mark.parametrize("hidden", [4096, 1001])
+def test_layer_norm_backward_through_the_family_and_a_graph(hidden):
+    """``cuda.norm_backward`` (what every residual-norm implementation's backward calls) uses the
+    kernel for LayerNorm at packed and odd hidden sizes, matches the float64 reference, and
+    replays in a CUDA graph on fresh data; RMSNorm at an odd size falls back to the reference."""
+    from opfuse.backend.residual_norm import cuda as norm_cuda
+    from opfuse.backend.residual_norm import quantize_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(hidden)
+    dtype, tokens, eps = torch.bfloat16, 300, 1e-5
+    rnd = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(dtype)  # noqa: E731
+    dy, h, dh_out = rnd(tokens, hidden), rnd(tokens, hidden), rnd(tokens, hidden)
+    w, b = (1 + 0.1 * rnd(hidden)).to(dtype), rnd(hidden)
+    got = norm_cuda.norm_backward(dy, h, dh_out, w, b, eps, norm="layer")
+    for g, ref in zip(got, layer_backward_reference(dy, h, w, b, dh_out, eps)):
+        assert rel(g, ref) < 2 * TOL[dtype], (hidden, rel(g, ref))
+    # add_layernorm_quantize's backward is the family's
+    for g, k in zip(quantize_triton.backward(dy, h, dh_out, w, b, eps, norm="layer"), got):
+        assert torch.equal(g, k)
+    # RMSNorm: packed rows take its kernel, odd ones the reference (no error either way)
+    dh_rms, dw_rms, _ = norm_cuda.norm_backward(dy, h, dh_out, w, None, eps, norm="rms")
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    (hr / torch.sqrt((hr * hr).mean(-1, keepdim=True) + eps) * wr).backward(dy.double())
+    assert rel(dh_rms, hr.grad + dh_out.double()) < 2 * TOL[dtype] and rel(dw_rms, wr.grad) < 2 * TOL[dtype]
+
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        norm_cuda.norm_backward(dy, h, dh_out, w, b, eps, norm="layer")  # warm-up outside capture
+        with torch.cuda.graph(graph, stream=stream):
+            outs = norm_cuda.norm_backward(dy, h, dh_out, w, b, eps, norm="layer")
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2):
+        for t in (dy, h, dh_out, w, b):
+            t.copy_(rnd(*t.shape) if t.dim() == 2 else (1 + 0.1 * rnd(hidden)).to(dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        for g, ref in zip(outs, layer_backward_reference(dy, h, w, b, dh_out, eps)):
+            assert rel(g, ref) < 2 * TOL[dtype], (hidden, rel(g, ref))
+
+
 def test_kernel_argument_errors(ext):
     x = torch.randn(4, 100, device="cuda", dtype=torch.bfloat16)  # 200 bytes per row: not a multiple of 16
     y = torch.empty_like(x)
@@ -311,6 +443,17 @@ def test_kernel_argument_errors(ext):
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         ext.add_norm(x.data_ptr() + 2, 0, 0, 0, 0, x.data_ptr(), 0, 2, 128, 1e-6, 1, 1, 8,
                      torch.cuda.current_stream().cuda_stream)
+    stream = torch.cuda.current_stream().cuda_stream
+    with pytest.raises(RuntimeError, match="partial .*required with dw or db"):
+        ext.layer_norm_backward(x.data_ptr(), x.data_ptr(), 0, 0, y.data_ptr(), 0, 0, x.data_ptr(), 4, 128, 1e-5, 1,
+                                8, stream)
+    with pytest.raises(RuntimeError, match="h at address 0x[0-9a-f]+ is not aligned to its 2-byte elements"):
+        ext.layer_norm_backward(x.data_ptr(), x.data_ptr() + 1, 0, 0, y.data_ptr(), 0, 0, 0, 2, 128, 1e-5, 1, 8,
+                                stream)
+    with pytest.raises(RuntimeError, match="blocks 0; need >= 1"):
+        ext.layer_norm_backward(x.data_ptr(), x.data_ptr(), 0, 0, y.data_ptr(), 0, 0, 0, 2, 128, 1e-5, 1, 0, stream)
+    with pytest.raises(RuntimeError, match="dtype 5; accepted"):
+        ext.layer_norm_backward(x.data_ptr(), x.data_ptr(), 0, 0, y.data_ptr(), 0, 0, 0, 2, 128, 1e-5, 5, 8, stream)
 
 
 @pytest.mark.parametrize("kind", ["oneshot", "twoshot"])

@@ -13,8 +13,8 @@ implementation    what runs                                                     
 Peer buffers are regions of the group's :class:`~opfuse.backend.runtime.symm_pool.SymmetricPool`:
 the checks only ask whether a region would fit; ``prepare`` (the chosen implementation, every
 rank, in program order) reserves and initialises it; a call only looks it up. Backward of every
-variant: the fused RMSNorm backward kernel (LayerNorm: the reference). The message limits that
-pick between them (by world size and row size) are in :mod:`.crossovers`.
+variant: the fused RMSNorm / LayerNorm backward kernels (:func:`norm_backward`). The message limits
+that pick between them (by world size and row size) are in :mod:`.crossovers`.
 """
 
 from __future__ import annotations
@@ -76,16 +76,23 @@ def one_dtype_reason(spec) -> str | None:
     return None
 
 
-def _kernel_reason(spec) -> str | None:
-    reason = one_dtype_reason(spec)
-    if reason:
-        return reason
-    element = torch.empty((), dtype=spec.dtype).element_size()
-    hidden = spec.x.features
+def _row_reason(hidden: int, dtype: torch.dtype) -> str | None:
+    """Why rows of ``hidden`` elements do not suit the packed-row kernels, or ``None``."""
+    element = torch.empty((), dtype=dtype).element_size()
     if hidden * element % 16:
         return f"hidden size {hidden} x {element} bytes is not a multiple of 16 bytes"
     if hidden * element > 128 * 1024:
         return f"hidden size {hidden} exceeds the kernels' 128 KiB rows"
+    return None
+
+
+def _kernel_reason(spec) -> str | None:
+    reason = one_dtype_reason(spec)
+    if reason:
+        return reason
+    reason = _row_reason(spec.x.features, spec.dtype)
+    if reason:
+        return reason
     try:
         extension.load(FAMILY)
     except extension.ExtensionUnavailable as error:
@@ -313,26 +320,49 @@ def nccl_then_kernel_forward(x, bias, residual, weight, norm_bias, eps, group, w
 # Backward -----------------------------------------------------------------------------------
 
 
+def _backward_reason(dy, h, dh_out, weight, norm_bias, norm) -> str | None:
+    """Why the backward kernels cannot take these operands (the reference then runs), or ``None``."""
+    if dy is None or h.numel() == 0:
+        return "no output gradient" if dy is None else "no rows"
+    if h.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype_name(h.dtype)} not supported"
+    for name, t in (("dy", dy), ("dh_out", dh_out), ("weight", weight), ("norm_bias", norm_bias)):
+        if t is not None and (t.dtype != h.dtype or t.device != h.device):
+            return f"{name} is {dtype_name(t.dtype)} on {t.device}, h is {dtype_name(h.dtype)} on {h.device}"
+    if norm == "rms":  # the LayerNorm kernel takes any row (a scalar kernel for unpacked ones)
+        return _row_reason(h.shape[-1], h.dtype)
+    return None
+
+
 def norm_backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):
-    """RMSNorm: the fused kernel (``dh_out`` added in float32 inside it); LayerNorm and
-    unsupported layouts: the reference."""
-    if norm != "rms" or dy.dtype not in SUPPORTED_DTYPES or (weight is not None and weight.dtype != dy.dtype) or \
-            h.numel() == 0:
+    """The fused norm backward kernels: ``(dh, dweight, dnorm_bias)`` (the latter two empty when
+    absent), with ``dh_out`` (the gradient reaching ``h`` from its other use) added in float32
+    and ``dh`` rounded once. RMSNorm needs rows of whole 16-byte packs; LayerNorm takes any row.
+    Operands the kernels cannot take (mixed dtypes, no rows, other norms) get the reference."""
+    if norm not in ("rms", "layer") or _backward_reason(dy, h, dh_out, weight, norm_bias, norm):
         return reference.backward(dy, h, dh_out, weight, norm_bias, eps, norm=norm)
     dy, h = dy.contiguous(), h.contiguous()
     dh_out = None if dh_out is None else dh_out.contiguous()
+    weight = None if weight is None else weight.contiguous()
     hidden = h.shape[-1]
     tokens = h.numel() // hidden
     blocks = max(1, min(tokens, 2 * sm_count()))
     dh = torch.empty_like(h)
-    if weight is not None:
-        weight = weight.contiguous()
-        dw = torch.empty_like(weight)
-        partial = torch.empty(blocks, hidden, dtype=torch.float32, device=h.device)
-    else:
-        dw, partial = dy.new_empty(0), None
+    dw = torch.empty_like(weight) if weight is not None else None
     ext = extension.load(FAMILY)
-    ext.rms_norm_backward(dy.data_ptr(), h.data_ptr(), _ptr(weight), _ptr(dh_out), dh.data_ptr(), _ptr(partial),
-                          _ptr(dw if weight is not None else None), tokens, hidden, float(eps),
-                          ext.DTYPES[dtype_name(h.dtype)], blocks, current_stream())
-    return dh, dw, dy.new_empty(0)
+    code = ext.DTYPES[dtype_name(h.dtype)]
+    if norm == "rms":
+        partial = torch.empty(blocks, hidden, dtype=torch.float32, device=h.device) if weight is not None else None
+        ext.rms_norm_backward(dy.data_ptr(), h.data_ptr(), _ptr(weight), _ptr(dh_out), dh.data_ptr(), _ptr(partial),
+                              _ptr(dw), tokens, hidden, float(eps), code, blocks, current_stream())
+        return dh, _or_empty(dw, dy), dy.new_empty(0)
+    db = torch.empty_like(norm_bias) if norm_bias is not None else None
+    asked = dw is not None or db is not None
+    partial = torch.empty(2, blocks, hidden, dtype=torch.float32, device=h.device) if asked else None
+    ext.layer_norm_backward(dy.data_ptr(), h.data_ptr(), _ptr(weight), _ptr(dh_out), dh.data_ptr(), _ptr(partial),
+                            _ptr(dw), _ptr(db), tokens, hidden, float(eps), code, blocks, current_stream())
+    return dh, _or_empty(dw, dy), _or_empty(db, dy)
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0) if t is None else t

@@ -5,8 +5,8 @@
 One scale per row: one pass. One scale per tensor: a first pass writes ``h`` and each row's amax,
 the amax (all-reduced over ``amax_group`` when the quantized shards are gathered next) gives the
 scale, and a second pass recomputes each row from the inputs and writes FP8. Backward is the
-residual-norm family's (the fused RMSNorm backward kernel where the CUDA extension is built, else
-the reference).
+residual-norm family's (the fused RMSNorm / LayerNorm backward kernels where the CUDA extension is
+built, else the reference).
 """
 
 from __future__ import annotations
@@ -88,11 +88,8 @@ def forward(x, bias, residual, weight, norm_bias, eps, write_residual, dtype, ro
 
 
 def backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):
-    if norm == "rms":
-        try:
-            extension.load(norm_cuda.FAMILY)
-        except extension.ExtensionUnavailable:
-            pass
-        else:
-            return norm_cuda.norm_backward(dy, h, dh_out, weight, norm_bias, eps, norm=norm)
-    return reference.backward(dy, h, dh_out, weight, norm_bias, eps, norm=norm)
+    try:
+        extension.load(norm_cuda.FAMILY)
+    except extension.ExtensionUnavailable:
+        return reference.backward(dy, h, dh_out, weight, norm_bias, eps, norm=norm)
+    return norm_cuda.norm_backward(dy, h, dh_out, weight, norm_bias, eps, norm=norm)

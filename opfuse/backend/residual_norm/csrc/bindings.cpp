@@ -200,4 +200,28 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
           args.dtype = dtype;
           check(opfuse::rms_norm_backward(args, blocks, stream_of(stream)), "rms_norm_backward");
         });
+  m.def("layer_norm_backward",
+        [](uintptr_t dy, uintptr_t h, uintptr_t weight, uintptr_t dh_out, uintptr_t dh, uintptr_t partial,
+           uintptr_t dw, uintptr_t db, int64_t tokens, int64_t hidden, float eps, int dtype, int blocks,
+           uintptr_t stream) {
+          opfuse::LayerNormBackwardArgs args;
+          args.dy = ptr(dy);
+          args.h = ptr(h);
+          args.weight = ptr(weight);
+          args.dh_out = ptr(dh_out);
+          args.dh = ptr(dh);
+          args.partial = ptr<float>(partial);
+          args.dw = ptr(dw);
+          args.db = ptr(db);
+          args.tokens = tokens;
+          args.hidden = hidden;
+          args.eps = eps;
+          args.dtype = dtype;
+          check(opfuse::layer_norm_backward(args, blocks, stream_of(stream)), "layer_norm_backward");
+        },
+        "dh = LayerNorm's input gradient (+ dh_out); dw, db = the weight and bias gradients (0 = not asked). "
+        "partial: [2, blocks, hidden] float32 scratch when dw or db is asked.",
+        py::arg("dy"), py::arg("h"), py::arg("weight"), py::arg("dh_out"), py::arg("dh"), py::arg("partial"),
+        py::arg("dw"), py::arg("db"), py::arg("tokens"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
+        py::arg("blocks"), py::arg("stream"));
 }

@@ -3,7 +3,7 @@
 // Every function returns nullptr on success or a static/thread-local message describing the
 // failure (bad arguments, or the CUDA error of the launch). Tensors are row-major
 // [tokens, hidden], contiguous, 16-byte aligned, of one dtype (DType); hidden * sizeof(dtype) must
-// be a multiple of 16.
+// be a multiple of 16 (layer_norm_backward: any hidden, element-aligned pointers).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -82,5 +82,27 @@ struct RMSNormBackwardArgs {
 
 // dh = d(rmsnorm)/dh . dy (+ dh_out); dw = sum_tokens(dy * h * rstd). ``blocks`` sizes dw_partial.
 const char* rms_norm_backward(const RMSNormBackwardArgs& args, int blocks, cudaStream_t stream);
+
+struct LayerNormBackwardArgs {
+  const void* dy = nullptr;      // [tokens, hidden]
+  const void* h = nullptr;       // [tokens, hidden] the norm's input
+  const void* weight = nullptr;  // [hidden]; may be null
+  const void* dh_out = nullptr;  // [tokens, hidden] gradient reaching h from elsewhere; may be null
+  void* dh = nullptr;            // [tokens, hidden] output
+  float* partial = nullptr;      // [2, blocks, hidden] float32 scratch (when dw or db is set)
+  void* dw = nullptr;            // [hidden] output; may be null (no weight gradient)
+  void* db = nullptr;            // [hidden] output; may be null (no norm-bias gradient)
+  int64_t tokens = 0;
+  int64_t hidden = 0;
+  float eps = 1e-5f;
+  int dtype = 0;
+};
+
+// With mean and rstd recomputed from h, xhat = (h - mean) * rstd and g = dy * w:
+// dh = rstd * (g - mean(g) - xhat * mean(g * xhat)) (+ dh_out); dw = sum_tokens(dy * xhat);
+// db = sum_tokens(dy). ``blocks`` sizes partial. Any hidden > 0 and any element-aligned pointers:
+// rows of whole 16-byte packs at 16-byte aligned addresses take the vectorised kernel, others a
+// scalar one. Deterministic: no atomics, a fixed summation order for a given ``blocks``.
+const char* layer_norm_backward(const LayerNormBackwardArgs& args, int blocks, cudaStream_t stream);
 
 }  // namespace opfuse
