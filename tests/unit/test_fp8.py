@@ -278,3 +278,37 @@ def test_short_training_run_tracks_the_unquantized_loss():
     for name in ("tensor", "row"):
         final = smoothed(losses[name])
         assert math.isfinite(final) and abs(final - base) <= 0.02 * base, (name, final, base)
+
+
+# All-reduce + norm + quantize ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+def test_allreduce_norm_emitting_fp8_fires_and_matches_the_unfused_block(world1, rng, recipe):
+    """Row-parallel GEMM -> all-reduce + add + RMSNorm -> FP8 GEMM: the FP8 all-reduce norm
+    outranks the plain one, lists its implementations in order, and forward and gradients equal the
+    unfused block's (multi-rank numerics: tests/dist/test_fp8_allreduce_norm.py)."""
+    from opfuse.backend import implementations
+
+    assert implementations.names()["allreduce_add_rmsnorm_quantize"] == [
+        "cuda_oneshot", "cuda_twoshot", "allreduce+triton", "reference"]
+    block = ops.Sequential(ops.Linear(48, 32, parallel="row"), ops.AddExtraInput(), ops.MakeExtraOutput(),
+                           ops.RMSNorm(32), ops.Linear(32, 48, parallel="column"))
+    x, r = torch.randn(7, 48, generator=rng), torch.randn(7, 32, generator=rng)
+    dy, dh = torch.randn(7, 48, generator=rng), torch.randn(7, 32, generator=rng)
+    results = []
+    for fuse in (True, False):
+        xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        with opfuse.config.override(fuse=fuse), fp8.autocast(recipe=recipe):
+            y, h = block(xg, rg)
+            program = opfuse.compile(block, xg, rg)
+        ((y * dy).sum() + (h * dh).sum()).backward()
+        results.append([y, h, xg.grad, rg.grad] + [p.grad for p in block.parameters()])
+        if fuse:
+            fusions = {f.rule: f.impl for f in program.fusions}
+            assert fusions.get("allreduce_add_rmsnorm_quantize") == "reference", fusions
+            assert "allreduce_add_rmsnorm" not in fusions and "quantize" not in fusions, fusions
+            assert "allreduce_add_rmsnorm_quantize" in program.explain()
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
