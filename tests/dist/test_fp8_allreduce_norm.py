@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import opfuse
 from opfuse import fp8, ops
 from opfuse.backend import implementations
 from opfuse.backend.residual_norm.op import AllReduceAddRMSNormQuantize
 from opfuse.ops.base import TensorMeta
 
-from ..fp8_reference import E4M3, E5M2, fq
+from ..fp8_reference import E4M3, E5M2, fq, fused_and_unfused
 from .harness import run
 
 RECIPES = (fp8.TensorScaling(), fp8.RowwiseScaling())
@@ -81,20 +80,8 @@ def block_fused_vs_unfused(rank, world, recipe):
             p.copy_(data(100 + i, *p.shape) * (p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1) + (p.dim() == 1))
     x, r = data(200 + rank, tokens, ffn // world), data(300, tokens, hidden)
     dy, dh = data(400 + rank, tokens, ffn // world), data(500, tokens, hidden)
-    results = []
-    for fuse in (True, False):
-        xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
-        block.zero_grad(set_to_none=True)
-        with opfuse.config.override(fuse=fuse), fp8.autocast(recipe=recipe):
-            y, h = block(xg, rg)
-            program = opfuse.compile(block, xg, rg)
-        ((y * dy).sum() + (h * dh).sum()).backward()
-        results.append([y, h, xg.grad, rg.grad] + [p.grad for p in block.parameters()])
-        rules = [f.rule for f in program.fusions]
-        if fuse:
-            assert "allreduce_add_rmsnorm_quantize" in rules and "allreduce_add_rmsnorm" not in rules, rules
-        else:
-            assert rules == [], rules
+    results, fusions = fused_and_unfused(block, x, r, dy, dh, recipe)
+    assert "allreduce_add_rmsnorm_quantize" in fusions and "allreduce_add_rmsnorm" not in fusions, fusions
     for i, (got, want) in enumerate(zip(*results)):
         close(f"rank {rank} {recipe.describe()} block output/grad {i}", got, want, atol=1e-5, rtol=1e-5)
 

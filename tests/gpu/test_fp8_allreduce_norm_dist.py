@@ -20,21 +20,12 @@ import opfuse  # noqa: E402
 from opfuse import fp8, ops  # noqa: E402
 
 from ..dist.harness import run  # noqa: E402
+from ..fp8_reference import fused_and_unfused  # noqa: E402
+from .test_fp8_dist import randn, rel  # noqa: E402
 
 BF16 = torch.bfloat16
 OP = "allreduce_add_rmsnorm_quantize"
 IMPLS = ("cuda_oneshot", "cuda_twoshot", "allreduce+triton")
-
-
-def rel(got, want):
-    assert torch.isfinite(got).all(), "non-finite values"
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
-def randn(seed, *shape, scale=1.0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(BF16)
 
 
 def make_block(world, hidden=1032, ffn=4096):
@@ -52,20 +43,10 @@ def block_case(rank, world, recipe, tokens, impl):
     ffn_local, hidden = block[0].weight.shape[1], block[3].weight.shape[0]
     x, r = randn(100 + rank, tokens, ffn_local), randn(200, tokens, hidden)
     dy, dh = randn(300 + rank, tokens, block[4].weight.shape[0]), randn(400, tokens, hidden)
-    results = []
-    for fuse in (True, False):
-        xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
-        block.zero_grad(set_to_none=True)
-        # Forced one-shot at every size: lift the crossover limit (the kernel is what is tested).
-        settings = dict(fuse=fuse, force_impl=f"{OP}={impl}" if fuse else "", oneshot_max_bytes=64 << 20)
-        with opfuse.config.override(**settings), fp8.autocast(recipe=recipe):
-            y, h = block(xg, rg)
-            program = opfuse.compile(block, xg, rg)
-        ((y.float() * dy.float()).sum() + (h.float() * dh.float()).sum()).backward()
-        results.append([y, h, xg.grad, rg.grad] + [p.grad for p in block.parameters()])
-        if fuse:
-            impls = {f.rule: f.impl for f in program.fusions}
-            assert impls.get(OP) == impl, impls
+    # Forced one-shot at every size: lift the crossover limit (the kernel is what is tested).
+    results, fusions = fused_and_unfused(block, x, r, dy, dh, recipe, force_impl=f"{OP}={impl}",
+                                         oneshot_max_bytes=64 << 20)
+    assert fusions.get(OP) == impl, fusions
     tag = (rank, recipe.describe(), tokens, impl)
     # h is the same sum (bitwise up to the all-reduce order); y and gradients go through FP8 GEMMs.
     assert rel(results[0][1], results[1][1]) < 1e-2, (tag, "h")

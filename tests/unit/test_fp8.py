@@ -15,7 +15,7 @@ import opfuse
 from opfuse import fp8, ops
 from opfuse.fp8 import numerics
 
-from ..fp8_reference import E4M3, E5M2, grouped_reference, linear_reference
+from ..fp8_reference import E4M3, E5M2, fused_and_unfused, grouped_reference, linear_reference
 
 RECIPES = [fp8.TensorScaling(), fp8.RowwiseScaling(), fp8.TensorScaling(fp8_wgrad=False),
            fp8.RowwiseScaling(grad_dtype=E5M2, fp8_wgrad=True)]
@@ -296,19 +296,8 @@ def test_allreduce_norm_emitting_fp8_fires_and_matches_the_unfused_block(world1,
                            ops.RMSNorm(32), ops.Linear(32, 48, parallel="column"))
     x, r = torch.randn(7, 48, generator=rng), torch.randn(7, 32, generator=rng)
     dy, dh = torch.randn(7, 48, generator=rng), torch.randn(7, 32, generator=rng)
-    results = []
-    for fuse in (True, False):
-        xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
-        block.zero_grad(set_to_none=True)
-        with opfuse.config.override(fuse=fuse), fp8.autocast(recipe=recipe):
-            y, h = block(xg, rg)
-            program = opfuse.compile(block, xg, rg)
-        ((y * dy).sum() + (h * dh).sum()).backward()
-        results.append([y, h, xg.grad, rg.grad] + [p.grad for p in block.parameters()])
-        if fuse:
-            fusions = {f.rule: f.impl for f in program.fusions}
-            assert fusions.get("allreduce_add_rmsnorm_quantize") == "reference", fusions
-            assert "allreduce_add_rmsnorm" not in fusions and "quantize" not in fusions, fusions
-            assert "allreduce_add_rmsnorm_quantize" in program.explain()
+    results, fusions = fused_and_unfused(block, x, r, dy, dh, recipe)
+    assert fusions.get("allreduce_add_rmsnorm_quantize") == "reference", fusions
+    assert "allreduce_add_rmsnorm" not in fusions and "quantize" not in fusions, fusions
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -124,24 +124,20 @@ class PeerWatch {
   uintptr_t flag_ = 0;
 };
 
-void launch_oneshot(const Fp8Epilogue& epilogue, uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
-                    uintptr_t norm_bias, uintptr_t y, uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm,
-                    int dtype, const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns,
-                    int op, int max_blocks, uintptr_t stream) {
-  auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
-  epilogue.apply(args);
-  check(opfuse::allreduce_oneshot(args, region, make_wait(flag, record, timeout_ns, op), max_blocks, stream_of(stream)),
-        "allreduce_oneshot");
-}
+// A peer kernel's launch (allreduce_oneshot / allreduce_twoshot, whose last int is the grid
+// argument: max_blocks / blocks).
+using PeerKernel = const char* (*)(const opfuse::ResidualNormArgs&, const opfuse::PeerRegion&, const opfuse::PeerWait&,
+                                   int, cudaStream_t);
 
-void launch_twoshot(const Fp8Epilogue& epilogue, uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
-                    uintptr_t norm_bias, uintptr_t y, uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm,
-                    int dtype, const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns,
-                    int op, int blocks, uintptr_t stream) {
+template <PeerKernel kernel>
+void launch_peer(const Fp8Epilogue& epilogue, uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
+                 uintptr_t norm_bias, uintptr_t y, uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm,
+                 int dtype, const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns,
+                 int op, int grid, uintptr_t stream) {
   auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
   epilogue.apply(args);
-  check(opfuse::allreduce_twoshot(args, region, make_wait(flag, record, timeout_ns, op), blocks, stream_of(stream)),
-        "allreduce_twoshot");
+  check(kernel(args, region, make_wait(flag, record, timeout_ns, op), grid, stream_of(stream)),
+        kernel == &opfuse::allreduce_oneshot ? "allreduce_oneshot" : "allreduce_twoshot");
 }
 
 void launch_add_norm(const Fp8Epilogue& epilogue, uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
@@ -223,10 +219,10 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
   fp8_formats["e4m3"] = static_cast<int>(opfuse::Fp8Format::kE4M3);
   fp8_formats["e5m2"] = static_cast<int>(opfuse::Fp8Format::kE5M2);
   m.attr("FP8_FORMATS") = fp8_formats;
-  m.def("allreduce_oneshot", without_epilogue(&launch_oneshot));
-  m.def("allreduce_oneshot_fp8", &launch_oneshot);
-  m.def("allreduce_twoshot", without_epilogue(&launch_twoshot));
-  m.def("allreduce_twoshot_fp8", &launch_twoshot);
+  m.def("allreduce_oneshot", without_epilogue(&launch_peer<&opfuse::allreduce_oneshot>));
+  m.def("allreduce_oneshot_fp8", &launch_peer<&opfuse::allreduce_oneshot>);
+  m.def("allreduce_twoshot", without_epilogue(&launch_peer<&opfuse::allreduce_twoshot>));
+  m.def("allreduce_twoshot_fp8", &launch_peer<&opfuse::allreduce_twoshot>);
   m.def("add_norm", without_epilogue(&launch_add_norm));
   m.def("add_norm_fp8", &launch_add_norm);
   m.def("rms_norm_backward",
