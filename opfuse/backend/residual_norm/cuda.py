@@ -194,7 +194,7 @@ def _prepare_peer(kind: str):
         if region is None:  # the check said it fits: a bug, not a fallback
             raise RuntimeError(f"residual_norm {kind}: reserving {size} bytes failed after the check passed ({why})")
         peers = torch.tensor(region.peer_ptrs(), dtype=torch.int64, device=torch.device("cuda", device))
-        peer_region = ext.PeerRegion(peers.dataptr(), region.localptr(), pool.rank, pool.world_size, size, capacity)
+        peer_region = ext.PeerRegion(peers.data_ptr(), region.localptr(), pool.rank, pool.world_size, size, capacity)
         stream = current_stream()
         if kind == "oneshot":
             ext.oneshot_init(peer_region, ext.DTYPES[dtype_name(spec.dtype)], stream)
@@ -228,7 +228,7 @@ def _ready(t: torch.Tensor | None, like: torch.Tensor, what: str) -> torch.Tenso
         raise ValueError(f"opfuse residual_norm: {what} is {t.dtype}, x is {like.dtype}; pass one dtype")
     if t.device != like.device:
         raise ValueError(f"opfuse residual_norm: {what} is on {t.device}, x on {like.device}")
-    if not t.is_contiguous() or t.dataptr() % 16:
+    if not t.is_contiguous() or t.data_ptr() % 16:
         t = t.contiguous() if not t.is_contiguous() else t.clone()
     return t
 
@@ -255,7 +255,7 @@ def operands(x, bias, residual, weight, norm_bias):
 
 def ptr(t: torch.Tensor | None) -> int:
     """The device address of ``t`` (0 for ``None``: an absent kernel operand)."""
-    return 0 if t is None else t.dataptr()
+    return 0 if t is None else t.data_ptr()
 
 
 def _outputs(x, norm, write_residual):
@@ -313,7 +313,7 @@ def _local(x, bias, residual, weight, norm_bias, *, norm, eps, write_residual):
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
     ext = extension.load(FAMILY)
-    ext.add_norm(ptr(x), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), y.dataptr(),
+    ext.add_norm(ptr(x), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), y.data_ptr(),
                  ptr(h if h.numel() else None), tokens, hidden, float(eps), ext.NORMS[norm],
                  ext.DTYPES[dtype_name(x.dtype)], max(1, min(tokens, 4 * sm_count())), current_stream())
     return y, h
@@ -370,13 +370,13 @@ def norm_backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):
     code = ext.DTYPES[dtype_name(h.dtype)]
     if norm == "rms":
         partial = torch.empty(blocks, hidden, dtype=torch.float32, device=h.device) if weight is not None else None
-        ext.rms_norm_backward(dy.dataptr(), h.dataptr(), ptr(weight), ptr(dh_out), dh.dataptr(), ptr(partial),
+        ext.rms_norm_backward(dy.data_ptr(), h.data_ptr(), ptr(weight), ptr(dh_out), dh.data_ptr(), ptr(partial),
                               ptr(dw), tokens, hidden, float(eps), code, blocks, current_stream())
         return dh, _or_empty(dw, dy), dy.new_empty(0)
     db = torch.empty_like(norm_bias) if norm_bias is not None else None
     asked = dw is not None or db is not None
     partial = torch.empty(2, blocks, hidden, dtype=torch.float32, device=h.device) if asked else None
-    ext.layer_norm_backward(dy.dataptr(), h.dataptr(), ptr(weight), ptr(dh_out), dh.dataptr(), ptr(partial),
+    ext.layer_norm_backward(dy.data_ptr(), h.data_ptr(), ptr(weight), ptr(dh_out), dh.data_ptr(), ptr(partial),
                             ptr(dw), ptr(db), tokens, hidden, float(eps), code, blocks, current_stream())
     return dh, _or_empty(dw, dy), _or_empty(db, dy)
 
