@@ -60,3 +60,27 @@ def grouped_reference(x, sizes, w, b, dy, recipe):
         dw[g] = dy[s:e].double().t() @ x[s:e].double()
         db[g] = dy[s:e].double().sum(0)
     return y, dx, dw, db
+
+
+def fused_and_unfused(block, x, r, dy, dh, recipe, **settings):
+    """Run ``y, h = block(x, r)`` under ``recipe`` fused (with ``settings``: opfuse.config
+    overrides) and unfused (the float32 emulation), backward from ``(dy, dh)``: ``(results, fusions)``,
+    ``results`` two lists ``[y, h, dx, dr, *parameter grads]``, ``fusions`` ``{rule: impl}`` of the
+    fused program."""
+    import opfuse
+    from opfuse import fp8
+
+    results, fusions = [], {}
+    for fuse in (True, False):
+        xg, rg = x.clone().requires_grad_(), r.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        with opfuse.config.override(fuse=fuse, **(settings if fuse else {})), fp8.autocast(recipe=recipe):
+            y, h = block(xg, rg)
+            program = opfuse.compile(block, xg, rg)
+        ((y.float() * dy.float()).sum() + (h.float() * dh.float()).sum()).backward()
+        results.append([y, h, xg.grad, rg.grad] + [p.grad for p in block.parameters()])
+        if fuse:
+            fusions = {f.rule: f.impl for f in program.fusions}
+        else:
+            assert not program.fusions, [f.rule for f in program.fusions]
+    return results, fusions

@@ -37,6 +37,9 @@
 #                                      # (floor, cuda, compiled; cudnn when its wheel is installed)
 #   tools/gpu_session.sh fp8           # 1+ GPU (sm90): FP8 tests and benchmark at world 1
 #   tools/gpu_session.sh fp8-multi     # 2 GPUs: FP8 NCCL tests and benchmark at world 2
+#   tools/gpu_session.sh fp8-allreduce # 1-2 GPUs (~3 min): the FP8 epilogue of the all-reduce + norm kernels
+#                                      # (simulated ranks), the world-2 block test and bench/fp8.py --quick
+#                                      # at world 2 (the last two need 2 GPUs)
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 set -uo pipefail
 stage=${1:-single}; shift || true
@@ -265,6 +268,15 @@ case "$stage" in
     final_summary() {
       echo "=== norms bench"; sed -n '/^Add + norm/,/^cudnn faster/p' "$OUT/norms_bench.log"
       grep -E "^note:" "$OUT/norms_bench.log" | head -5
+    }
+    ;;
+  fp8-allreduce)
+    step fp8_ar_kernels 150 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_kernels.py "$@"
+    step fp8_ar_dist 200 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_dist.py "$@"
+    step fp8_ar_bench 200 python3 bench/fp8.py --world 2 --only block --quick
+    final_summary() {
+      echo "=== fp8 block (decode+next lists allreduce_add_rmsnorm_quantize)"
+      grep -E "^(\||fusions)" "$OUT/fp8_ar_bench.log" | tail -14
     }
     ;;
   fp8-multi)

@@ -42,6 +42,7 @@ from .quantize import triton_impl as quantize_triton
 from .registry import CallSpec, Implementation, ImplementationError
 from .residual_norm import cuda as norm_cuda
 from .residual_norm import cudnn as norm_cudnn
+from .residual_norm import quantize_cuda as norm_quantize_cuda
 from .residual_norm import quantize_triton as norm_quantize_triton
 from .residual_norm import reference as norm_reference
 
@@ -94,6 +95,34 @@ def _norm_quantize(norm: str) -> list[Implementation]:
     ]
 
 
+def _allreduce_norm_quantize(norm: str) -> list[Implementation]:
+    """The peer kernels with the FP8 epilogue (the checks, preparation and crossovers of
+    ``allreduce_add_*norm``), then a torch.distributed all-reduce composed with each
+    implementation of ``add_*norm_quantize`` (its reference last: the unfused chain)."""
+
+    def bind(fn):
+        return functools.partial(fn, norm=norm)
+
+    backward = bind(norm_cuda.norm_backward)
+    composed = [
+        Implementation("reference" if local.name == "reference" else f"allreduce+{local.name}", local.check,
+                       norm_reference.allreduce_then(local.forward), local.backward, local.prepare,
+                       f"torch.distributed all-reduce (NCCL, gloo), then add_{norm}norm_quantize's "
+                       f"{local.name}: {local.description}")
+        for local in _norm_quantize(norm)]
+    return [
+        Implementation("cuda_oneshot", norm_cuda.check_oneshot, bind(norm_quantize_cuda.oneshot_forward), backward,
+                       norm_cuda.prepare_oneshot,
+                       "one kernel: Lamport one-shot all-reduce over peer memory + add + norm + FP8 cast (per tensor: "
+                       "+ the amax reduction and a cast pass over h)"),
+        Implementation("cuda_twoshot", norm_cuda.check_twoshot, bind(norm_quantize_cuda.twoshot_forward), backward,
+                       norm_cuda.prepare_twoshot,
+                       "one kernel: two-shot all-reduce over peer memory + add + norm + FP8 cast (per tensor: + the "
+                       "amax reduction and a cast pass over h)"),
+        *composed,
+    ]
+
+
 TABLE: dict[str, list[Implementation]] = {
     "allreduce_add_rmsnorm": _residual_norm("rms", reduces=True),
     "allreduce_add_layernorm": _residual_norm("layer", reduces=True),
@@ -102,6 +131,7 @@ TABLE: dict[str, list[Implementation]] = {
     "allreduce": _residual_norm("none", reduces=True),
     "add_rmsnorm_quantize": _norm_quantize("rms"),
     "add_layernorm_quantize": _norm_quantize("layer"),
+    "allreduce_add_rmsnorm_quantize": _allreduce_norm_quantize("rms"),
     "all_gather_linear": [
         Implementation(collective_p2p.NAME, collective_p2p.check_all_gather_linear,
                        collective_p2p.all_gather_linear_forward, collective_p2p.all_gather_linear_backward,

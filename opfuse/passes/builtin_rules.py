@@ -2,34 +2,35 @@
 
 Priorities: larger fusions and those that hide communication go first.
 
-=============================  ==================================================================  ====
-rule                           pattern                                                             prio
-=============================  ==================================================================  ====
-allreduce_add_rmsnorm          AllReduce -> [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm   40
-allreduce_add_layernorm        same, LayerNorm                                                       40
-add_rmsnorm_quantize           [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm -> Quantize  35
-add_layernorm_quantize         same, LayerNorm                                                       35
-all_gather_linear_fp8          [Quantize] -> AllGather -> BasicLinear(fp8) -> [Bias]                 30
-linear_reduce_scatter_fp8      [Quantize] -> BasicLinear(fp8) -> ReduceScatter -> [Bias]             30
-all_gather_linear              AllGather -> BasicLinear -> [Bias]                                    30
-linear_reduce_scatter          BasicLinear -> ReduceScatter -> [Bias]                                30
-linear_bias_reduce_scatter     BasicLinear -> Bias -> ReduceScatter                                  30
-add_rmsnorm                    [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm             20
-add_layernorm                  same, LayerNorm                                                       20
-fp8_linear                     [Quantize] -> BasicLinear(fp8) -> [Bias]                              16
-linear_bias_activation         BasicLinear -> Bias -> GELU                                           15
-allreduce                      AllReduce -> [Bias]                                                   10
-grouped_linear_fp8             BasicGroupedLinear(fp8)                                                5
-grouped_linear                 BasicGroupedLinear                                                     5
-quantize                       Quantize                                                               1
-=============================  ==================================================================  ====
+==============================  ==================================================================  ====
+rule                            pattern                                                             prio
+==============================  ==================================================================  ====
+allreduce_add_rmsnorm_quantize  AllReduce -> ... -> RMSNorm -> Quantize (as allreduce_add_rmsnorm)  45
+allreduce_add_rmsnorm           AllReduce -> [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm   40
+allreduce_add_layernorm         same, LayerNorm                                                       40
+add_rmsnorm_quantize            [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm -> Quantize  35
+add_layernorm_quantize          same, LayerNorm                                                       35
+all_gather_linear_fp8           [Quantize] -> AllGather -> BasicLinear(fp8) -> [Bias]                 30
+linear_reduce_scatter_fp8       [Quantize] -> BasicLinear(fp8) -> ReduceScatter -> [Bias]             30
+all_gather_linear               AllGather -> BasicLinear -> [Bias]                                    30
+linear_reduce_scatter           BasicLinear -> ReduceScatter -> [Bias]                                30
+linear_bias_reduce_scatter      BasicLinear -> Bias -> ReduceScatter                                  30
+add_rmsnorm                     [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm             20
+add_layernorm                   same, LayerNorm                                                       20
+fp8_linear                      [Quantize] -> BasicLinear(fp8) -> [Bias]                              16
+linear_bias_activation          BasicLinear -> Bias -> GELU                                           15
+allreduce                       AllReduce -> [Bias]                                                   10
+grouped_linear_fp8              BasicGroupedLinear(fp8)                                                5
+grouped_linear                  BasicGroupedLinear                                                     5
+quantize                        Quantize                                                               1
+==============================  ==================================================================  ====
 
 Each rule's replacement is the fused op of the same name, except ``linear_bias_reduce_scatter``
 (``linear_reduce_scatter`` with the bias on every partial sum). ``grouped_linear`` merges nothing:
 it moves the grouped GEMM onto the implementation table. ``(fp8)``: GEMMs the FP8 pass marked
 (under :func:`opfuse.fp8.autocast`); the bf16 GEMM rules refuse them (``not_fp8``). The norms that
 emit FP8 outrank the FP8 all-gather so that, in a sequence-parallel block, the norm quantizes and
-the all-gather moves its bytes.
+the all-gather moves its bytes; the all-reduce + norm that emits FP8 outranks the one that does not.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ..backend.residual_norm.op import (
     AddRMSNormQuantize,
     AllReduceAddLayerNorm,
     AllReduceAddRMSNorm,
+    AllReduceAddRMSNormQuantize,
     FusedAllReduce,
 )
 from .pattern import OpSpec, Pattern
@@ -181,6 +183,9 @@ def _norm_chain(norm_kind: str, reduce: bool, quantize: bool = False) -> Pattern
 
 
 BUILTIN_RULES = [
+    Rule("allreduce_add_rmsnorm_quantize", _norm_chain("RMSNorm", reduce=True, quantize=True),
+         _norm_quantize_builder(AllReduceAddRMSNormQuantize), priority=45, where=[one_group],
+         description="all-reduce + bias + residual add + RMSNorm emitting FP8 in one peer-memory kernel"),
     Rule("allreduce_add_rmsnorm", _norm_chain("RMSNorm", reduce=True), _residual_norm_builder(AllReduceAddRMSNorm),
          priority=40, where=[one_group],
          description="all-reduce + bias + residual add + RMSNorm in one peer-memory kernel"),

@@ -92,19 +92,24 @@ class SimulatedRanks:
         self.blocks = max(1, (sms - 4) // world)  # every rank's grid must be resident at once
         self.watches = [ext.PeerWatch() for _ in range(world)]
 
-    def launch(self, r, x, bias, residual, weight, norm_bias, y, h, norm, eps=1e-6, timeout_ns=0):
-        """Enqueue rank ``r``'s call on its stream; nothing waits for it."""
+    def launch(self, r, x, bias, residual, weight, norm_bias, y, h, norm, eps=1e-6, timeout_ns=0, epilogue=None):
+        """Enqueue rank ``r``'s call on its stream; nothing waits for it. ``epilogue``: an
+        ``Fp8Epilogue`` (the FP8 launchers; y is then left unwritten)."""
         tokens, hidden = x.shape
         watch = self.watches[r]
         args = (ptr(x), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), y.data_ptr(), ptr(h),
                 tokens, hidden, eps, norm_code(norm), code(x.dtype), self.regions[r], watch.flag,
                 watch.record, timeout_ns, 7)
+        if self.kind == "oneshot":
+            launch, fp8_launch, grid = self.ext.allreduce_oneshot, self.ext.allreduce_oneshot_fp8, self.blocks
+        else:
+            launch, fp8_launch = self.ext.allreduce_twoshot, self.ext.allreduce_twoshot_fp8
+            grid = max(1, min(self.blocks, math.ceil(tokens / self.world)))
         with torch.cuda.stream(self.streams[r]):
-            if self.kind == "oneshot":
-                self.ext.allreduce_oneshot(*args, self.blocks, self.streams[r].cuda_stream)
+            if epilogue is None:
+                launch(*args, grid, self.streams[r].cuda_stream)
             else:
-                blocks = max(1, min(self.blocks, math.ceil(tokens / self.world)))
-                self.ext.allreduce_twoshot(*args, blocks, self.streams[r].cuda_stream)
+                fp8_launch(epilogue, *args, grid, self.streams[r].cuda_stream)
 
     def fork(self):
         for stream in self.streams:
@@ -114,15 +119,19 @@ class SimulatedRanks:
         for stream in self.streams:
             torch.cuda.current_stream().wait_stream(stream)
 
-    def run(self, xs, bias, residual, weight, norm_bias, norm, eps=1e-6, write_h=True, ranks=None, timeout_ns=0):
-        """One call on every rank (or on ``ranks`` only: the others skip it)."""
+    def run(self, xs, bias, residual, weight, norm_bias, norm, eps=1e-6, write_h=True, ranks=None, timeout_ns=0,
+            epilogues=None, sync=True):
+        """One call on every rank (or on ``ranks`` only: the others skip it); ``epilogues``: one
+        ``Fp8Epilogue`` per rank; ``sync=False`` inside a CUDA-graph capture."""
         ys = [torch.full_like(xs[0], float("nan")) for _ in range(self.world)]
         hs = [torch.full_like(xs[0], float("nan")) if write_h else None for _ in range(self.world)]
         self.fork()
         for r in range(self.world) if ranks is None else ranks:
-            self.launch(r, xs[r], bias, residual, weight, norm_bias, ys[r], hs[r], norm, eps, timeout_ns)
+            self.launch(r, xs[r], bias, residual, weight, norm_bias, ys[r], hs[r], norm, eps, timeout_ns,
+                        None if epilogues is None else epilogues[r])
         self.join()
-        torch.cuda.synchronize()
+        if sync:
+            torch.cuda.synchronize()
         return ys, hs
 
 

@@ -15,7 +15,7 @@ import opfuse
 from opfuse import fp8, ops
 from opfuse.fp8 import numerics
 
-from ..fp8_reference import E4M3, E5M2, grouped_reference, linear_reference
+from ..fp8_reference import E4M3, E5M2, fused_and_unfused, grouped_reference, linear_reference
 
 RECIPES = [fp8.TensorScaling(), fp8.RowwiseScaling(), fp8.TensorScaling(fp8_wgrad=False),
            fp8.RowwiseScaling(grad_dtype=E5M2, fp8_wgrad=True)]
@@ -278,3 +278,26 @@ def test_short_training_run_tracks_the_unquantized_loss():
     for name in ("tensor", "row"):
         final = smoothed(losses[name])
         assert math.isfinite(final) and abs(final - base) <= 0.02 * base, (name, final, base)
+
+
+# All-reduce + norm + quantize ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+def test_allreduce_norm_emitting_fp8_fires_and_matches_the_unfused_block(world1, rng, recipe):
+    """Row-parallel GEMM -> all-reduce + add + RMSNorm -> FP8 GEMM: the FP8 all-reduce norm
+    outranks the plain one, lists its implementations in order, and forward and gradients equal the
+    unfused block's (multi-rank numerics: tests/dist/test_fp8_allreduce_norm.py)."""
+    from opfuse.backend import implementations
+
+    assert implementations.names()["allreduce_add_rmsnorm_quantize"] == [
+        "cuda_oneshot", "cuda_twoshot", "allreduce+triton", "reference"]
+    block = ops.Sequential(ops.Linear(48, 32, parallel="row"), ops.AddExtraInput(), ops.MakeExtraOutput(),
+                           ops.RMSNorm(32), ops.Linear(32, 48, parallel="column"))
+    x, r = torch.randn(7, 48, generator=rng), torch.randn(7, 32, generator=rng)
+    dy, dh = torch.randn(7, 48, generator=rng), torch.randn(7, 32, generator=rng)
+    results, fusions = fused_and_unfused(block, x, r, dy, dh, recipe)
+    assert fusions.get("allreduce_add_rmsnorm_quantize") == "reference", fusions
+    assert "allreduce_add_rmsnorm" not in fusions and "quantize" not in fusions, fusions
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

@@ -10,10 +10,30 @@ from ...fp8.recipe import E4M3, E5M2
 from ...fp8.tensor import Float8Activation
 from ...ops import group as groups
 
-__all__ = ["DTYPES", "forward", "quantize_with"]
+__all__ = ["DTYPES", "forward", "quantize_with", "share_amax", "tensor_amax"]
 
 #: The ``dtype`` argument of the fused op.
 DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
+
+
+def share_amax(amax: torch.Tensor, amax_group: str) -> torch.Tensor:
+    """``amax`` all-reduced (max, in place) over the ranks of ``amax_group`` (a group name; empty:
+    none), so that the shards those ranks gather next share one scale."""
+    if amax_group:
+        pg = groups.from_name(amax_group)
+        if torch.distributed.get_world_size(pg) > 1:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=pg)
+    return amax
+
+
+def tensor_amax(row_amax: torch.Tensor, amax_group: str) -> torch.Tensor:
+    """A tensor's amax (float32 ``[1, 1]``) from its rows' amaxes (float32 ``[rows]``; none: 0),
+    shared over ``amax_group`` (:func:`share_amax`)."""
+    if row_amax.numel():
+        amax = row_amax.amax().reshape(1, 1)
+    else:
+        amax = torch.zeros((1, 1), dtype=torch.float32, device=row_amax.device)
+    return share_amax(amax, amax_group)
 
 
 def quantize_with(quantizer, amax_fn, x: torch.Tensor, dtype: str, rowwise: bool, amax_group: str) -> Float8Activation:
@@ -23,10 +43,7 @@ def quantize_with(quantizer, amax_fn, x: torch.Tensor, dtype: str, rowwise: bool
     rows = x.reshape(-1, x.shape[-1])
     amax_value = None
     if amax_group and not rowwise:
-        pg = groups.from_name(amax_group)
-        amax_value = amax_fn(rows)
-        if torch.distributed.get_world_size(pg) > 1:
-            torch.distributed.all_reduce(amax_value, op=torch.distributed.ReduceOp.MAX, group=pg)
+        amax_value = share_amax(amax_fn(rows), amax_group)
     q = quantizer(rows, fp8, rowwise, amax_value=amax_value)
     return Float8Activation(q.data.reshape(x.shape), q.scale_inv, x.dtype)
 

@@ -33,12 +33,13 @@ from . import crossovers, reference
 
 __all__ = ["check_oneshot", "check_twoshot", "check_nccl_then_kernel", "check_local", "prepare_oneshot",
            "prepare_twoshot", "oneshot_forward", "twoshot_forward", "nccl_then_kernel_forward", "local_forward",
-           "norm_backward", "one_dtype_reason", "SUPPORTED_DTYPES", "FAMILY"]
+           "norm_backward", "one_dtype_reason", "operands", "peer_launch", "ptr", "SUPPORTED_DTYPES", "FAMILY"]
 
 FAMILY = "residual_norm"
-#: The fused op a peer kernel runs for each norm kind (the op code the kernels record on a timeout).
-_PEER_OPS = {"none": "allreduce", "rms": "allreduce_add_rmsnorm", "layer": "allreduce_add_layernorm"}
-_OP_CODES = {norm: code for code, norm in enumerate(_PEER_OPS)}
+#: The fused ops the peer kernels run (a kernel records its op's index here on a timeout).
+_PEER_OPS = ("allreduce", "allreduce_add_rmsnorm", "allreduce_add_layernorm", "allreduce_add_rmsnorm_quantize")
+#: The fused op of each norm kind, without an FP8 epilogue.
+_NORM_OPS = {"none": "allreduce", "rms": "allreduce_add_rmsnorm", "layer": "allreduce_add_layernorm"}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20}
 
@@ -193,7 +194,7 @@ def _prepare_peer(kind: str):
         if region is None:  # the check said it fits: a bug, not a fallback
             raise RuntimeError(f"residual_norm {kind}: reserving {size} bytes failed after the check passed ({why})")
         peers = torch.tensor(region.peer_ptrs(), dtype=torch.int64, device=torch.device("cuda", device))
-        peer_region = ext.PeerRegion(peers.data_ptr(), region.local_ptr(), pool.rank, pool.world_size, size, capacity)
+        peer_region = ext.PeerRegion(peers.data_ptr(), region.localptr(), pool.rank, pool.world_size, size, capacity)
         stream = current_stream()
         if kind == "oneshot":
             ext.oneshot_init(peer_region, ext.DTYPES[dtype_name(spec.dtype)], stream)
@@ -201,7 +202,7 @@ def _prepare_peer(kind: str):
             ext.twoshot_init(peer_region, stream)
         with torch.cuda.device(device):
             record = ext.PeerWatch()
-        watch = peer_watch.PeerWatch(record, tuple(_PEER_OPS.values()), ext.PEER_WAIT_SITES,
+        watch = peer_watch.PeerWatch(record, _PEER_OPS, ext.PEER_WAIT_SITES,
                                      dist.get_process_group_ranks(pool.group),
                                      f"residual_norm {kind} region of group {spec.group_name!r}")
         # Every rank's buffers must hold their initial state before any peer pushes into them.
@@ -232,7 +233,9 @@ def _ready(t: torch.Tensor | None, like: torch.Tensor, what: str) -> torch.Tenso
     return t
 
 
-def _operands(x, bias, residual, weight, norm_bias):
+def operands(x, bias, residual, weight, norm_bias):
+    """``(x, residual, bias, weight, norm_bias)`` validated for the kernels (copied where their
+    layout does not suit them)."""
     if x.device.index != torch.cuda.current_device():
         raise ValueError(f"opfuse residual_norm: x is on {x.device} but the current device is "
                          f"cuda:{torch.cuda.current_device()}; call torch.cuda.set_device first")
@@ -250,7 +253,8 @@ def _operands(x, bias, residual, weight, norm_bias):
     return x, residual, *vectors
 
 
-def _ptr(t: torch.Tensor | None) -> int:
+def ptr(t: torch.Tensor | None) -> int:
+    """The device address of ``t`` (0 for ``None``: an absent kernel operand)."""
     return 0 if t is None else t.data_ptr()
 
 
@@ -260,28 +264,41 @@ def _outputs(x, norm, write_residual):
     return y, h
 
 
+def peer_launch(kind: str, x, bias, residual, weight, norm_bias, eps, group, y, h, *, norm, op, epilogue=None):
+    """Launch ``kind``'s (``"oneshot"`` / ``"twoshot"``) kernel on operands from :func:`operands`
+    into ``y`` and ``h`` (empty: not written) with the optional FP8 ``epilogue``
+    (``Fp8Epilogue``; then ``y`` is ``None``); ``op`` names the fused op on a timeout."""
+    plan = _plans.get((group, x.device.index, kind, x.dtype, _capacity(kind, x.numel() * x.element_size())))
+    if plan is None:
+        raise RuntimeError(f"residual_norm {kind}: no peer region for group {group!r} and {tuple(x.shape)} "
+                           f"{dtype_name(x.dtype)}; the program that chose this implementation prepares it")
+    watch = plan.watch
+    watch.check()  # a wait of an earlier call timed out: the region is out of step with the peers
+    hidden = x.shape[-1]
+    tokens = x.numel() // hidden
+    if tokens == 0:  # the kernels launch nothing for no rows (and empty tensors have no address)
+        return
+    ext = extension.load(FAMILY)
+    args = (ptr(x), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), ptr(y),
+            ptr(h if h.numel() else None), tokens, hidden, float(eps), ext.NORMS[norm],
+            ext.DTYPES[dtype_name(x.dtype)], plan.peer_region, watch.flag, watch.address,
+            peer_watch.timeout_ns(), _PEER_OPS.index(op))
+    if kind == "oneshot":
+        launch, grid = ext.allreduce_oneshot, sm_count()
+    else:
+        launch, grid = ext.allreduce_twoshot, max(1, min(ext.MAX_BLOCKS, -(-tokens // plan.peer_region.world)))
+    if epilogue is None:
+        launch(*args, grid, current_stream())
+    else:
+        fp8_launch = ext.allreduce_oneshot_fp8 if kind == "oneshot" else ext.allreduce_twoshot_fp8
+        fp8_launch(epilogue, *args, grid, current_stream())
+
+
 def _peer_forward(kind: str):
     def forward(x, bias, residual, weight, norm_bias, eps, group, write_residual, *, norm):
-        x, residual, bias, weight, norm_bias = _operands(x, bias, residual, weight, norm_bias)
-        plan = _plans.get((group, x.device.index, kind, x.dtype, _capacity(kind, x.numel() * x.element_size())))
-        if plan is None:
-            raise RuntimeError(f"residual_norm {kind}: no peer region for group {group!r} and {tuple(x.shape)} "
-                               f"{dtype_name(x.dtype)}; the program that chose this implementation prepares it")
-        watch = plan.watch
-        watch.check()  # a wait of an earlier call timed out: the region is out of step with the peers
+        x, residual, bias, weight, norm_bias = operands(x, bias, residual, weight, norm_bias)
         y, h = _outputs(x, norm, write_residual)
-        hidden = x.shape[-1]
-        tokens = x.numel() // hidden
-        ext = extension.load(FAMILY)
-        args = (_ptr(x), _ptr(bias), _ptr(residual), _ptr(weight), _ptr(norm_bias), y.data_ptr(),
-                _ptr(h if h.numel() else None), tokens, hidden, float(eps), ext.NORMS[norm],
-                ext.DTYPES[dtype_name(x.dtype)], plan.peer_region, watch.flag, watch.address,
-                peer_watch.timeout_ns(), _OP_CODES[norm])
-        if kind == "oneshot":
-            ext.allreduce_oneshot(*args, sm_count(), current_stream())
-        else:
-            blocks = max(1, min(ext.MAX_BLOCKS, -(-tokens // plan.peer_region.world)))
-            ext.allreduce_twoshot(*args, blocks, current_stream())
+        peer_launch(kind, x, bias, residual, weight, norm_bias, eps, group, y, h, norm=norm, op=_NORM_OPS[norm])
         return y, h
 
     return forward
@@ -296,19 +313,19 @@ def _local(x, bias, residual, weight, norm_bias, *, norm, eps, write_residual):
     hidden = x.shape[-1]
     tokens = x.numel() // hidden
     ext = extension.load(FAMILY)
-    ext.add_norm(_ptr(x), _ptr(bias), _ptr(residual), _ptr(weight), _ptr(norm_bias), y.data_ptr(),
-                 _ptr(h if h.numel() else None), tokens, hidden, float(eps), ext.NORMS[norm],
+    ext.add_norm(ptr(x), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), y.data_ptr(),
+                 ptr(h if h.numel() else None), tokens, hidden, float(eps), ext.NORMS[norm],
                  ext.DTYPES[dtype_name(x.dtype)], max(1, min(tokens, 4 * sm_count())), current_stream())
     return y, h
 
 
 def local_forward(x, bias, residual, weight, norm_bias, eps, group, write_residual, *, norm):
-    x, residual, bias, weight, norm_bias = _operands(x, bias, residual, weight, norm_bias)
+    x, residual, bias, weight, norm_bias = operands(x, bias, residual, weight, norm_bias)
     return _local(x, bias, residual, weight, norm_bias, norm=norm, eps=eps, write_residual=write_residual)
 
 
 def nccl_then_kernel_forward(x, bias, residual, weight, norm_bias, eps, group, write_residual, *, norm):
-    x, residual, bias, weight, norm_bias = _operands(x, bias, residual, weight, norm_bias)
+    x, residual, bias, weight, norm_bias = operands(x, bias, residual, weight, norm_bias)
     summed = x.clone()
     dist.all_reduce(summed, group=groups.from_name(group))
     if norm == "none" and bias is None and residual is None:
@@ -353,14 +370,14 @@ def norm_backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):
     code = ext.DTYPES[dtype_name(h.dtype)]
     if norm == "rms":
         partial = torch.empty(blocks, hidden, dtype=torch.float32, device=h.device) if weight is not None else None
-        ext.rms_norm_backward(dy.data_ptr(), h.data_ptr(), _ptr(weight), _ptr(dh_out), dh.data_ptr(), _ptr(partial),
-                              _ptr(dw), tokens, hidden, float(eps), code, blocks, current_stream())
+        ext.rms_norm_backward(dy.data_ptr(), h.data_ptr(), ptr(weight), ptr(dh_out), dh.data_ptr(), ptr(partial),
+                              ptr(dw), tokens, hidden, float(eps), code, blocks, current_stream())
         return dh, _or_empty(dw, dy), dy.new_empty(0)
     db = torch.empty_like(norm_bias) if norm_bias is not None else None
     asked = dw is not None or db is not None
     partial = torch.empty(2, blocks, hidden, dtype=torch.float32, device=h.device) if asked else None
-    ext.layer_norm_backward(dy.data_ptr(), h.data_ptr(), _ptr(weight), _ptr(dh_out), dh.data_ptr(), _ptr(partial),
-                            _ptr(dw), _ptr(db), tokens, hidden, float(eps), code, blocks, current_stream())
+    ext.layer_norm_backward(dy.data_ptr(), h.data_ptr(), ptr(weight), ptr(dh_out), dh.data_ptr(), ptr(partial),
+                            ptr(dw), ptr(db), tokens, hidden, float(eps), code, blocks, current_stream())
     return dh, _or_empty(dw, dy), _or_empty(db, dy)
 
 

@@ -11,6 +11,7 @@ fused op (``name``)        computes                                        modul
 ``allreduce``              ``y = sum_ranks(x) [+ b]``                      :class:`FusedAllReduce`
 ``add_rmsnorm_quantize``   ``add_rmsnorm``, ``y`` emitted in FP8          :class:`AddRMSNormQuantize`
 ``add_layernorm_quantize``  same with LayerNorm                            :class:`AddLayerNormQuantize`
+``allreduce_add_rmsnorm_quantize``  ``allreduce_add_rmsnorm``, ``y`` in FP8  :class:`AllReduceAddRMSNormQuantize`
 =========================  ==============================================  ===========================
 
 The ``*_quantize`` ops return ``y`` as an :class:`opfuse.fp8.Float8Activation` (FP8 bytes and
@@ -23,6 +24,7 @@ Backward: ``dh = norm_backward(dy, h) + dh_out`` (summed in float32, rounded onc
 ``db = sum_tokens(dh)``.
 """
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
@@ -35,7 +37,7 @@ from .. import implementations
 from ..registry import CallSpec, FusedOp, define_fused_op
 
 __all__ = ["AllReduceAddRMSNorm", "AllReduceAddLayerNorm", "AddRMSNorm", "AddLayerNorm", "FusedAllReduce",
-           "AddRMSNormQuantize", "AddLayerNormQuantize"]
+           "AddRMSNormQuantize", "AddLayerNormQuantize", "AllReduceAddRMSNormQuantize"]
 
 
 def _forward(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], weight: Optional[Tensor],
@@ -123,11 +125,34 @@ def _quantize_setup(ctx, inputs, output):
     _setup_context(ctx, (x, bias, residual, weight, norm_bias, eps, "", _write, impl), output)
 
 
-def _define_quantize(name: str):
+def _allreduce_quantize_forward(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+                                weight: Optional[Tensor], norm_bias: Optional[Tensor], eps: float, group: str,
+                                write_residual: bool, dtype: str, rowwise: bool, amax_group: str,
+                                impl: str) -> tuple[Tensor, Tensor]:
+    """Prototype: ``(y as an FP8 activation, h)``."""
+
+
+def _allreduce_quantize_fake(x, bias, residual, weight, norm_bias, eps, group, write_residual, dtype, rowwise,
+                             amax_group, impl):
+    return torch.empty_like(x), (torch.empty_like(x) if write_residual else x.new_empty(0))
+
+
+def _allreduce_quantize_setup(ctx, inputs, output):
+    x, bias, residual, weight, norm_bias, eps, group, _write, _dtype, _rowwise, _amax_group, impl = inputs
+    _setup_context(ctx, (x, bias, residual, weight, norm_bias, eps, group, _write, impl), output)
+
+
+def _define_quantize(name: str, reduces: bool = False):
+    """The custom ops of a norm emitting FP8; ``reduces``: after an all-reduce over ``group``."""
+    if reduces:
+        forward, fake, setup, trailing = (_allreduce_quantize_forward, _allreduce_quantize_fake,
+                                          _allreduce_quantize_setup, 7)
+    else:
+        forward, fake, setup, trailing = _quantize_forward, _quantize_fake, _quantize_setup, 6
     forward_op, _ = define_fused_op(
-        name, lookup=implementations.get, forward=_quantize_forward, fake=_quantize_fake, backward=_backward,
-        backward_fake=_backward_fake, setup_context=_quantize_setup,
-        autograd=lambda backward_op: _autograd(backward_op, trailing=6))
+        name, lookup=implementations.get, forward=forward, fake=fake, backward=_backward,
+        backward_fake=_backward_fake, setup_context=setup,
+        autograd=lambda backward_op: _autograd(backward_op, trailing=trailing))
     return forward_op
 
 
@@ -184,11 +209,14 @@ class _ResidualNorm(FusedOp):
             requires_grad=requires_grad,
         )
 
+    def _group_arg(self) -> str:
+        """The ``group`` argument of the custom op ("" when the op does not reduce)."""
+        if self.group_name is None:  # called outside a program
+            return groups.group_name(self.group) if self.reduces else ""
+        return self.group_name
+
     def forward(self, x, residual=None):
-        group = self.group_name
-        if group is None:  # called outside a program
-            group = groups.group_name(self.group) if self.reduces else ""
-        return self.custom_op(x, self.bias, residual, self.weight, self.norm_bias, self.eps, group,
+        return self.custom_op(x, self.bias, residual, self.weight, self.norm_bias, self.eps, self._group_arg(),
                               self.write_residual, self._impl())
 
 
@@ -246,12 +274,13 @@ class _NormQuantize(_ResidualNorm):
         # The amax group is an attribute, not the op's group: no peer memory is opened for it.
         attrs = dict(spec.attrs, dtype=self.dtype, rowwise=self.rowwise,
                      amax_group=groups.group_name(self.amax_group) if self.amax_group is not None else None)
-        return CallSpec(op=spec.op, inputs=spec.inputs, attrs=attrs, requires_grad=spec.requires_grad)
+        return dataclasses.replace(spec, attrs=attrs)
 
     def forward(self, x, residual=None):
-        group = groups.group_name(self.amax_group) if self.amax_group is not None else ""
-        return self.custom_op(x, self.bias, residual, self.weight, self.norm_bias, self.eps, self.write_residual,
-                              self.dtype, self.rowwise, group, self._impl())
+        amax_group = groups.group_name(self.amax_group) if self.amax_group is not None else ""
+        reduce = (self._group_arg(),) if self.reduces else ()
+        return self.custom_op(x, self.bias, residual, self.weight, self.norm_bias, self.eps, *reduce,
+                              self.write_residual, self.dtype, self.rowwise, amax_group, self._impl())
 
 
 class AddRMSNormQuantize(_NormQuantize):
@@ -267,6 +296,15 @@ class AddLayerNormQuantize(_NormQuantize):
     name = "add_layernorm_quantize"
     norm = "layer"
     custom_op = _define_quantize(name)
+
+
+class AllReduceAddRMSNormQuantize(_NormQuantize):
+    """``y = quantize(rmsnorm(allreduce(x) [+ bias] [+ residual]))``; also returns the new residual.
+    Peer-memory kernels with the quantization in the row finish when capable."""
+
+    name = "allreduce_add_rmsnorm_quantize"
+    reduces = True
+    custom_op = _define_quantize(name, reduces=True)
 
 
 class FusedAllReduce(_ResidualNorm):

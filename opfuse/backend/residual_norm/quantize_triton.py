@@ -12,12 +12,10 @@ built, else the reference).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ...fp8 import numerics
 from ...fp8.tensor import Float8Activation
-from ...ops import group as groups
-from ..quantize.reference import DTYPES
+from ..quantize.reference import DTYPES, tensor_amax
 from ..runtime import extension
 from ..runtime.device import triton_status
 from . import cuda as norm_cuda
@@ -70,11 +68,7 @@ def forward(x, bias, residual, weight, norm_bias, eps, write_residual, dtype, ro
         if rows:
             _launch(kernel, rows, *operands(row_amax, row_amax), eps=float(eps), cols=hidden, **flags,
                     WRITE_H=write_residual, MODE=1)
-        amax = row_amax.amax().reshape(1, 1) if rows else torch.zeros((1, 1), dtype=torch.float32, device=x.device)
-        if amax_group and not rowwise:
-            pg = groups.from_name(amax_group)
-            if dist.get_world_size(pg) > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=pg)
+        amax = tensor_amax(row_amax, "" if rowwise else amax_group)
         if rows:
             scale_inv = torch.empty((1, 1), dtype=torch.float32, device=x.device)
             _launch(kernel, rows, *operands(scale_inv, amax), eps=float(eps), cols=hidden, **flags,

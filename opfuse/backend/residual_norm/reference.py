@@ -12,7 +12,7 @@ from ...ops.collectives import raw_all_reduce
 from ...ops.norm import layer_norm_reference, norm_backward, rms_norm_reference
 from ..quantize import reference as quantize_reference
 
-__all__ = ["NORMS", "apply_norm", "forward", "backward", "forward_quantize"]
+__all__ = ["NORMS", "apply_norm", "forward", "backward", "forward_quantize", "allreduce_then"]
 
 #: Norm kinds of the family: RMSNorm, LayerNorm, or none (a plain all-reduce).
 NORMS = ("rms", "layer", "none")
@@ -46,6 +46,19 @@ def forward_quantize(x, bias, residual, weight, norm_bias, eps, write_residual, 
     """:func:`forward` (no all-reduce), then ``y`` quantized to FP8: ``(Float8Activation, h)``."""
     y, h = forward(x, bias, residual, weight, norm_bias, eps, "", write_residual, norm=norm)
     return quantize_reference.forward(y, dtype, rowwise, amax_group), h
+
+
+def allreduce_then(local_quantize):
+    """The forward of ``allreduce_add_*norm_quantize`` composed from a torch.distributed all-reduce
+    (NCCL, gloo) and ``local_quantize``, a forward of ``add_*norm_quantize`` (the same arguments
+    without ``group``)."""
+
+    def forward(x, bias, residual, weight, norm_bias, eps, group, write_residual, dtype, rowwise, amax_group):
+        summed = raw_all_reduce(x, groups.from_name(group))
+        return local_quantize(summed, bias, residual, weight, norm_bias, eps, write_residual, dtype, rowwise,
+                              amax_group)
+
+    return forward
 
 
 def backward(dy, h, dh_out, weight, norm_bias, eps, *, norm):

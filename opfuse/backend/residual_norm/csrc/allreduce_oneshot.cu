@@ -65,7 +65,7 @@ __device__ __forceinline__ uint4 wait_arrival(const uint4* slot, const OneShotLa
   }
 }
 
-template <typename T, int VPT>
+template <typename T, int VPT, QuantMode Q>
 __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunch p) {
   constexpr bool kHeld = VPT <= kHeldMaxVpt;
   __shared__ float scratch[33];
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
         regs.add(j, value);
       }
     }
-    finish_row<T, VPT>(regs, row, a, nvec, scratch, kHeld ? &in : nullptr);
+    finish_row<T, VPT, Q>(regs, row, a, nvec, scratch, kHeld ? &in : nullptr);
   }
 
   // 4. The last block to finish advances the iteration and records how much it dirtied.
@@ -194,8 +194,9 @@ const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& re
   const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
   OneShotLaunch launch{args, wait, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
                        buffer_bytes(region.world, align256(region.capacity))};
-  return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {
-    oneshot_kernel<T, VPT><<<blocks, layout.threads, 0, stream>>>(launch);
+  return dispatch_peer_row_kernel(args.dtype, layout.vpt, args.quant,
+                                  [&]<typename T, int VPT, QuantMode Q>() -> const char* {
+    oneshot_kernel<T, VPT, Q><<<blocks, layout.threads, 0, stream>>>(launch);
     return launch_status();
   });
 }

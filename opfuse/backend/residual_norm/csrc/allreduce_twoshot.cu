@@ -80,7 +80,7 @@ __device__ __forceinline__ void wait_peers(const TwoShotLaunch& p, int phase, ui
   __syncthreads();
 }
 
-template <typename T, int VPT>
+template <typename T, int VPT, QuantMode Q>
 __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunch p) {
   __shared__ float scratch[33];
   const ResidualNormArgs& a = p.args;
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
           const int idx = j * blockDim.x + threadIdx.x;
           if (idx < nvec) regs.add(j, ld_l2(sums + idx));
         }
-        finish_row<T, VPT>(regs, t, a, nvec, scratch);
+        finish_row<T, VPT, Q>(regs, t, a, nvec, scratch);
       }
     }
   };
@@ -221,8 +221,9 @@ const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& re
   if (rows_per_stage < kMinStageRows) rows_per_stage = kMinStageRows;
   TwoShotLaunch launch{args, wait, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
                        ag_offset(region.world, region.capacity), rows_per_stage};
-  return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {
-    twoshot_kernel<T, VPT><<<blocks, layout.threads, 0, stream>>>(launch);
+  return dispatch_peer_row_kernel(args.dtype, layout.vpt, args.quant,
+                                  [&]<typename T, int VPT, QuantMode Q>() -> const char* {
+    twoshot_kernel<T, VPT, Q><<<blocks, layout.threads, 0, stream>>>(launch);
     return launch_status();
   });
 }

@@ -42,6 +42,29 @@ opfuse::ResidualNormArgs make_args(uintptr_t x, uintptr_t bias, uintptr_t residu
   return args;
 }
 
+// The FP8 epilogue of a launch (QuantMode, residual_norm.h); addresses are Python ints, 0 = absent.
+struct Fp8Epilogue {
+  int quant = 0;
+  int fp8 = 0;
+  uintptr_t q = 0;
+  uintptr_t scales = 0;
+  uintptr_t amax = 0;
+
+  void apply(opfuse::ResidualNormArgs& args) const {
+    args.quant = quant;
+    args.fp8 = fp8;
+    args.q = ptr(q);
+    args.scales = ptr<float>(scales);
+    args.amax = ptr<const float>(amax);
+  }
+};
+
+// A launcher taking an epilogue first, as the plain launcher (no epilogue: y in the activation dtype).
+template <typename... A>
+auto without_epilogue(void (*launch)(const Fp8Epilogue&, A...)) {
+  return [launch](A... a) { launch(Fp8Epilogue{}, a...); };
+}
+
 cudaStream_t stream_of(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
 opfuse::PeerWait make_wait(uintptr_t flag, uintptr_t record, uint64_t timeout_ns, int op) {
@@ -101,6 +124,30 @@ class PeerWatch {
   uintptr_t flag_ = 0;
 };
 
+// A peer kernel's launch (allreduce_oneshot / allreduce_twoshot, whose last int is the grid
+// argument: max_blocks / blocks).
+using PeerKernel = const char* (*)(const opfuse::ResidualNormArgs&, const opfuse::PeerRegion&, const opfuse::PeerWait&,
+                                   int, cudaStream_t);
+
+template <PeerKernel kernel>
+void launch_peer(const Fp8Epilogue& epilogue, uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
+                 uintptr_t norm_bias, uintptr_t y, uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm,
+                 int dtype, const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns,
+                 int op, int grid, uintptr_t stream) {
+  auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
+  epilogue.apply(args);
+  check(kernel(args, region, make_wait(flag, record, timeout_ns, op), grid, stream_of(stream)),
+        kernel == &opfuse::allreduce_oneshot ? "allreduce_oneshot" : "allreduce_twoshot");
+}
+
+void launch_add_norm(const Fp8Epilogue& epilogue, uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
+                     uintptr_t norm_bias, uintptr_t y, uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm,
+                     int dtype, int max_blocks, uintptr_t stream) {
+  auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
+  epilogue.apply(args);
+  check(opfuse::add_norm(args, max_blocks, stream_of(stream)), "add_norm");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_opfuse_residual_norm, m) {
@@ -155,34 +202,29 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
   });
 
   // The launches take the region's PeerWatch as (flag, record) addresses, the timeout in ns and
-  // the caller's op code (peer_wait.h).
-  m.def("allreduce_oneshot",
-        [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,
-           uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm, int dtype,
-           const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns, int op,
-           int max_blocks, uintptr_t stream) {
-          const auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
-          check(opfuse::allreduce_oneshot(args, region, make_wait(flag, record, timeout_ns, op), max_blocks,
-                                          stream_of(stream)),
-                "allreduce_oneshot");
-        });
-  m.def("allreduce_twoshot",
-        [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,
-           uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm, int dtype,
-           const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns, int op,
-           int blocks, uintptr_t stream) {
-          const auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
-          check(opfuse::allreduce_twoshot(args, region, make_wait(flag, record, timeout_ns, op), blocks,
-                                          stream_of(stream)),
-                "allreduce_twoshot");
-        });
-  m.def("add_norm",
-        [](uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight, uintptr_t norm_bias, uintptr_t y,
-           uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm, int dtype, int max_blocks,
-           uintptr_t stream) {
-          const auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
-          check(opfuse::add_norm(args, max_blocks, stream_of(stream)), "add_norm");
-        });
+  // the caller's op code (peer_wait.h). The *_fp8 variants take an Fp8Epilogue first.
+  py::class_<Fp8Epilogue>(m, "Fp8Epilogue")
+      .def(py::init([](int quant, int fp8, uintptr_t q, uintptr_t scales, uintptr_t amax) {
+             return Fp8Epilogue{quant, fp8, q, scales, amax};
+           }),
+           py::arg("quant"), py::arg("fp8"), py::arg("q"), py::arg("scales"), py::arg("amax") = 0)
+      .def_readonly("quant", &Fp8Epilogue::quant);
+  pybind11::dict quant;
+  quant["none"] = static_cast<int>(opfuse::QuantMode::kNone);
+  quant["rowwise"] = static_cast<int>(opfuse::QuantMode::kRowwise);
+  quant["row_amax"] = static_cast<int>(opfuse::QuantMode::kRowAmax);
+  quant["tensor"] = static_cast<int>(opfuse::QuantMode::kTensor);
+  m.attr("QUANT") = quant;
+  pybind11::dict fp8_formats;
+  fp8_formats["e4m3"] = static_cast<int>(opfuse::Fp8Format::kE4M3);
+  fp8_formats["e5m2"] = static_cast<int>(opfuse::Fp8Format::kE5M2);
+  m.attr("FP8_FORMATS") = fp8_formats;
+  m.def("allreduce_oneshot", without_epilogue(&launch_peer<&opfuse::allreduce_oneshot>));
+  m.def("allreduce_oneshot_fp8", &launch_peer<&opfuse::allreduce_oneshot>);
+  m.def("allreduce_twoshot", without_epilogue(&launch_peer<&opfuse::allreduce_twoshot>));
+  m.def("allreduce_twoshot_fp8", &launch_peer<&opfuse::allreduce_twoshot>);
+  m.def("add_norm", without_epilogue(&launch_add_norm));
+  m.def("add_norm_fp8", &launch_add_norm);
   m.def("rms_norm_backward",
         [](uintptr_t dy, uintptr_t h, uintptr_t weight, uintptr_t dh_out, uintptr_t dh, uintptr_t dw_partial,
            uintptr_t dw, int64_t tokens, int64_t hidden, float eps, int dtype, int blocks, uintptr_t stream) {

@@ -29,7 +29,7 @@
 namespace opfuse {
 namespace {
 
-template <typename T, int VPT>
+template <typename T, int VPT, QuantMode Q>
 __global__ void __launch_bounds__(kMaxThreads) add_norm_kernel(const ResidualNormArgs a) {
   __shared__ float scratch[33];
   const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kMaxThreads) add_norm_kernel(const ResidualNor
       const int idx = j * blockDim.x + threadIdx.x;
       if (idx < nvec) regs.add(j, __ldg(x + row * nvec + idx));
     }
-    finish_row<T, VPT>(regs, row, a, nvec, scratch);
+    finish_row<T, VPT, Q>(regs, row, a, nvec, scratch);
   }
 }
 
@@ -367,8 +367,9 @@ const char* add_norm(const ResidualNormArgs& args, int max_blocks, cudaStream_t 
   if (args.tokens == 0) return nullptr;
   const RowLayout layout = row_layout(args.hidden, args.dtype);
   const int blocks = static_cast<int>(args.tokens < max_blocks ? args.tokens : max_blocks);
-  return dispatch_row_kernel(args.dtype, layout.vpt, [&]<typename T, int VPT>() -> const char* {
-    add_norm_kernel<T, VPT><<<blocks, layout.threads, 0, stream>>>(args);
+  return dispatch_row_kernel<QuantMode::kNone, QuantMode::kTensor>(
+      args.dtype, layout.vpt, args.quant, [&]<typename T, int VPT, QuantMode Q>() -> const char* {
+    add_norm_kernel<T, VPT, Q><<<blocks, layout.threads, 0, stream>>>(args);
     return launch_status();
   });
 }

@@ -16,6 +16,19 @@ namespace opfuse {
 
 enum class NormKind : int { kNone = 0, kRMS = 1, kLayer = 2 };
 
+// The FP8 epilogue of the row finish (a compile-time parameter of the kernels; row.cuh). The
+// normalised row is rounded to the activation dtype first (what the unfused norm returns), then:
+//   kNone:    y written in the activation dtype;
+//   kRowwise: one scale per row: q (FP8) and scales[row] = the row's scale_inv;
+//   kRowAmax: first pass of one scale per tensor: scales[row] = the row's amax of y (h must be
+//             written: the second pass reads it); y is not written;
+//   kTensor:  second pass (add_norm over h): q with the scale of *amax; row 0 writes scales[0] =
+//             scale_inv.
+// Scales follow opfuse/fp8/numerics.py: scale = fp8_max / amax (1 where amax is 0, IEEE
+// division), q = saturate(y * scale) rounded to nearest even, scale_inv = 1 / scale.
+enum class QuantMode : int { kNone = 0, kRowwise = 1, kRowAmax = 2, kTensor = 3 };
+enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
+
 struct ResidualNormArgs {
   const void* x = nullptr;          // this rank's partial sums (single GPU: the activations)
   const void* bias = nullptr;       // [hidden], added after the reduction; may be null
@@ -29,6 +42,12 @@ struct ResidualNormArgs {
   float eps = 1e-6f;
   int norm = 0;   // NormKind: 0 none, 1 RMSNorm, 2 LayerNorm
   int dtype = 0;  // DType (runtime/csrc/dtype.h)
+  // FP8 epilogue (QuantMode); with one, y is not written.
+  int quant = 0;                // QuantMode
+  int fp8 = 0;                  // Fp8Format of q
+  void* q = nullptr;            // [tokens, hidden] FP8 output (kRowwise, kTensor)
+  float* scales = nullptr;      // kRowwise: [tokens] scale_inv; kRowAmax: [tokens] amax; kTensor: [1] scale_inv
+  const float* amax = nullptr;  // kTensor: the tensor's amax [1] (device)
 };
 
 // One rank's view of a region of the symmetric pool: the same byte range on every rank.
@@ -48,7 +67,7 @@ constexpr int kMaxBlocks = 128;  // two-shot grid (identical on every rank; <= S
 int64_t oneshot_region_bytes(int world, int64_t capacity);
 int64_t twoshot_region_bytes(int world, int64_t capacity);
 
-// Lamport one-shot all-reduce (+ bias + residual + norm). The region must start zeroed state and
+// Lamport one-shot all-reduce (+ bias + residual + norm). Epilogues: kNone, kRowwise, kRowAmax. The region must start zeroed state and
 // sentinel-filled buffers (oneshot_init); ``max_blocks`` caps the grid. Waits on peers are
 // bounded by ``wait`` (peer_wait.h).
 const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
@@ -57,13 +76,13 @@ const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& re
 const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t stream);
 
 // Two-shot all-reduce: reduce-scatter by token rows, all-gather the reduced rows, then every rank
-// applies bias + residual + norm to all rows. ``blocks`` must be the same on every rank. Waits on
+// applies bias + residual + norm to all rows. Epilogues: kNone, kRowwise, kRowAmax. ``blocks`` must be the same on every rank. Waits on
 // peers are bounded by ``wait`` (peer_wait.h).
 const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
                               int blocks, cudaStream_t stream);
 const char* twoshot_init(const PeerRegion& region, cudaStream_t stream);
 
-// Single GPU: y = norm(x + bias + residual), h = the sum.
+// Single GPU: y = norm(x + bias + residual), h = the sum. Epilogues: kNone, kTensor.
 const char* add_norm(const ResidualNormArgs& args, int max_blocks, cudaStream_t stream);
 
 struct RMSNormBackwardArgs {

@@ -5,6 +5,8 @@
 // (VPT of them), so a row lives in registers between the reduction and the normalisation.
 #pragma once
 
+#include <cuda_fp8.h>
+
 #include <cstdio>
 
 #include "common.cuh"
@@ -65,12 +67,67 @@ struct HeldOperands {
   }
 };
 
-// h = T(sum + bias + residual) (written when args.h is set); y = norm(h) or h.
+// FP8 of one value (round to nearest even; NaN-free input assumed: the clamp maps NaN to -max).
+__device__ __forceinline__ uint32_t to_fp8(float v, float fp8_max, int format) {
+  v = fminf(fmaxf(v, -fp8_max), fp8_max);
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE,
+                               format == static_cast<int>(Fp8Format::kE5M2) ? __NV_E5M2 : __NV_E4M3);
+}
+
+// The FP8 epilogue (QuantMode Q != kNone) of a row whose normalised values, rounded to T, are in
+// ``regs``. The scale math is opfuse/fp8/numerics.py's in float32 with IEEE divisions, so the
+// bytes equal the reference quantizer's for the same y. Contains barriers (block_max).
+template <typename T, int VPT, QuantMode Q>
+__device__ __forceinline__ void quantize_row(const RowRegs<T, VPT>& regs, int64_t row, const ResidualNormArgs& a,
+                                             int nvec, float* scratch) {
+  constexpr int E = Pack<T>::kElems;  // FP8 bytes per pack: 8 (16-bit T) or 4 (float32)
+  float amax;
+  if constexpr (Q == QuantMode::kTensor) {
+    amax = __ldg(a.amax);
+  } else {
+    float local = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      if (j * blockDim.x + threadIdx.x < nvec) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) local = fmaxf(local, fabsf(regs.v[j][e]));
+      }
+    }
+    amax = block_max(local, scratch);
+    if constexpr (Q == QuantMode::kRowAmax) {
+      if (threadIdx.x == 0) a.scales[row] = amax;
+      return;
+    }
+  }
+  const float fp8_max = a.fp8 == static_cast<int>(Fp8Format::kE5M2) ? 57344.f : 448.f;
+  const float scale = amax > 0.f ? __fdiv_rn(fp8_max, amax) : 1.f;
+  if (threadIdx.x == 0 && (Q == QuantMode::kRowwise || row == 0))
+    a.scales[Q == QuantMode::kRowwise ? row : 0] = __fdiv_rn(1.f, scale);
+  uint8_t* q_row = static_cast<uint8_t*>(a.q) + row * a.hidden;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    const int idx = j * blockDim.x + threadIdx.x;
+    if (idx < nvec) {
+      uint32_t word[E / 4] = {};
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        word[e / 4] |= to_fp8(__fmul_rn(regs.v[j][e], scale), fp8_max, a.fp8) << (8 * (e % 4));
+      if constexpr (E == 8) {
+        reinterpret_cast<uint2*>(q_row)[idx] = make_uint2(word[0], word[1]);
+      } else {
+        reinterpret_cast<uint32_t*>(q_row)[idx] = word[0];
+      }
+    }
+  }
+}
+
+// h = T(sum + bias + residual) (written when args.h is set); y = norm(h) or h, then the FP8
+// epilogue ``Q`` (QuantMode, residual_norm.h).
 // ``regs`` holds the reduced sum of row ``row`` (zero in packs past the row end). The bias,
 // residual and norm weight/bias come from ``held`` when given (loaded for this row), otherwise
 // from global memory where they are used. Every thread of the block must call this (it contains
 // barriers).
-template <typename T, int VPT>
+template <typename T, int VPT, QuantMode Q = QuantMode::kNone>
 __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, const ResidualNormArgs& a, int nvec,
                                            float* scratch, const HeldOperands<T, VPT>* held = nullptr) {
   using Held = HeldOperands<T, VPT>;
@@ -78,7 +135,7 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
   const uint4* bias = static_cast<const uint4*>(a.bias);
   const uint4* res = a.residual ? static_cast<const uint4*>(a.residual) + row * nvec : nullptr;
   uint4* h_out = a.h ? static_cast<uint4*>(a.h) + row * nvec : nullptr;
-  uint4* y_out = static_cast<uint4*>(a.y) + row * nvec;
+  uint4* y_out = Q == QuantMode::kNone ? static_cast<uint4*>(a.y) + row * nvec : nullptr;
   float local_sum = 0.f;
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
@@ -88,7 +145,7 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
       if (res) regs.add(j, held ? held->pack[Held::kResidual][j] : __ldg(res + idx));
       const uint4 packed = regs.round(j);
       if (h_out) h_out[idx] = packed;
-      if (a.norm == static_cast<int>(NormKind::kNone)) y_out[idx] = packed;
+      if (Q == QuantMode::kNone && a.norm == static_cast<int>(NormKind::kNone)) y_out[idx] = packed;
 #pragma unroll
       for (int e = 0; e < E; ++e) local_sum += regs.v[j][e];
     }
@@ -134,10 +191,12 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
         if (weight) val *= Elem<T>::to_float(w.elems[e]);
         if (nbias) val += Elem<T>::to_float(b.elems[e]);
         out.elems[e] = Elem<T>::from_float(val);
+        if constexpr (Q != QuantMode::kNone) regs.v[j][e] = Elem<T>::to_float(out.elems[e]);  // y as T
       }
-      y_out[idx] = out.raw;
+      if constexpr (Q == QuantMode::kNone) y_out[idx] = out.raw;
     }
   }
+  if constexpr (Q != QuantMode::kNone) quantize_row<T, VPT, Q>(regs, row, a, nvec, scratch);
 }
 
 // The call counter (state[0]) as this call's blocks see it; every thread that uses it reads it
@@ -201,8 +260,20 @@ inline const char* check_residual_norm_args(const ResidualNormArgs& a) {
   if (a.tokens < 0 || a.hidden <= 0) return "opfuse kernel: tokens must be >= 0 and hidden > 0";
   if ((a.hidden * dtype_size(a.dtype)) % kPackBytes) return "opfuse kernel: hidden * element size must be a multiple of 16 bytes";
   if (row_layout(a.hidden, a.dtype).vpt > kMaxVpt) return "opfuse kernel: hidden too large (max 65536 for 16-bit, 32768 for float32)";
-  if (!a.x || !a.y) return "opfuse kernel: x and y are required";
-  const void* ptrs[] = {a.x, a.bias, a.residual, a.weight, a.norm_bias, a.y, a.h};
+  if (a.quant < 0 || a.quant > 3) return "opfuse kernel: quant must be 0 (none), 1 (rowwise), 2 (row amax) or 3 (tensor)";
+  if (a.quant == static_cast<int>(QuantMode::kNone)) {
+    if (!a.x || !a.y) return "opfuse kernel: x and y are required";
+  } else {
+    if (!a.x) return "opfuse kernel: x is required";
+    if (a.norm == static_cast<int>(NormKind::kNone)) return "opfuse kernel: the FP8 epilogue needs a norm (rms or layer)";
+    if (a.fp8 != 0 && a.fp8 != 1) return "opfuse kernel: fp8 must be 0 (e4m3) or 1 (e5m2)";
+    if (!a.scales) return "opfuse kernel: the FP8 epilogue needs scales";
+    if (a.quant == static_cast<int>(QuantMode::kRowAmax) && !a.h)
+      return "opfuse kernel: the row-amax pass must write h (the second pass reads it)";
+    if (a.quant != static_cast<int>(QuantMode::kRowAmax) && !a.q) return "opfuse kernel: the FP8 epilogue needs q";
+    if (a.quant == static_cast<int>(QuantMode::kTensor) && !a.amax) return "opfuse kernel: tensor scaling needs amax";
+  }
+  const void* ptrs[] = {a.x, a.bias, a.residual, a.weight, a.norm_bias, a.y, a.h, a.q};
   for (const void* p : ptrs)
     if (reinterpret_cast<uintptr_t>(p) % kPackBytes) return "opfuse kernel: every pointer must be 16-byte aligned";
   return nullptr;
@@ -228,6 +299,24 @@ const char* dispatch_row_kernel(int dtype, int vpt, Fn&& fn) {
     case 1: return by_vpt(__nv_bfloat16{});
     default: return by_vpt(__half{});
   }
+}
+
+// dispatch_row_kernel for kernels with FP8 epilogues: calls
+// ``fn.template operator()<T, VPT, Q>()`` for the runtime ``quant`` among ``Modes`` (the
+// epilogues the kernel is compiled with).
+template <QuantMode... Modes, typename Fn>
+const char* dispatch_row_kernel(int dtype, int vpt, int quant, Fn&& fn) {
+  return dispatch_row_kernel(dtype, vpt, [&]<typename T, int VPT>() -> const char* {
+    const char* result = "opfuse kernel: this kernel is not compiled with the requested FP8 epilogue (quant)";
+    ((quant == static_cast<int>(Modes) ? (result = fn.template operator()<T, VPT, Modes>(), true) : false) || ...);
+    return result;
+  });
+}
+
+// The epilogues of the peer-memory all-reduce kernels.
+template <typename Fn>
+const char* dispatch_peer_row_kernel(int dtype, int vpt, int quant, Fn&& fn) {
+  return dispatch_row_kernel<QuantMode::kNone, QuantMode::kRowwise, QuantMode::kRowAmax>(dtype, vpt, quant, fn);
 }
 
 }  // namespace opfuse

@@ -176,23 +176,42 @@ __device__ __forceinline__ float2 warp_sum(float2 v) {
   return make_float2(warp_sum(v.x), warp_sum(v.y));
 }
 
-// Sum over the block of ``V`` = float or float2; every thread gets the result. ``scratch`` holds
-// >= 33 values; the function ends with a barrier so scratch can be reused immediately.
-template <typename V>
-__device__ __forceinline__ V block_sum(V v, V* scratch) {
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Reduce ``v`` over the block with ``warp_reduce`` (a warp-wide reduction; lanes past the last
+// warp contribute ``V{}``, the identity of the sums and of a max of non-negative values); every
+// thread gets the result. ``scratch`` holds >= 33 values; the function ends with a barrier so
+// scratch can be reused immediately.
+template <typename V, typename WarpReduce>
+__device__ __forceinline__ V block_reduce(V v, V* scratch, WarpReduce warp_reduce) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
+  v = warp_reduce(v);
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   if (warp == 0) {
     V t = lane < warps ? scratch[lane] : V{};
-    t = warp_sum(t);
+    t = warp_reduce(t);
     if (lane == 0) scratch[32] = t;
   }
   __syncthreads();
   const V total = scratch[32];
   __syncthreads();
   return total;
+}
+
+// Sum over the block of ``V`` = float or float2 (block_reduce).
+template <typename V>
+__device__ __forceinline__ V block_sum(V v, V* scratch) {
+  return block_reduce(v, scratch, [](V x) { return warp_sum(x); });
+}
+
+// Max over the block of non-negative floats (block_reduce).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  return block_reduce(v, scratch, [](float x) { return warp_max(x); });
 }
 
 }  // namespace opfuse
