@@ -13,6 +13,8 @@
 #   tools/gpu_session.sh x2-bench  # 2 GPUs (~9 min): world-2 benchmarks in one call: all-reduce + norm with the
 #                                  # FlashInfer column (carry .thirdparty) and the crossover sweep, block.py, model.py
 #                                  # (decode 1 64, train 2048), cuBLASMp vs p2p_overlap (carry .whl)
+#   tools/gpu_session.sh kernels-1gpu  # 1 GPU (~4 min): every residual-norm kernel test on simulated ranks (one-shot,
+#                                      # two-shot, FP8 epilogue, LayerNorm backward), fused single-GPU ops, FP8, norms bench
 #   tools/gpu_session.sh single    # 1 GPU: kernels (simulated ranks), fused ops, grouped GEMM
 #   tools/gpu_session.sh grouped   # 1 GPU: grouped-GEMM tests, bench/grouped.py, bench/grouped_tune.py (~4 min)
 #   tools/gpu_session.sh multi-tests   # 2-4 GPUs: NCCL tests at world 2 and 4
@@ -260,6 +262,20 @@ case "$stage" in
   fp8)
     step fp8_tests 300 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
     step fp8_bench 300 python3 bench/fp8.py --world 1 --json "$OUT/fp8_w1.json"
+    ;;
+  kernels-1gpu)
+    step kernels 300 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
+    step fp8_ar_kernels 200 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_kernels.py "$@"
+    step fp8_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+    fi
+    PYTHONPATH=.:/tmp/site step norms_bench 200 python3 bench/nvidia_libs.py --part norms --tokens 1 128 2048 8192 --json "$OUT/norms.json"
+    final_summary() {
+      echo "=== norms bench"; sed -n '/^Add + norm/,/^cudnn faster/p' "$OUT/norms_bench.log"
+      grep -E "^note:" "$OUT/norms_bench.log" | head -5
+    }
     ;;
   layernorm-backward)
     step norm_kernels 150 python3 -m pytest -q tests/gpu/test_residual_norm_kernels.py -k "backward or argument" "$@"
