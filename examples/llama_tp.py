@@ -197,7 +197,7 @@ COLUMN_PARALLEL = ("attention.wq", "attention.wk", "attention.wv", "feed_forward
 
 def shard_by_hand(full: Llama, rank: int, world: int) -> Llama:
     """``full``'s shard for ``rank``: the Megatron layout, collectives written in the model."""
-    model = Llama(full.cfg, shards=world).to(full.output.weight.dtype)
+    model = Llama(full.cfg, shards=world).to(device=full.output.weight.device, dtype=full.output.weight.dtype)
     state = {}
     for name, tensor in full.state_dict().items():
         module = name.rsplit(".", 1)[0]
@@ -219,7 +219,7 @@ def shard_with_dtensor(full: Llama, world: int, sequence_parallel: bool = False)
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    model = Llama(full.cfg).to(full.output.weight.dtype)
+    model = Llama(full.cfg).to(device=full.output.weight.device, dtype=full.output.weight.dtype)
     model.load_state_dict(full.state_dict())
     mesh = init_device_mesh(full.output.weight.device.type, (world,))
     row = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()

@@ -10,6 +10,7 @@
 #                                  # overhead, then the optional NVIDIA libraries (carry .whl)
 #   tools/gpu_session.sh x2-tests  # 2 GPUs (~6 min on 2x H200): every test that needs two GPUs (NCCL, peer
 #                                  # memory, cuBLASMp; carry .whl), the kernels again, grouped bench + tuning on this GPU
+#   tools/gpu_session.sh x2-final  # 2 GPUs: the two-GPU tests and world-2 benchmarks that matter most, in one call
 #   tools/gpu_session.sh x2-bench  # 2 GPUs (~9 min): world-2 benchmarks in one call: all-reduce + norm with the
 #                                  # FlashInfer column (carry .thirdparty) and the crossover sweep, block.py, model.py
 #                                  # (decode 1 64, train 2048), cuBLASMp vs p2p_overlap (carry .whl)
@@ -138,6 +139,27 @@ case "$stage" in
     final_summary() {
       echo "=== grouped bench summary"; sed -n '/^HBM bandwidth/p; /^summary/,$p' "$OUT/grouped_bench.log"
       echo "=== grouped tuning"; sed -n '/^=== tuning-table/,$p' "$OUT/grouped_tune.log"
+    }
+    ;;
+  x2-final)
+    # The re-run after fixes, most valuable first (a call cut by the device budget keeps what ran).
+    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
+    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
+    step fp8_ar_dist 150 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_dist.py "$@"
+    step flashinfer_check 80 python3 bench/flashinfer_ar/check.py --world 2 --timeout 60
+    fi_flag=--no-flashinfer
+    grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" && fi_flag=
+    step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 --hidden 8192 5120 \
+      --tokens 1 64 256 1024 4096 8192 --json "$OUT/allreduce_norm.json" $fi_flag
+    step block_bench 150 python3 bench/block.py --world 2 --json "$OUT/block.json"
+    step compile_backend_tests 300 python3 -m pytest -x -q tests/gpu/test_compile_backend.py "$@"
+    step fp8_dist_tests 150 python3 -m pytest -x -q tests/gpu/test_fp8_dist.py "$@"
+    step graphed_tests 150 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    step model_bench 240 python3 bench/model.py --world 2 --decode 1 --train 2048 --json "$OUT/model.json"
+    final_summary() {
+      echo "=== all-reduce + norm summary"; sed -n '/^summary/,$p' "$OUT/allreduce_bench.log" 2>/dev/null
+      echo "=== block"; sed -n '/^summary/,$p' "$OUT/block_bench.log" 2>/dev/null
+      echo "=== model"; sed -n '/^summary/,$p' "$OUT/model_bench.log" 2>/dev/null
     }
     ;;
   x2-bench)

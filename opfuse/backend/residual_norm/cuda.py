@@ -194,7 +194,7 @@ def _prepare_peer(kind: str):
         if region is None:  # the check said it fits: a bug, not a fallback
             raise RuntimeError(f"residual_norm {kind}: reserving {size} bytes failed after the check passed ({why})")
         peers = torch.tensor(region.peer_ptrs(), dtype=torch.int64, device=torch.device("cuda", device))
-        peer_region = ext.PeerRegion(peers.data_ptr(), region.localptr(), pool.rank, pool.world_size, size, capacity)
+        peer_region = ext.PeerRegion(peers.data_ptr(), region.local_ptr(), pool.rank, pool.world_size, size, capacity)
         stream = current_stream()
         if kind == "oneshot":
             ext.oneshot_init(peer_region, ext.DTYPES[dtype_name(spec.dtype)], stream)
