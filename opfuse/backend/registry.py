@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import log
 from ..ops.base import Described, TensorMeta
@@ -107,7 +108,10 @@ def choose(spec: CallSpec, impls: Sequence[Implementation], forced: str | None =
             continue
         reason = impl.check(spec)
         if reason is None:
-            impl.prepare(spec)
+            # Under torch.compile this runs inside the fake-tensor mode of Inductor's joint-graph
+            # pass; prepare() allocates peer memory and talks to the other ranks, with real tensors.
+            with unset_fake_temporarily():
+                impl.prepare(spec)
             log.fallback(spec.op, impl.name, skipped)
             return Choice(impl, tuple(skipped))
         if forced is not None:

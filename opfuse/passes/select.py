@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..backend import implementations
 from ..backend.registry import FusedOp, ImplementationError, choose
@@ -22,7 +23,9 @@ __all__ = ["select_implementations", "forced_implementations"]
 
 def _open_peer_memory(spec) -> None:
     if spec.group_name and spec.world_size > 1 and spec.device.type == "cuda" and torch.cuda.is_available():
-        symm_pool.open_pool(groups.from_name(spec.group_name), spec.device)
+        # Collective and allocating: real tensors also inside torch.compile's fake-tensor mode.
+        with unset_fake_temporarily():
+            symm_pool.open_pool(groups.from_name(spec.group_name), spec.device)
 
 
 def forced_implementations() -> dict[str | None, str]:

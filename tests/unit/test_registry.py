@@ -32,6 +32,24 @@ def test_only_the_chosen_implementation_is_prepared():
     assert choice.name == "b" and prepared == ["b"] and choice.skipped == (("a", "a cannot"),)
 
 
+def test_prepare_runs_on_real_tensors_inside_a_fake_tensor_mode():
+    # torch.compile's joint-graph pass (where opfuse selects implementations) runs under a
+    # FakeTensorMode; prepare() allocates and exchanges real data (on GPUs: all_gather_object,
+    # whose .item() raised DataDependentOutputException there and broke the graph).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+
+    def prepare(spec):
+        t = torch.arange(3.0)
+        seen.append((type(t).__name__, t.sum().item()))
+
+    impls = [Implementation("a", lambda spec: None, lambda *a: None, prepare=prepare)]
+    with FakeTensorMode():
+        assert choose(_spec(), impls).name == "a"
+    assert seen == [("Tensor", 3.0)]
+
+
 def test_forcing_is_strict():
     impls = [Implementation("a", lambda s: "no", lambda *a: None), Implementation("b", lambda s: None, lambda *a: None)]
     with pytest.raises(ImplementationError, match="forced implementation 'a' cannot run: no"):
