@@ -49,12 +49,19 @@ class Tiles(GemmConfig):
 
 #: ``{device name: {class key: implementation names, fastest first}}``; class keys are the size
 #: classes, ``+train`` for forward + backward (``class_key``). Measured by bench/grouped_tune.py.
-#: Other GPUs take the table order. H100: `tools/gpu_session.sh one-gpu`, session 4
-#: (docs/measurements/grouped_tune_h100_s4.txt).
+#: Other GPUs take the table order. Session 4: H100 from `tools/gpu_session.sh one-gpu`
+#: (docs/measurements/grouped_tune_h100_s4.txt), H200 from `x2-tests` (grouped_tune_h200_s4.txt).
 ORDER: Mapping[str, Mapping[str, tuple[str, ...]]] = {
     'NVIDIA H100 80GB HBM3': {
         'decode': ('triton', 'triton_tma', 'triton_persistent', 'torch_grouped_mm'),
         'small_m': ('triton', 'triton_persistent', 'torch_grouped_mm', 'triton_tma'),
+        'small_m+train': ('torch_grouped_mm', 'triton', 'triton_tma', 'triton_persistent'),
+        'large_m': ('triton_persistent', 'triton', 'triton_tma', 'torch_grouped_mm'),
+        'large_m+train': ('torch_grouped_mm', 'triton_persistent', 'triton_tma', 'triton'),
+    },
+    'NVIDIA H200': {
+        'decode': ('triton', 'triton_tma', 'triton_persistent', 'torch_grouped_mm'),
+        'small_m': ('triton_persistent', 'triton', 'triton_tma', 'torch_grouped_mm'),
         'small_m+train': ('torch_grouped_mm', 'triton', 'triton_tma', 'triton_persistent'),
         'large_m': ('triton_persistent', 'triton', 'triton_tma', 'torch_grouped_mm'),
         'large_m+train': ('torch_grouped_mm', 'triton_persistent', 'triton_tma', 'triton'),
@@ -66,6 +73,11 @@ ORDER: Mapping[str, Mapping[str, tuple[str, ...]]] = {
 #: :func:`opfuse.backend.grouped_linear.persistent.default_tiles` apply.
 PERSISTENT_TILES: Mapping[str, Mapping[str, Tiles]] = {
     'NVIDIA H100 80GB HBM3': {
+        'decode': Tiles(16, 64, 128, num_warps=4, num_stages=4, programs_per_sm=2),
+        'small_m': Tiles(128, 256, 64, num_warps=8, num_stages=3),
+        'large_m': Tiles(128, 256, 64, num_warps=8, num_stages=3),
+    },
+    'NVIDIA H200': {
         'decode': Tiles(16, 64, 128, num_warps=4, num_stages=4, programs_per_sm=2),
         'small_m': Tiles(128, 256, 64, num_warps=8, num_stages=3),
         'large_m': Tiles(128, 256, 64, num_warps=8, num_stages=3),
