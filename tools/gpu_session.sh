@@ -64,6 +64,13 @@ step() {  # step NAME TIMEOUT CMD...
   pack
   return 0
 }
+# Wheels carried in .whl/ (nvidia-cudnn-frontend, nvidia-cublasmp-cu13; --no-deps: the frontend's
+# cutlass-dsl / tvm-ffi dependencies serve only Blackwell kernels) into /tmp/site; false if none.
+install_wheels() {
+  ls .whl/*.whl >/dev/null 2>&1 || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+}
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'triton', triton.__version__)" >> "$OUT/gpus.txt" 2>&1
 # The grouped GEMM is Triton and torch only: its stage skips the extension build.
@@ -103,9 +110,7 @@ case "$stage" in
     step fp8_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
     step fp8_bench 150 python3 bench/fp8.py --world 1 --json "$OUT/fp8_w1.json"
     step host_overhead 120 python3 bench/host_overhead.py --device cuda --calls 2000
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+    if install_wheels; then
       PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 step doctor 90 python3 -m opfuse doctor
       PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 step nvidia_tests 200 python3 -m pytest -q -rs tests/gpu/test_nvidia_libs.py "$@"
       PYTHONPATH=.:/tmp/site step nvidia_bench 150 python3 bench/nvidia_libs.py --part norms grouped epilogue --tokens 1 128 2048 8192 \
@@ -121,10 +126,7 @@ case "$stage" in
     ;;
   x2-tests)
     # Most valuable first: a call cut at its time limit still returns the steps that ran.
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
-    fi
+    install_wheels
     step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
     step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
     step fp8_ar_dist 150 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_dist.py "$@"
@@ -163,10 +165,7 @@ case "$stage" in
     }
     ;;
   x2-bench)
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
-    fi
+    install_wheels
     step flashinfer_build 120 python3 bench/flashinfer_ar/build.py
     step flashinfer_check 80 python3 bench/flashinfer_ar/check.py --world 2 --timeout 60
     fi_flag=--no-flashinfer
@@ -270,10 +269,7 @@ case "$stage" in
     final_summary() { echo "=== all-reduce + norm summary"; sed -n '/^summary/,$p' "$OUT/allreduce_bench.log" 2>/dev/null; }
     ;;
   nvidia-libs)
-    # Carried wheels (nvidia-cudnn-frontend 1.32.0, nvidia-cublasmp-cu13 0.7.0.125; --no-deps: the
-    # frontend's cutlass-dsl / tvm-ffi dependencies serve only Blackwell kernels) into /tmp/site.
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+    install_wheels || echo "no wheels in .whl/ (carry them: README, optional NVIDIA libraries)"
     export PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1
     step doctor 90 python3 -m opfuse doctor
     step nvidia_tests 300 python3 -m pytest -q -rs tests/gpu/test_nvidia_libs.py "$@"
@@ -290,10 +286,7 @@ case "$stage" in
     step kernels 300 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
     step fp8_ar_kernels 200 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_kernels.py "$@"
     step fp8_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
-    if ls .whl/*.whl >/dev/null 2>&1; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
-    fi
+    install_wheels
     PYTHONPATH=.:/tmp/site step norms_bench 200 python3 bench/nvidia_libs.py --part norms --tokens 1 128 2048 8192 --json "$OUT/norms.json"
     final_summary() {
       echo "=== norms bench"; sed -n '/^Add + norm/,/^cudnn faster/p' "$OUT/norms_bench.log"
