@@ -99,19 +99,24 @@ def choose(spec: CallSpec, impls: Sequence[Implementation], forced: str | None =
     """Check ``impls`` in order; prepare and return the first capable one (or the ``forced`` one,
     whose incapability is an error: forcing is for tests and benchmarks, where a silent fallback
     would measure the wrong thing)."""
-    skipped = []
     if forced is not None and forced not in {i.name for i in impls}:
         raise ImplementationError(
             f"{spec.op}: forced implementation {forced!r} does not exist; known: {[i.name for i in impls]}")
+    # Under torch.compile this runs inside the fake-tensor mode of Inductor's joint-graph pass;
+    # checks may ask a library about real buffers (cuDNN engine support), and prepare() allocates
+    # peer memory and talks to the other ranks: both need real tensors.
+    with unset_fake_temporarily():
+        return _first_capable(spec, impls, forced)
+
+
+def _first_capable(spec: CallSpec, impls: Sequence[Implementation], forced: str | None) -> Choice:
+    skipped = []
     for impl in impls:
         if forced is not None and impl.name != forced:
             continue
         reason = impl.check(spec)
         if reason is None:
-            # Under torch.compile this runs inside the fake-tensor mode of Inductor's joint-graph
-            # pass; prepare() allocates peer memory and talks to the other ranks, with real tensors.
-            with unset_fake_temporarily():
-                impl.prepare(spec)
+            impl.prepare(spec)
             log.fallback(spec.op, impl.name, skipped)
             return Choice(impl, tuple(skipped))
         if forced is not None:

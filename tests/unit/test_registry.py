@@ -40,14 +40,18 @@ def test_prepare_runs_on_real_tensors_inside_a_fake_tensor_mode():
 
     seen = []
 
-    def prepare(spec):
+    def real_sum(where):
         t = torch.arange(3.0)
-        seen.append((type(t).__name__, t.sum().item()))
+        seen.append((where, type(t).__name__, t.sum().item()))
 
-    impls = [Implementation("a", lambda spec: None, lambda *a: None, prepare=prepare)]
+    def check(spec):
+        real_sum("check")
+        return None
+
+    impls = [Implementation("a", check, lambda *a: None, prepare=lambda spec: real_sum("prepare"))]
     with FakeTensorMode():
         assert choose(_spec(), impls).name == "a"
-    assert seen == [("Tensor", 3.0)]
+    assert seen == [("check", "Tensor", 3.0), ("prepare", "Tensor", 3.0)]
 
 
 def test_forcing_is_strict():
