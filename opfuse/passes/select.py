@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..backend import implementations
 from ..backend.registry import FusedOp, ImplementationError, choose
@@ -23,9 +22,7 @@ __all__ = ["select_implementations", "forced_implementations"]
 
 def _open_peer_memory(spec) -> None:
     if spec.group_name and spec.world_size > 1 and spec.device.type == "cuda" and torch.cuda.is_available():
-        # Collective and allocating: real tensors also inside torch.compile's fake-tensor mode.
-        with unset_fake_temporarily():
-            symm_pool.open_pool(groups.from_name(spec.group_name), spec.device)
+        symm_pool.open_pool(groups.from_name(spec.group_name), spec.device)
 
 
 def forced_implementations() -> dict[str | None, str]:

@@ -54,6 +54,22 @@ def test_prepare_runs_on_real_tensors_inside_a_fake_tensor_mode():
     assert seen == [("check", "Tensor", 3.0), ("prepare", "Tensor", 3.0)]
 
 
+def test_the_symmetric_pool_opens_on_real_tensors_inside_a_fake_tensor_mode(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seen = []
+
+    def open_(pg, device, key):
+        seen.append(type(torch.zeros(1)).__name__)
+        return None
+
+    monkeypatch.setattr(symm_pool.SymmetricPool, "_open", staticmethod(open_))
+    monkeypatch.setattr(symm_pool.groups, "resolve", lambda group: type("PG", (), {"group_name": "fake-tp"})())
+    with FakeTensorMode():
+        assert symm_pool.open_pool("fake-tp", torch.device("cuda", 0)) is None
+    assert seen == ["Tensor"]
+
+
 def test_forcing_is_strict():
     impls = [Implementation("a", lambda s: "no", lambda *a: None), Implementation("b", lambda s: None, lambda *a: None)]
     with pytest.raises(ImplementationError, match="forced implementation 'a' cannot run: no"):

@@ -28,6 +28,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ... import log
 from ...config import config
@@ -227,7 +228,10 @@ def open_pool(group, device: torch.device | None = None) -> "SymmetricPool | Non
         return _POOLS[key]
     if key in _UNAVAILABLE:
         return None
-    return SymmetricPool._open(pg, device, key)
+    # Collective and allocating: real tensors, also when the first caller runs inside a
+    # fake-tensor mode (torch.compile's joint-graph pass, where opfuse selects implementations).
+    with unset_fake_temporarily():
+        return SymmetricPool._open(pg, device, key)
 
 
 def lookup(group_name: str, device: torch.device | None = None) -> tuple["SymmetricPool | None", str | None]:
