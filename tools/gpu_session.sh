@@ -44,6 +44,7 @@
 #                                      # (simulated ranks), the world-2 block test and bench/fp8.py --quick
 #                                      # at world 2 (the last two need 2 GPUs)
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
+#   DRY=1 tools/gpu_session.sh STAGE     # print the steps a stage would run, run none (no GPU needed)
 set -uo pipefail
 stage=${1:-single}; shift || true
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -56,6 +57,7 @@ pack() { tar -czf "$RESULTS/logs.tgz" -C "$OUT" . 2>/dev/null; }
 summary=()
 step() {  # step NAME TIMEOUT CMD...
   local name=$1 limit=$2; shift 2
+  if [ -n "${DRY:-}" ]; then echo "step $name $limit PYTHONPATH=$PYTHONPATH $*"; return 0; fi
   local t0=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -68,8 +70,46 @@ step() {  # step NAME TIMEOUT CMD...
 # cutlass-dsl / tvm-ffi dependencies serve only Blackwell kernels) into /tmp/site; false if none.
 install_wheels() {
   ls .whl/*.whl >/dev/null 2>&1 || return 1
+  [ -n "${DRY:-}" ] && return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+}
+EXTRA=("$@")  # extra pytest arguments (STAGE -k EXPR)
+tests() {  # tests NAME TIMEOUT PYTEST-ARGS...: a pytest step with the stage's extra arguments
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python3 -m pytest "$@" "${EXTRA[@]}"
+}
+# A wrong FlashInfer workspace would hang its kernel: check it on small shapes first (bounded), and
+# leave its column out of the benchmark unless the check passed.
+allreduce_vs_flashinfer() {  # allreduce_vs_flashinfer CHECK-LIMIT CHECK-TIMEOUT BENCH-LIMIT WORLD...
+  local check_limit=$1 check_timeout=$2 bench_limit=$3; shift 3
+  step flashinfer_check "$check_limit" python3 bench/flashinfer_ar/check.py --world "$@" --timeout "$check_timeout"
+  local fi_flag=--no-flashinfer
+  grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
+  step allreduce_bench "$bench_limit" python3 bench/allreduce_norm.py --world "$@" --hidden 8192 5120 \
+    --tokens 1 64 256 1024 4096 8192 --json "$OUT/allreduce_norm.json" $fi_flag
+}
+crossover_sweep() {  # crossover_sweep SWEEP-LIMIT TABLE-LIMIT WORLD...
+  local limit=$1 table_limit=$2; shift 2
+  step crossover_sweep "$limit" python3 bench/allreduce_crossover.py --world "$@" --json "$OUT/allreduce_crossover.json"
+  # The fitted table goes to $OUT for review; copy it to opfuse/backend/residual_norm/ to ship it.
+  step crossover_table "$table_limit" python3 tools/crossover_table.py "$OUT/allreduce_crossover.json" --out "$OUT/crossovers.json"
+}
+show() {  # show LOG...: the summary part of each bench log that exists
+  local name
+  for name in "$@"; do
+    [ -f "$OUT/$name.log" ] || continue
+    echo "=== $name"
+    case "$name" in
+      grouped_bench) sed -n '/^HBM bandwidth/p; /^summary/,$p' "$OUT/$name.log" ;;
+      grouped_tune) sed -n '/^=== tuning-table/,$p' "$OUT/$name.log" ;;
+      crossover_sweep) sed -n '/^summary: automatic/,$p' "$OUT/$name.log" ;;
+      crossover_table) cat "$OUT/$name.log" ;;
+      nvidia_bench) grep -E "^(note:|library:|cudnn faster|cublasmp faster)" "$OUT/$name.log" ;;
+      norms_bench) sed -n '/^Add + norm/,/^cudnn faster/p' "$OUT/$name.log"; grep -E "^note:" "$OUT/$name.log" | head -5 ;;
+      *) sed -n '/^summary/,$p' "$OUT/$name.log" ;;
+    esac
+  done
 }
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'triton', triton.__version__)" >> "$OUT/gpus.txt" 2>&1
@@ -77,136 +117,113 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 [ "$stage" = grouped ] || step build 300 python3 -m opfuse.backend.runtime.extension --build
 case "$stage" in
   validate-multi)
-    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
-    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
-    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
-    step overlap_tests 200 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
-    step graphed_tests 200 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
-    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
+    tests kernels 240 -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py
+    tests residual_norm_dist 200 -x -q tests/gpu/test_residual_norm_dist.py
+    tests peer_timeout 120 -x -q tests/gpu/test_peer_timeout.py
+    tests overlap_tests 200 -x -q tests/gpu/test_overlap.py
+    tests graphed_tests 200 -x -q tests/gpu/test_graphed.py
+    tests horizontal_tests 150 -x -q tests/gpu/test_horizontal.py
     ;;
   correctness)
-    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
-    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
-    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py -k "2]" "$@"
+    tests kernels 240 -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py
+    tests peer_timeout 120 -x -q tests/gpu/test_peer_timeout.py
+    tests residual_norm_dist 200 -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
     step host_overhead 120 python3 bench/host_overhead.py --device cuda --calls 2000
     ;;
   validate)
-    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
-    step grouped_tests 240 python3 -m pytest -x -q tests/gpu/test_grouped.py "$@"
-    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
-    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
-    step overlap_tests 200 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
-    step graphed_tests 200 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
-    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
-    step fp8_tests 300 python3 -m pytest -x -q tests/gpu/test_fp8.py tests/gpu/test_fp8_dist.py "$@"
-    step compile_backend_tests 300 python3 -m pytest -x -q tests/gpu/test_compile_backend.py "$@"
+    tests kernels 240 -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py
+    tests grouped_tests 240 -x -q tests/gpu/test_grouped.py
+    tests residual_norm_dist 200 -x -q tests/gpu/test_residual_norm_dist.py
+    tests peer_timeout 120 -x -q tests/gpu/test_peer_timeout.py
+    tests overlap_tests 200 -x -q tests/gpu/test_overlap.py
+    tests graphed_tests 200 -x -q tests/gpu/test_graphed.py
+    tests horizontal_tests 150 -x -q tests/gpu/test_horizontal.py
+    tests fp8_tests 300 -x -q tests/gpu/test_fp8.py tests/gpu/test_fp8_dist.py
+    tests compile_backend_tests 300 -x -q tests/gpu/test_compile_backend.py
     ;;
   one-gpu)
-    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
-    step grouped_tests 200 python3 -m pytest -q --maxfail=10 tests/gpu/test_grouped.py "$@"
+    tests kernels 240 -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py
+    tests grouped_tests 200 -q --maxfail=10 tests/gpu/test_grouped.py
     step grouped_bench 100 python3 bench/grouped.py
     step grouped_tune 150 python3 bench/grouped_tune.py --reps 5 --json "$OUT/grouped_tune.json"
-    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
-    step fp8_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
+    tests horizontal_tests 150 -x -q tests/gpu/test_horizontal.py
+    tests fp8_tests 200 -x -q tests/gpu/test_fp8.py
     step fp8_bench 150 python3 bench/fp8.py --world 1 --json "$OUT/fp8_w1.json"
     step host_overhead 120 python3 bench/host_overhead.py --device cuda --calls 2000
     if install_wheels; then
       PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 step doctor 90 python3 -m opfuse doctor
-      PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 step nvidia_tests 200 python3 -m pytest -q -rs tests/gpu/test_nvidia_libs.py "$@"
+      PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 tests nvidia_tests 200 -q -rs tests/gpu/test_nvidia_libs.py
       PYTHONPATH=.:/tmp/site step nvidia_bench 150 python3 bench/nvidia_libs.py --part norms grouped epilogue --tokens 1 128 2048 8192 \
         --json "$OUT/nvidia_libs_w1.json"
     fi
     final_summary() {
-      echo "=== grouped bench summary"; sed -n '/^HBM bandwidth/p; /^summary/,$p' "$OUT/grouped_bench.log"
-      echo "=== grouped tuning"; sed -n '/^=== tuning-table/,$p' "$OUT/grouped_tune.log"
+      show grouped_bench grouped_tune
       echo "=== host overhead"; tail -15 "$OUT/host_overhead.log"
       echo "=== fp8"; tail -12 "$OUT/fp8_bench.log"
-      grep -E "^(note:|library:|cudnn faster|cublasmp faster)" "$OUT/nvidia_bench.log" 2>/dev/null
+      show nvidia_bench
     }
     ;;
   x2-tests)
     # Most valuable first: a call cut at its time limit still returns the steps that ran.
     install_wheels
-    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
-    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
-    step fp8_ar_dist 150 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_dist.py "$@"
-    step compile_backend_tests 300 python3 -m pytest -x -q tests/gpu/test_compile_backend.py "$@"
-    step fp8_dist_tests 150 python3 -m pytest -x -q tests/gpu/test_fp8_dist.py "$@"
-    step graphed_tests 150 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
-    step overlap_tests 150 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
-    step horizontal_tests 100 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
-    PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 step nvidia_tests 150 python3 -m pytest -q -rs tests/gpu/test_nvidia_libs.py "$@"
+    tests residual_norm_dist 200 -x -q tests/gpu/test_residual_norm_dist.py
+    tests peer_timeout 120 -x -q tests/gpu/test_peer_timeout.py
+    tests fp8_ar_dist 150 -x -q tests/gpu/test_fp8_allreduce_norm_dist.py
+    tests compile_backend_tests 300 -x -q tests/gpu/test_compile_backend.py
+    tests fp8_dist_tests 150 -x -q tests/gpu/test_fp8_dist.py
+    tests graphed_tests 150 -x -q tests/gpu/test_graphed.py
+    tests overlap_tests 150 -x -q tests/gpu/test_overlap.py
+    tests horizontal_tests 100 -x -q tests/gpu/test_horizontal.py
+    PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1 tests nvidia_tests 150 -q -rs tests/gpu/test_nvidia_libs.py
     step grouped_bench 80 python3 bench/grouped.py
     step grouped_tune 100 python3 bench/grouped_tune.py --reps 5 --json "$OUT/grouped_tune.json"
-    final_summary() {
-      echo "=== grouped bench summary"; sed -n '/^HBM bandwidth/p; /^summary/,$p' "$OUT/grouped_bench.log"
-      echo "=== grouped tuning"; sed -n '/^=== tuning-table/,$p' "$OUT/grouped_tune.log"
-    }
+    final_summary() { show grouped_bench grouped_tune; }
     ;;
   x2-final)
     # The re-run after fixes, most valuable first (a call cut by the device budget keeps what ran).
-    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
-    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
-    step fp8_ar_dist 150 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_dist.py "$@"
-    step flashinfer_check 80 python3 bench/flashinfer_ar/check.py --world 2 --timeout 60
-    fi_flag=--no-flashinfer
-    grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" && fi_flag=
-    step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 --hidden 8192 5120 \
-      --tokens 1 64 256 1024 4096 8192 --json "$OUT/allreduce_norm.json" $fi_flag
+    tests residual_norm_dist 200 -x -q tests/gpu/test_residual_norm_dist.py
+    tests peer_timeout 120 -x -q tests/gpu/test_peer_timeout.py
+    tests fp8_ar_dist 150 -x -q tests/gpu/test_fp8_allreduce_norm_dist.py
+    allreduce_vs_flashinfer 80 60 200 2
     step block_bench 150 python3 bench/block.py --world 2 --json "$OUT/block.json"
-    step compile_backend_tests 300 python3 -m pytest -x -q tests/gpu/test_compile_backend.py "$@"
-    step fp8_dist_tests 150 python3 -m pytest -x -q tests/gpu/test_fp8_dist.py "$@"
-    step graphed_tests 150 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    tests compile_backend_tests 300 -x -q tests/gpu/test_compile_backend.py
+    tests fp8_dist_tests 150 -x -q tests/gpu/test_fp8_dist.py
+    tests graphed_tests 150 -x -q tests/gpu/test_graphed.py
     step model_bench 240 python3 bench/model.py --world 2 --decode 1 --train 2048 --json "$OUT/model.json"
-    final_summary() {
-      echo "=== all-reduce + norm summary"; sed -n '/^summary/,$p' "$OUT/allreduce_bench.log" 2>/dev/null
-      echo "=== block"; sed -n '/^summary/,$p' "$OUT/block_bench.log" 2>/dev/null
-      echo "=== model"; sed -n '/^summary/,$p' "$OUT/model_bench.log" 2>/dev/null
-    }
+    final_summary() { show allreduce_bench block_bench model_bench; }
     ;;
   x2-bench)
     install_wheels
     step flashinfer_build 120 python3 bench/flashinfer_ar/build.py
-    step flashinfer_check 80 python3 bench/flashinfer_ar/check.py --world 2 --timeout 60
-    fi_flag=--no-flashinfer
-    grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" && fi_flag=
-    step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 --hidden 8192 5120 \
-      --tokens 1 64 256 1024 4096 8192 --json "$OUT/allreduce_norm.json" $fi_flag
+    allreduce_vs_flashinfer 80 60 200 2
     step block_bench 150 python3 bench/block.py --world 2 --json "$OUT/block.json"
     step model_bench 240 python3 bench/model.py --world 2 --decode 1 64 --train 2048 --json "$OUT/model.json"
-    step crossover_sweep 120 python3 bench/allreduce_crossover.py --world 2 --json "$OUT/allreduce_crossover.json"
-    step crossover_table 30 python3 tools/crossover_table.py "$OUT/allreduce_crossover.json" --out "$OUT/crossovers.json"
+    crossover_sweep 120 30 2
     PYTHONPATH=.:/tmp/site step nvidia_bench 90 python3 bench/nvidia_libs.py --part cublasmp --world 2 --m 512 2048 8192 \
       --json "$OUT/nvidia_libs_w2.json"
-    final_summary() {
-      echo "=== all-reduce + norm summary"; sed -n '/^summary/,$p' "$OUT/allreduce_bench.log" 2>/dev/null
-      echo "=== block"; sed -n '/^summary/,$p' "$OUT/block_bench.log" 2>/dev/null
-      echo "=== model"; sed -n '/^summary/,$p' "$OUT/model_bench.log" 2>/dev/null
-      echo "=== crossovers"; sed -n '/^summary: automatic/,$p' "$OUT/crossover_sweep.log" 2>/dev/null
-      cat "$OUT/crossover_table.log" 2>/dev/null
-      echo "=== cublasmp"; grep -E "^(note:|library:|cublasmp faster)" "$OUT/nvidia_bench.log" 2>/dev/null
-    }
+    final_summary() { show allreduce_bench block_bench model_bench crossover_sweep crossover_table nvidia_bench; }
     ;;
   single)
-    step kernels 400 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py "$@"
-    step fused_single 300 python3 -m pytest -x -q tests/gpu/test_fused_single_gpu.py "$@"
-    step grouped_tests 300 python3 -m pytest -x -q tests/gpu/test_grouped*.py "$@"
+    tests kernels 400 -x -q tests/gpu/test_residual_norm_kernels.py
+    tests fused_single 300 -x -q tests/gpu/test_fused_single_gpu.py
+    tests grouped_tests 300 -x -q tests/gpu/test_grouped*.py
     step grouped_bench 240 python3 bench/grouped.py
-    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
+    tests horizontal_tests 150 -x -q tests/gpu/test_horizontal.py
     step horizontal_bench 150 python3 bench/horizontal.py
     ;;
   grouped)
-    step grouped_tests 200 python3 -m pytest -q --maxfail=10 tests/gpu/test_grouped.py "$@"
+    tests grouped_tests 200 -q --maxfail=10 tests/gpu/test_grouped.py
     step grouped_bench 100 python3 bench/grouped.py
     step grouped_tune 150 python3 bench/grouped_tune.py --reps 5 --json "$OUT/grouped_tune.json"
+    final_summary() { show grouped_bench grouped_tune; }
     ;;
   multi-tests)
-    step kernels 120 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
-    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py "$@"
-    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
-    step overlap_tests 120 python3 -m pytest -x -q tests/gpu/test_overlap*.py "$@"
-    step graphed_tests 150 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
-    step horizontal_tests 150 python3 -m pytest -x -q tests/gpu/test_horizontal.py "$@"
+    tests kernels 120 -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py
+    tests residual_norm_dist 200 -x -q tests/gpu/test_residual_norm_dist.py
+    tests peer_timeout 120 -x -q tests/gpu/test_peer_timeout.py
+    tests overlap_tests 120 -x -q tests/gpu/test_overlap*.py
+    tests graphed_tests 150 -x -q tests/gpu/test_graphed.py
+    tests horizontal_tests 150 -x -q tests/gpu/test_horizontal.py
     ;;
   multi-bench)
     step allreduce_bench 300 python3 bench/allreduce_norm.py --world 2 4 --json "$OUT/allreduce_norm.json"
@@ -215,22 +232,22 @@ case "$stage" in
     step block_swiglu_bench 280 python3 bench/block.py --world 2 4 --act swiglu
     ;;
   overlap)
-    step overlap_tests 400 python3 -m pytest -x -q tests/gpu/test_overlap.py "$@"
-    step graphed_tests 300 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    tests overlap_tests 400 -x -q tests/gpu/test_overlap.py
+    tests graphed_tests 300 -x -q tests/gpu/test_graphed.py
     step overlap_bench 300 python3 bench/overlap.py --world 2 4 --m 512 2048 8192
     ;;
   graphed-push)
-    step graphed_tests 300 python3 -m pytest -x -q tests/gpu/test_graphed.py "$@"
+    tests graphed_tests 300 -x -q tests/gpu/test_graphed.py
     step push_bench 200 python3 bench/push_bandwidth.py --world 2 4
     ;;
   compile-backend)
-    step compile_backend_tests 600 python3 -m pytest -x -q tests/gpu/test_compile_backend.py "$@"
+    tests compile_backend_tests 600 -x -q tests/gpu/test_compile_backend.py
     step model_bench 900 python3 bench/model.py --world 2 --no-train-8192 --json "$OUT/model.json"
     ;;
   world8)
-    step residual_norm_dist 150 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py -k "8]" "$@"
-    step overlap_tests 220 python3 -m pytest -x -q tests/gpu/test_overlap.py -k "8]" "$@"
-    step graphed_tests 180 python3 -m pytest -x -q tests/gpu/test_graphed.py -k "8]" "$@"
+    tests residual_norm_dist 150 -x -q tests/gpu/test_residual_norm_dist.py -k "8]"
+    tests overlap_tests 220 -x -q tests/gpu/test_overlap.py -k "8]"
+    tests graphed_tests 180 -x -q tests/gpu/test_graphed.py -k "8]"
     ;;
   world8-bench)
     step allreduce_bench 220 python3 bench/allreduce_norm.py --world 8 --json "$OUT/allreduce_norm.json"
@@ -240,71 +257,55 @@ case "$stage" in
   allreduce|allreduce-bench|allreduce-crossover)
     if [ "$stage" != allreduce-crossover ]; then
       step flashinfer_build 240 python3 bench/flashinfer_ar/build.py
-      # A wrong workspace would hang the kernel: check it on small shapes first (bounded), and
-      # leave the column out of the benchmark unless the check passed.
-      step flashinfer_check 200 python3 bench/flashinfer_ar/check.py --world 2 4 --timeout 90
-      fi_flag=--no-flashinfer
-      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" && fi_flag=
-      step allreduce_bench 420 python3 bench/allreduce_norm.py --world 2 4 --hidden 8192 5120 \
-        --tokens 1 64 256 1024 4096 8192 --json "$OUT/allreduce_norm.json" $fi_flag
+      allreduce_vs_flashinfer 200 90 420 2 4
     fi
     if [ "$stage" != allreduce-bench ]; then
-      step crossover_sweep 300 python3 bench/allreduce_crossover.py --world 2 3 4 --json "$OUT/allreduce_crossover.json"
-      # The fitted table goes to $OUT for review; copy it to opfuse/backend/residual_norm/ to ship it.
-      step crossover_table 60 python3 tools/crossover_table.py "$OUT/allreduce_crossover.json" --out "$OUT/crossovers.json"
+      crossover_sweep 300 60 2 3 4
     fi
     final_summary() {
       echo "=== flashinfer binding"; tail -3 "$OUT/flashinfer_build.log" "$OUT/flashinfer_check.log" 2>/dev/null
-      echo "=== all-reduce + norm summary"; sed -n '/^summary/,$p' "$OUT/allreduce_bench.log" 2>/dev/null
-      echo "=== crossovers"; sed -n '/^summary: automatic/,$p' "$OUT/crossover_sweep.log" 2>/dev/null
-      cat "$OUT/crossover_table.log" 2>/dev/null
+      show allreduce_bench crossover_sweep crossover_table
     }
     ;;
   oneshot)
-    step kernels 240 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py "$@"
-    step peer_timeout 120 python3 -m pytest -x -q tests/gpu/test_peer_timeout.py "$@"
-    step residual_norm_dist 200 python3 -m pytest -x -q tests/gpu/test_residual_norm_dist.py -k "2]" "$@"
+    tests kernels 240 -x -q tests/gpu/test_residual_norm_kernels.py
+    tests peer_timeout 120 -x -q tests/gpu/test_peer_timeout.py
+    tests residual_norm_dist 200 -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
     step allreduce_bench 200 python3 bench/allreduce_norm.py --world 2 --hidden 8192 5120 \
       --tokens 1 16 64 256 1024 --json "$OUT/allreduce_norm.json" --no-flashinfer
-    final_summary() { echo "=== all-reduce + norm summary"; sed -n '/^summary/,$p' "$OUT/allreduce_bench.log" 2>/dev/null; }
+    final_summary() { show allreduce_bench; }
     ;;
   nvidia-libs)
     install_wheels || echo "no wheels in .whl/ (carry them: README, optional NVIDIA libraries)"
     export PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1
     step doctor 90 python3 -m opfuse doctor
-    step nvidia_tests 300 python3 -m pytest -q -rs tests/gpu/test_nvidia_libs.py "$@"
+    tests nvidia_tests 300 -q -rs tests/gpu/test_nvidia_libs.py
     step nvidia_bench 240 python3 bench/nvidia_libs.py --tokens 1 128 2048 8192 --world 2 --m 512 2048 8192 \
       --json "$OUT/nvidia_libs.json"
     grep -E "^  (cuDNN frontend|cuBLASMp|    implementation)" "$OUT/doctor.log"
     grep -E "^(note:|library:|cudnn faster|cublasmp faster)" "$OUT/nvidia_bench.log"
     ;;
   fp8)
-    step fp8_tests 300 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
+    tests fp8_tests 300 -x -q tests/gpu/test_fp8.py
     step fp8_bench 300 python3 bench/fp8.py --world 1 --json "$OUT/fp8_w1.json"
     ;;
   kernels-1gpu)
-    step kernels 300 python3 -m pytest -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py "$@"
-    step fp8_ar_kernels 200 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_kernels.py "$@"
-    step fp8_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8.py "$@"
+    tests kernels 300 -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py
+    tests fp8_ar_kernels 200 -x -q tests/gpu/test_fp8_allreduce_norm_kernels.py
+    tests fp8_tests 200 -x -q tests/gpu/test_fp8.py
     install_wheels
     PYTHONPATH=.:/tmp/site step norms_bench 200 python3 bench/nvidia_libs.py --part norms --tokens 1 128 2048 8192 --json "$OUT/norms.json"
-    final_summary() {
-      echo "=== norms bench"; sed -n '/^Add + norm/,/^cudnn faster/p' "$OUT/norms_bench.log"
-      grep -E "^note:" "$OUT/norms_bench.log" | head -5
-    }
+    final_summary() { show norms_bench; }
     ;;
   layernorm-backward)
-    step norm_kernels 150 python3 -m pytest -q tests/gpu/test_residual_norm_kernels.py -k "backward or argument" "$@"
-    step norm_programs 150 python3 -m pytest -q tests/gpu/test_fused_single_gpu.py -k "norm" "$@"
+    tests norm_kernels 150 -q tests/gpu/test_residual_norm_kernels.py -k "backward or argument"
+    tests norm_programs 150 -q tests/gpu/test_fused_single_gpu.py -k "norm"
     step norms_bench 200 python3 bench/nvidia_libs.py --part norms --tokens 1 128 2048 8192 --json "$OUT/norms.json"
-    final_summary() {
-      echo "=== norms bench"; sed -n '/^Add + norm/,/^cudnn faster/p' "$OUT/norms_bench.log"
-      grep -E "^note:" "$OUT/norms_bench.log" | head -5
-    }
+    final_summary() { show norms_bench; }
     ;;
   fp8-allreduce)
-    step fp8_ar_kernels 150 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_kernels.py "$@"
-    step fp8_ar_dist 200 python3 -m pytest -x -q tests/gpu/test_fp8_allreduce_norm_dist.py "$@"
+    tests fp8_ar_kernels 150 -x -q tests/gpu/test_fp8_allreduce_norm_kernels.py
+    tests fp8_ar_dist 200 -x -q tests/gpu/test_fp8_allreduce_norm_dist.py
     step fp8_ar_bench 200 python3 bench/fp8.py --world 2 --only block --quick
     final_summary() {
       echo "=== fp8 block (decode+next lists allreduce_add_rmsnorm_quantize)"
@@ -312,17 +313,13 @@ case "$stage" in
     }
     ;;
   fp8-multi)
-    step fp8_dist_tests 200 python3 -m pytest -x -q tests/gpu/test_fp8_dist.py "$@"
+    tests fp8_dist_tests 200 -x -q tests/gpu/test_fp8_dist.py
     step fp8_bench 300 python3 bench/fp8.py --world 2 --json "$OUT/fp8_w2.json"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 cat "$OUT/gpus.txt"
 for f in "$OUT"/*.log; do echo "=== tail $(basename "$f")"; grep -vE '^\s*$' "$f" | grep -E 'Error|error|FAIL|assert|Traceback|^\|' | head -40; done
-if [ "$stage" = grouped ]; then
-  echo "=== grouped bench summary"; sed -n '/^HBM bandwidth/p; /^summary/,$p' "$OUT/grouped_bench.log"
-  echo "=== grouped tuning"; sed -n '/^=== tuning-table/,$p' "$OUT/grouped_tune.log"
-fi
 echo "=== summary"; printf '%s\n' "${summary[@]}"
 if declare -F final_summary >/dev/null; then final_summary; fi
 pack
