@@ -45,6 +45,12 @@ def _describe(val) -> str:
     return repr(val)
 
 
+def _decompositions() -> dict:
+    from torch._inductor.compile_fx import select_decomp_table
+
+    return select_decomp_table()
+
+
 class _Lowering:
     def __init__(self, op_graph: OpGraph, aten_gm: fx.GraphModule):
         self.op_graph = op_graph
@@ -95,8 +101,10 @@ class _Lowering:
             bound = dict(zip(names, tensors[len(tensor_args):]))
             return torch.func.functional_call(module, bound, tuple(call_args))
 
+        # Traced with Inductor's decompositions: the graph around it went through them, and Inductor
+        # refuses an op it has both a decomposition and a fallback for (``aten.t`` of an addmm).
         with torch.no_grad(), self.fake_mode:
-            traced = make_fx(run)(*[fake_value(n) for n in inputs])
+            traced = make_fx(run, decomposition_table=_decompositions())(*[fake_value(n) for n in inputs])
         order = {n: i for i, n in enumerate(self.graph.nodes)}
         anchor = max(inputs, key=order.__getitem__)
         env = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], inputs))

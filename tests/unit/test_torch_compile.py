@@ -298,3 +298,33 @@ def test_registered_passes_run_on_compiled_graphs(world1):
     (program,) = opfuse.programs(compiled)
     assert ("count_norms", "1 norms") in program.notes
     assert "count_norms: 1 norms" in program.explain()
+
+
+class BiasedMLP(nn.Module):
+    """GPT-2 / Phi style: biased projections, GELU, residual add, then a norm."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.up, self.down, self.norm = nn.Linear(H, 2 * H), nn.Linear(2 * H, H), norm
+
+    def forward(self, x):
+        return self.norm(self.down(F.gelu(self.up(x))) + x)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_inductor_compiles_biased_projections(norm, train):
+    """Issue 29.1: the bias that add_*norm takes leaves its addmm's GEMM behind; the re-emitted GEMM
+    must be in Inductor's decomposed form (it refused ``aten.t`` before)."""
+    torch.manual_seed(7)
+    model = BiasedMLP(nn.RMSNorm(H) if norm == "rms" else nn.LayerNorm(H))
+    x = torch.randn(4, 3, H, requires_grad=train)
+    compiled = opfuse.optimize(model)
+    with torch.set_grad_enabled(train):
+        got, want = compiled(x), model(x)
+    torch.testing.assert_close(got, want, **tolerance(torch.float32))
+    if train:
+        (gx,) = torch.autograd.grad(got.sum(), x)
+        (wx,) = torch.autograd.grad(want.sum(), x)
+        torch.testing.assert_close(gx, wx, **tolerance(torch.float32))
+    assert f"add_{norm}norm" in rules_of(opfuse.programs(compiled))
