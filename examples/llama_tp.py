@@ -109,6 +109,22 @@ class _CopyToTP(torch.autograd.Function):
         return grad
 
 
+class KVCache(nn.Module):
+    """gpt-fast's static key/value cache: ``[batch, kv heads, max_seq, head_dim]`` buffers written
+    in place at ``input_pos`` (static shapes: one compiled graph, CUDA-graph friendly)."""
+
+    def __init__(self, batch: int, kv_heads: int, max_seq: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, kv_heads, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos, k, v):
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Config, shards: int = 1):
         super().__init__()
@@ -119,8 +135,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim // shards, bias=False)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim // shards, cfg.dim, bias=False)
         self.tp = shards > 1  # sharded by hand: all-reduce explicitly (DTensor does it by itself)
+        self.kv_cache = None  # KVCache after Llama.setup_caches (decode)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, input_pos=None, mask=None):
         batch, seq, _ = x.shape
         if self.tp:
             x = _CopyToTP.apply(x)
@@ -129,9 +146,15 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k = k.repeat_interleave(self.kv_groups, dim=2)
-        v = v.repeat_interleave(self.kv_groups, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.kv_cache is not None:  # decode: append to the static cache, attend over all of it
+            k, v = self.kv_cache.update(input_pos, k, v)
+        k = k.repeat_interleave(self.kv_groups, dim=1)
+        v = v.repeat_interleave(self.kv_groups, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
         return _ReduceFromTP.apply(out) if self.tp else out
 
@@ -159,8 +182,8 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.eps)
         self.feed_forward = MLP(cfg, shards)
 
-    def forward(self, x, cos, sin):
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, input_pos=None, mask=None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -178,12 +201,32 @@ class Llama(nn.Module):
         self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
         self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
 
-    def forward(self, tokens):
+    def setup_caches(self, batch: int, max_seq: int | None = None) -> None:
+        """Static key/value caches for decoding ``batch`` sequences (gpt-fast's layout); after this,
+        call ``model(tokens, input_pos)`` with the positions ``tokens [batch, seq]`` take."""
+        max_seq = max_seq or self.cfg.max_seq
+        weight = self.output.weight
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        for layer in self.layers:
+            attention = layer.attention
+            kv_heads = attention.wk.weight.shape[0] // attention.head_dim
+            if hasattr(attention.wk.weight, "to_local"):
+                kv_heads = attention.wk.weight.to_local().shape[0] // attention.head_dim
+            attention.kv_cache = KVCache(batch, kv_heads, max_seq, attention.head_dim, local.dtype, local.device)
+        causal = torch.ones(max_seq, max_seq, dtype=torch.bool, device=local.device).tril()
+        self.register_buffer("causal_mask", causal, persistent=False)
+
+    def forward(self, tokens, input_pos=None):
         seq = tokens.shape[1]
-        cos, sin = self.cos[:, :seq].to(self.output.weight.dtype), self.sin[:, :seq].to(self.output.weight.dtype)
+        dtype = self.output.weight.dtype
+        if input_pos is None:
+            cos, sin, mask = self.cos[:, :seq].to(dtype), self.sin[:, :seq].to(dtype), None
+        else:  # decode with the caches: rotary angles and causal mask at the written positions
+            cos, sin = self.cos[:, input_pos].to(dtype), self.sin[:, input_pos].to(dtype)
+            mask = self.causal_mask[None, None, input_pos]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, input_pos, mask)
         return self.output(self.norm(h))
 
 
@@ -231,8 +274,10 @@ def shard_with_dtensor(full: Llama, world: int, sequence_parallel: bool = False)
             plan.update({
                 f"layers.{i}.attention_norm": SequenceParallel(),
                 f"layers.{i}.ffn_norm": SequenceParallel(),
-                f"layers.{i}.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                            desired_input_layouts=(Replicate(), None, None)),
+                # x, cos, sin, input_pos, mask: only x is a sharded activation
+                f"layers.{i}.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                                            desired_input_layouts=(Replicate(), None, None, None,
+                                                                                   None)),
                 f"layers.{i}.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                                desired_input_layouts=(Replicate(),)),
             })

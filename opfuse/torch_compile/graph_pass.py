@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from typing import Callable
 
 from torch import fx
@@ -48,6 +49,7 @@ def _write_aten(dump_dir: str | None, stem: str, gm: fx.GraphModule) -> None:
 
 def fuse_graph(gm: fx.GraphModule) -> GraphProgram:
     """Fuse what the rules match in aten graph ``gm`` (edited in place); returns its program."""
+    started = time.perf_counter()
     index = next(_graph_ids)
     training = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
     dump_dir = new_dump_dir("graph")
@@ -66,6 +68,7 @@ def fuse_graph(gm: fx.GraphModule) -> GraphProgram:
     program = GraphProgram(index, "training" if training else "inference", op_graph.gm, ctx.unfused, ctx.fusions,
                            fused_phases, [("torch_compile", note) for note in op_graph.notes] + ctx.notes,
                            len(gm.graph.nodes))
+    program.seconds = time.perf_counter() - started
     recorder.write_explanation(program)
     return program
 

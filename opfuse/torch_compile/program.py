@@ -29,6 +29,8 @@ class GraphProgram(Program):
         partitioner chooses what backward keeps) or ``"inference"``.
     phases:
         Fused node name -> ``"forward"`` or ``"backward"``.
+    seconds:
+        Wall time opfuse spent on the graph (recognition, passes, lowering), in seconds.
     notes:
         ``(source, remark)`` pairs: what the passes, and recognition (``"torch_compile"``), left
         alone and why, beyond the rules' near misses.
@@ -41,6 +43,7 @@ class GraphProgram(Program):
         self.kind = kind
         self.phases = dict(phases)
         self.aten_nodes = aten_nodes
+        self.seconds = 0.0
 
     def __call__(self, *inputs):
         raise TypeError("a GraphProgram describes a graph inside a torch.compile'd model; call the compiled model")
