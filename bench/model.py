@@ -194,7 +194,7 @@ def worker(rank, world, opts, out_path):
     if device == "cuda" and "decode" in opts["cases"]:
         from timing import device_copy_gbs
 
-        copy_gbs = min(block._max_over_ranks([-device_copy_gbs()]), 0) * -1  # the slowest rank's
+        copy_gbs = -block._max_over_ranks([-device_copy_gbs()])[0]  # the slowest rank's
 
     def measured(row, key, thunk):
         try:
