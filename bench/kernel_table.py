@@ -3,7 +3,7 @@
 ``profile_step(fn, steps)`` runs ``fn`` ``steps`` times under the profiler (after the caller's
 warm-up) and returns ``{"categories": {category: us per step}, "top": [(kernel, us per step,
 calls per step)], "busy_us": .., "wall_us": ..}``: the time each category's kernels ran (summed
-over streams, so overlapped communication counts in full), the ten most expensive kernels, the
+over streams, so overlapped communication counts in full), the ten most expensive kernels (with min / median / max time per call), the
 union of all kernel intervals (how long the GPU did anything) and the wall time between the first
 kernel's start and the last one's end. ``wall - busy`` is time the GPU sat idle (host-bound
 launches, waits on other ranks); ``sum(categories) - busy`` is time that overlapped.
@@ -67,7 +67,11 @@ def profile_step(fn, steps: int = 3) -> dict:
     kernels: dict[str, list] = {}
     intervals = []
     for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
+        # GPU-side annotations (``nccl:all_reduce`` around NCCL's kernel) are not kernels: counting
+        # them would count the same time twice.
+        if event.device_type != torch.autograd.DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+            continue
+        if ":" in event.name and not event.name.startswith(("void ", "ncclDevKernel")) and " " not in event.name:
             continue
         start = event.time_range.start
         stop = event.time_range.end
@@ -77,10 +81,12 @@ def profile_step(fn, steps: int = 3) -> dict:
         intervals.append((start, stop))
         category = category_of(event.name)
         categories[category] = categories.get(category, 0.0) + duration / steps
-        entry = kernels.setdefault(event.name, [0.0, 0])
+        entry = kernels.setdefault(event.name, [0.0, []])
         entry[0] += duration / steps
-        entry[1] += 1
-    top = sorted(((name, us, count / steps) for name, (us, count) in kernels.items()), key=lambda t: -t[1])[:10]
+        entry[1].append(duration)
+    top = sorted(((name, us, len(calls) / steps, sorted(calls)) for name, (us, calls) in kernels.items()),
+                 key=lambda t: -t[1])[:10]
+    top = [(name, us, count, (calls[0], calls[len(calls) // 2], calls[-1])) for name, us, count, calls in top]
     wall = (max(s for _, s in intervals) - min(s for s, _ in intervals)) / steps if intervals else 0.0
     return {"categories": categories, "top": top, "busy_us": _union_us(intervals) / steps, "wall_us": wall}
 
@@ -98,7 +104,8 @@ def format_tables(profiles: dict, title: str) -> str:
     for key, label in (("busy_us", "GPU busy (union of kernels)"), ("wall_us", "first kernel start to last end")):
         lines.append(f"| {label} | " + " | ".join(f"{profiles[v][key]:.0f}" for v in variants) + " |")
     for variant in variants:
-        lines.append(f"\n{title}, {variant}: top kernels (us per step, calls per step)")
-        for name, us, calls in profiles[variant]["top"]:
-            lines.append(f"  {us:9.1f}  {calls:5.1f}x  {name[:150]}")
+        lines.append(f"\n{title}, {variant}: top kernels (us per step, calls per step, min / median / max us "
+                     f"per call)")
+        for name, us, calls, (low, mid, high) in profiles[variant]["top"]:
+            lines.append(f"  {us:9.1f}  {calls:5.1f}x  {low:7.1f} / {mid:7.1f} / {high:7.1f}  {name[:130]}")
     return "\n".join(lines)

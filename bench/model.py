@@ -12,7 +12,8 @@ float32 RMSNorm), hidden 8192, 64 heads (8 kv), ffn 28672, 2 layers, bf16, vocab
 decoder is what is measured), the same weights in every variant (same seed).
 
 Cases:
-  decode    gpt-fast's loop: static KV caches (``Llama.setup_caches``), one new token per sequence
+  decode    gpt-fast's loop: static KV caches of 1024 positions (``Llama.setup_caches``; the loop starts
+            at position 512), one new token per sequence
             per step at batch 1 / 8 / 64, the next token the argmax of the logits, the position a
             device tensor; ``--decode-steps`` steps back to back with no host sync between tokens,
             timed with CUDA events; tensor parallelism with torch.distributed all-reduces; both
@@ -64,13 +65,13 @@ import llama_tp  # noqa: E402  (examples/llama_tp.py: the model)
 TARGETS = {"decode": 0.93, "decode_floor": 1.05, "train-tp": 0.92, "train-sp": 0.90, "compile_time": 1.0}
 MODEL = dict(dim=8192, layers=2, heads=64, kv_heads=8, ffn=28672, vocab=4096, max_seq=8192)
 FULL = dict(model=MODEL, cases=["decode", "train-tp", "train-sp"], decode=[1, 8, 64], train=[2048, 8192],
-            train_batch=[1, 4], decode_steps=32, decode_start=512, calls_train=3, reps=5, reps_train=5)
+            train_batch=[1, 4], decode_steps=32, decode_start=512, decode_cache=1024, calls_train=3, reps=5, reps_train=5)
 QUICK = dict(FULL, model=dict(MODEL, dim=1024, layers=2, heads=16, kv_heads=4, ffn=4096), decode=[1, 8],
              train=[512], train_batch=[1], decode_steps=16, reps=3, reps_train=3)
 # --cpu: the code paths on gloo with CPU tensors; fused graphs run eagerly (no Inductor on two
 # cores), torch.compile is aot_eager with Inductor's decompositions. Its timings mean nothing.
 CPU = dict(FULL, model=dict(MODEL, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=96, max_seq=64),
-           decode=[1, 2], train=[16], train_batch=[1, 2], decode_steps=2, decode_start=8, calls_train=2, reps=2,
+           decode=[1, 2], train=[16], train_batch=[1, 2], decode_steps=2, decode_start=8, decode_cache=32, calls_train=2, reps=2,
            reps_train=2)
 CASES = ("decode", "train-tp", "train-sp")
 
@@ -178,6 +179,45 @@ def _loop_us(loop, steps, reps, device):
     return statistics.median(times)
 
 
+#: Extra opfuse variants (``--variants``): the settings each compiles and runs under.
+EXTRA_VARIANTS = {
+    "opfuse:fuse-all": {"overlap_collectives": "fuse"},
+    "opfuse:nccl-norm": {"force_impl": "allreduce_add_rmsnorm=nccl+cuda"},
+}
+
+
+def opfuse_settings(**settings):
+    import opfuse
+
+    return opfuse.config.override(**settings) if settings else contextlib.nullcontext()
+
+
+def _interleaved_us(fns: dict, calls: int, reps: int, device: str) -> dict:
+    """Per-call time of each function, median of ``reps`` rounds; each round times ``calls``
+    back-to-back calls of every function in turn (clock and power drift hit every variant alike)."""
+    for fn in fns.values():
+        fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            dist.barrier()
+            block.sync()
+            if device != "cuda":
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - t0) * 1e6 / calls)
+                continue
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times[name].append(begin.elapsed_time(end) * 1000.0 / calls)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def worker(rank, world, opts, out_path):
     import json
 
@@ -238,7 +278,7 @@ def worker(rank, world, opts, out_path):
             models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device) for v in ("eager", "compile", "opfuse")}
             gen = torch.Generator().manual_seed(6)
             for model in models.values():
-                model.setup_caches(batch, cfg.max_seq)
+                model.setup_caches(batch, opts["decode_cache"])
                 for layer in model.layers:  # a filled cache, the same in every variant
                     for buf in (layer.attention.kv_cache.k, layer.attention.kv_cache.v):
                         buf.copy_(torch.randn(buf.shape, generator=gen).to(buf))
@@ -281,26 +321,36 @@ def worker(rank, world, opts, out_path):
                                  f"(sharded {world} ways); skipped")
                     continue
                 seq = tokens // batch
-                models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device) for v in ("eager", "compile", "opfuse")}
+                extra = list(opts.get("variants", ()))
+                names = ["eager", "compile", "opfuse", *extra]
+                models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device) for v in names}
                 ids = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(4)).to(device)
                 grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, dtype)
                 row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}
                 steps_ = {"eager": models["eager"], "compile": compile_fn(models["compile"]),
                           "opfuse": opfuse_fn(models["opfuse"])}
+                steps_.update({name: opfuse_fn(models[name]) for name in extra})
 
                 def step(name):
                     params = [p for p in models[name].parameters() if p.requires_grad]
-                    return lambda: torch.autograd.grad(steps_[name](ids), params, grad)
+                    settings = EXTRA_VARIANTS.get(name, {})
+
+                    def run():
+                        with opfuse_settings(**settings):
+                            return torch.autograd.grad(steps_[name](ids), params, grad)
+
+                    return run
 
                 want = step("eager")()
                 errors = {}
-                for name in ("compile", "opfuse"):
+                for name in ("compile", "opfuse", *extra):
                     got, row[f"{name} s"] = _first_call(step(name))
                     errors[name] = max(block.rel(a.float(), b.float()) for a, b in zip(_local(got), _local(want)))
                 calls, reps = opts["calls_train"], opts["reps_train"]
-                for name in ("eager", "compile", "opfuse"):
-                    measured(row, name, lambda name=name: block.eager_us(step(name), calls, reps)[0])
-                profiled(row, {name: step(name) for name in ("compile", "opfuse")})
+                measured(row, "interleaved", lambda: row.update(_interleaved_us({n: step(n) for n in names}, calls,
+                                                                                 reps, device)))
+                row.pop("interleaved", None)
+                profiled(row, {name: step(name) for name in ("compile", "opfuse", *extra)})
                 row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])
                 row["err"] = errors
                 models = steps_ = want = None  # free before the next size
@@ -361,6 +411,12 @@ def tables(world, result, opts) -> tuple[str, list]:
                             None if floor_ratio is None else floor_ratio <= TARGETS["decode_floor"]))
         summary.append((world, case, "opfuse s / compile s", compile_ratio, f"<= {TARGETS['compile_time']}",
                         None if compile_ratio is None else compile_ratio <= TARGETS["compile_time"]))
+    extra = [(r, name) for r in result["rows"] for name in EXTRA_VARIANTS if r.get(name) is not None]
+    if extra:
+        out += ["", "| case | shape | variant | us | / compile | / opfuse | compile s |", "|" + "---|" * 7]
+        for r, name in extra:
+            out.append(f"| {r['case']} | {r['shape']} | {name} | {fmt(r[name])} | {fmt(ratio(r[name], r.get('compile')), 2)}"
+                       f" | {fmt(ratio(r[name], r.get('opfuse')), 2)} | {fmt(r.get(name + ' s'))} |")
     errs = "; ".join(f"{r['case']} {r['shape']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r.get("err", {}).items()
                                                                  if v is not None) for r in result["rows"])
     out += ["", f"relative error vs eager (outputs; train: max over gradients): {errs}"]
@@ -400,6 +456,8 @@ def main() -> int:
     parser.add_argument("--train-batch", type=int, nargs="*", default=None, metavar="B",
                         help="sequences per training step (default 1 4)")
     parser.add_argument("--profile", action="store_true", help="a kernel table per variant and case")
+    parser.add_argument("--variants", nargs="*", choices=sorted(EXTRA_VARIANTS), default=[],
+                        help="extra opfuse variants in the training cases (settings in EXTRA_VARIANTS)")
     args = parser.parse_args()
     results, summary, started = {}, [], time.perf_counter()
     if args.from_json:
@@ -411,7 +469,7 @@ def main() -> int:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda",
-                    profile=args.profile)
+                    profile=args.profile, variants=args.variants)
         if args.cases:
             opts["cases"] = args.cases
         if args.layers:

@@ -71,6 +71,11 @@ class Config:
     #: A second GEMM stream in the comm+GEMM pipelines (``OPFUSE_OVERLAP_ALTERNATE_STREAMS``):
     #: ``auto`` = where a chunk GEMM's last wave is idle enough to be worth it, ``on``, ``off``.
     overlap_alternate_streams: str = "auto"
+    #: Collectives in compiled models (``OPFUSE_OVERLAP_COLLECTIVES``): ``auto`` leaves a collective to
+    #: NCCL, asynchronous and scheduled under independent GEMMs, where those GEMMs can hide it (a
+    #: backward all-reduce next to the weight-gradient GEMMs), and fuses it elsewhere; ``fuse``
+    #: fuses every collective a rule matches.
+    overlap_collectives: str = "auto"
     #: How long opfuse waits for a peer before it fails, in milliseconds (``OPFUSE_PEER_TIMEOUT_MS``):
     #: the peer-memory kernels' and the overlap plans' waits, and the compile-time check that every
     #: rank compiled the same program. 0 waits forever. The default is NCCL's default process-group
@@ -240,6 +245,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "twoshot_max_bytes": _integer(0),
     "overlap_chunks": _integer(0),
     "overlap_alternate_streams": _choice("auto", "on", "off"),
+    "overlap_collectives": _choice("auto", "fuse"),
     "peer_timeout_ms": _integer(0),
     "log": _choice("warning", "info", "debug"),
 }
@@ -259,6 +265,7 @@ _ENV_NAMES = {
     "twoshot_max_bytes": "TWOSHOT_MAX_BYTES",
     "overlap_chunks": "OVERLAP_CHUNKS",
     "overlap_alternate_streams": "OVERLAP_ALTERNATE_STREAMS",
+    "overlap_collectives": "OVERLAP_COLLECTIVES",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",
 }

@@ -19,10 +19,12 @@ from typing import Callable
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from ..config import config
 from ..fuser.compile import PassRecorder, new_dump_dir
 from ..passes.pipeline import PassContext, run_pipeline
 from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
+from .overlap import plan_overlaps, schedule_overlaps
 from .program import GraphProgram
 
 __all__ = ["FusionPass", "PassChain", "fuse_graph"]
@@ -54,20 +56,24 @@ def fuse_graph(gm: fx.GraphModule) -> GraphProgram:
     training = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
     dump_dir = new_dump_dir("graph")
     _write_aten(dump_dir, "aten_before", gm)
-    op_graph = build_op_graph(gm)
+    overlaps = plan_overlaps(gm.graph) if config.overlap_collectives == "auto" else []
+    op_graph = build_op_graph(gm, exclude={node for o in overlaps for node in (o.issue, o.wait)})
     phases = _phases(op_graph.gm)
     ctx = PassContext()
     recorder = PassRecorder(ctx, dump_dir, module_class=OpGraphModule)
     run_pipeline(op_graph.gm, ctx, recorder)
     lower_fusions(op_graph, gm)
+    schedule_overlaps(gm.graph, overlaps)
+    gm.recompile()
     _write_aten(dump_dir, "aten_after", gm)
     fused_phases = {}
     for record in ctx.fusions:
         covered = [phases.get(name, "forward") for name in record.nodes]
         fused_phases[record.fused_node] = "backward" if "backward" in covered else "forward"
     program = GraphProgram(index, "training" if training else "inference", op_graph.gm, ctx.unfused, ctx.fusions,
-                           fused_phases, [("torch_compile", note) for note in op_graph.notes] + ctx.notes,
-                           len(gm.graph.nodes))
+                           fused_phases, [("torch_compile", note) for note in op_graph.notes] + ctx.notes
+                           + [("overlap", o.describe()) for o in overlaps], len(gm.graph.nodes))
+    program.overlap_decisions = [(o.wait.name, o.describe()) for o in overlaps]
     program.seconds = time.perf_counter() - started
     recorder.write_explanation(program)
     return program

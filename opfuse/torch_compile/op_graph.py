@@ -165,10 +165,10 @@ def _insert_extra_outputs(gm: fx.GraphModule, aten: dict) -> None:
         aten[extra.name] = aten[source.name]
 
 
-def build_op_graph(aten_gm: fx.GraphModule) -> OpGraph:
-    """The op graph of ``aten_gm`` (see the module docstring)."""
+def build_op_graph(aten_gm: fx.GraphModule, exclude=frozenset()) -> OpGraph:
+    """The op graph of ``aten_gm`` (see the module docstring); nodes of ``exclude`` stay opaque."""
     notes = []
-    regions = find_regions(aten_gm.graph)
+    regions = find_regions(aten_gm.graph, exclude)
     static = []
     for region in regions:
         if all(_is_static(fake_value(n)) for n in (*region.inputs, region.value) if n is not None):

@@ -29,6 +29,9 @@ class GraphProgram(Program):
         partitioner chooses what backward keeps) or ``"inference"``.
     phases:
         Fused node name -> ``"forward"`` or ``"backward"``.
+    overlap_decisions:
+        ``(wait node, explanation)`` of each collective left to NCCL because independent GEMMs can
+        hide it (:mod:`.overlap`).
     seconds:
         Wall time opfuse spent on the graph (recognition, passes, lowering), in seconds.
     notes:
@@ -44,6 +47,7 @@ class GraphProgram(Program):
         self.phases = dict(phases)
         self.aten_nodes = aten_nodes
         self.seconds = 0.0
+        self.overlap_decisions: list[tuple[str, str]] = []
 
     def __call__(self, *inputs):
         raise TypeError("a GraphProgram describes a graph inside a torch.compile'd model; call the compiled model")

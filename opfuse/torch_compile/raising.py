@@ -12,10 +12,11 @@ from .regions import Region, recompute_closure
 __all__ = ["find_regions"]
 
 
-def find_regions(graph: fx.Graph) -> list[Region]:
+def find_regions(graph: fx.Graph, exclude=frozenset()) -> list[Region]:
     """Every region of ``graph``, in graph order of their results; each aten node belongs to at
-    most one region (the ``addmm`` pair shares its node)."""
-    taken: set[fx.Node] = set()
+    most one region (the ``addmm`` pair shares its node); none holds a node of ``exclude`` (values
+    that stay as they are, e.g. collectives left to NCCL)."""
+    taken: set[fx.Node] = set(exclude)
     found: list[Region] = []
 
     def claim(region: Region | None) -> None:

@@ -1,0 +1,166 @@
+"""Collectives that stay with NCCL because independent GEMMs can hide them, and the graph order
+that lets them.
+
+A fused all-reduce kernel runs in line on the compute stream: it is faster than NCCL's, but
+nothing else runs while it does. NCCL's runs on its own stream, so every GEMM issued between the
+collective and the first use of its result runs under it. In a training graph the all-reduce of a
+column-parallel layer's input gradient has such GEMMs (the same layer's weight gradients, which do
+not depend on it); taking it off NCCL's stream would expose it. So before recognition,
+:func:`plan_overlaps` weighs each all-reduce: the GEMM work in its window (from the previous
+collective to the first use of its result) that neither feeds it nor depends on it, against what
+moving its bytes costs. Where that work can hide it, the collective is left to NCCL and
+:func:`schedule_overlaps` orders the graph so that it does: the collective is issued as soon as
+its input exists (the independent nodes before it move after it) and its wait moves to just before
+the first use of its result. ``explain()`` lists each decision.
+
+The cost model is a ratio, not a timing: an all-reduce of ``B`` bytes costs about as much as
+``FLOPS_PER_BYTE * (B + LATENCY_BYTES)`` GEMM FLOPs (H100/H200: ~750 bf16 TFLOP/s against ~150 GB/s
+of all-reduce algorithm bandwidth, ~15 us of latency), and is left to NCCL when the independent
+GEMMs hold at least ``HIDE_FRACTION`` of that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx
+
+from .aten import aten, c10d, calls, shape, value
+
+__all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
+
+FLOPS_PER_BYTE = 5000
+LATENCY_BYTES = 2 << 20
+HIDE_FRACTION = 0.5
+
+_GEMMS = (aten.mm, aten.addmm, aten.bmm)
+_ISSUES = (c10d.all_reduce, c10d.all_gather_into_tensor, c10d.reduce_scatter_tensor)
+
+
+@dataclasses.dataclass(eq=False)
+class Overlap:
+    """An all-reduce left to NCCL: its issue and wait nodes, and the GEMMs that can run under it."""
+
+    issue: fx.Node
+    wait: fx.Node
+    gemms: list[fx.Node]
+    message_bytes: int
+    gemm_flops: int
+
+    def describe(self) -> str:
+        names = ", ".join(g.name for g in self.gemms[:4]) + (", ..." if len(self.gemms) > 4 else "")
+        return (f"{self.wait.name}: all-reduce of {self.message_bytes / 2**20:.2f} MiB left to NCCL (asynchronous): "
+                f"{len(self.gemms)} independent GEMM(s) ({self.gemm_flops / 1e9:.3g} GFLOP: {names}) between its "
+                f"input and the first use of its result can hide it; scheduled to run under it "
+                f"(OPFUSE_OVERLAP_COLLECTIVES=fuse fuses it instead)")
+
+
+def _nbytes(node) -> int:
+    val = value(node)
+    return val.numel() * val.element_size() if hasattr(val, "numel") else 0
+
+
+def _flops(node) -> int:
+    a = shape(node.args[1] if calls(node, aten.addmm) else node.args[0])
+    b = shape(node.args[2] if calls(node, aten.addmm) else node.args[1])
+    if a is None or b is None:
+        return 0
+    if calls(node, aten.bmm):
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    return 2 * a[0] * a[1] * b[1]
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), list(node.users)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.users)
+    return seen
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes of a joint graph that depend on an incoming gradient (AOTAutograd's ``tangents_*``):
+    the backward, which the partitioner separates from the forward; nothing moves across."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            found.add(node)
+        elif any(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _all_reduces(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """``(issue, wait)`` of every summing all-reduce whose issue only its wait reads."""
+    found = []
+    for node in graph.nodes:
+        if calls(node, c10d.wait_tensor.default) and node.args and calls(node.args[0], c10d.all_reduce.default):
+            issue = node.args[0]
+            if len(issue.users) == 1 and issue.args[1] == "sum":
+                found.append((issue, node))
+    return found
+
+
+def _window(graph: fx.Graph, issue: fx.Node, wait: fx.Node, order: dict) -> tuple[int, int]:
+    """Positions ``(after the previous collective, at the first use of wait's result)``."""
+    start = -1
+    for node in graph.nodes:
+        if order[node] >= order[issue]:
+            break
+        if calls(node, *_ISSUES) or calls(node, c10d.wait_tensor.default):
+            start = order[node]
+    users = [order[u] for u in wait.users]
+    return start, min(users) if users else len(order)
+
+
+def plan_overlaps(graph: fx.Graph) -> list[Overlap]:
+    """The all-reduces of ``graph`` to leave to NCCL (see the module docstring)."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    nodes = list(graph.nodes)
+    backward = _backward_nodes(graph)
+    found = []
+    for issue, wait in _all_reduces(graph):
+        start, stop = _window(graph, issue, wait, order)
+        feeding, fed = _ancestors(issue), _descendants(wait)
+        phase = issue in backward
+        gemms = [n for n in nodes[start + 1:stop] if calls(n, *_GEMMS) and n not in feeding and n not in fed
+                 and (n in backward) == phase]
+        message = _nbytes(issue.args[0])
+        flops = sum(_flops(g) for g in gemms)
+        if gemms and flops >= HIDE_FRACTION * FLOPS_PER_BYTE * (message + LATENCY_BYTES):
+            found.append(Overlap(issue, wait, gemms, message, flops))
+    return found
+
+
+def schedule_overlaps(graph: fx.Graph, overlaps: list[Overlap]) -> None:
+    """Issue each overlap's collective as soon as its input exists (the nodes of its window that do
+    not feed it move after it, in their order) and wait for it just before its result is used."""
+    backward = _backward_nodes(graph)
+    for overlap in overlaps:
+        issue, wait = overlap.issue, overlap.wait
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        start, _ = _window(graph, issue, wait, order)
+        feeding = _ancestors(issue)
+        phase = issue in backward
+        movable = [n for n in graph.nodes if start < order[n] < order[issue] and n not in feeding
+                   and n.op == "call_function" and (n in backward) == phase]
+        anchor = issue
+        for node in movable:
+            anchor.append(node)
+            anchor = node
+        users = sorted(wait.users, key=lambda u: order.get(u, len(order)))
+        if users:
+            users[0].prepend(wait)
+    graph.lint()
