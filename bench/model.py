@@ -268,8 +268,13 @@ def worker(rank, world, opts, out_path):
         torch._dynamo.reset()
         if device == "cuda":
             torch.cuda.empty_cache()
-        if rank == 0:
-            common.progress(f"world {world} {row['case']} {row['shape']}: done")
+        if rank == 0:  # the numbers as they come: a run cut off by its time limit keeps what it measured
+            times = ", ".join(f"{k} {row[k]:.1f}" for k in row if k not in ("case", "shape", "fusions", "err")
+                              and isinstance(row[k], float))
+            common.progress(f"world {world} {row['case']} {row['shape']}: {times}; {row.get('fusions', '')}")
+            with open(out_path, "w") as handle:
+                json.dump({"rows": rows, "notes": notes, "profiles": profiles, "copy_gbs": copy_gbs,
+                           "seconds": time.perf_counter() - started}, handle)
 
     if "decode" in opts["cases"]:
         compile_fn, opfuse_fn = _compilers(device, decode=True)
