@@ -55,9 +55,32 @@ class OpfuseBackend:
 
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(options)
+        if "reorder_for_peak_memory" not in patches and _keeps_collective_order(gm):
+            # Inductor's peak-memory reordering moves a collective's wait back before the GEMMs
+            # that overlap.schedule_overlaps placed under it (measured: they then ran after it).
+            patches["reorder_for_peak_memory"] = False
         existing = patches.get("joint_custom_post_pass", inductor_config.joint_custom_post_pass)
         patches["joint_custom_post_pass"] = fusion if existing is None else PassChain(existing, fusion)
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _keeps_collective_order(gm: torch.fx.GraphModule) -> bool:
+    """Whether this graph's collectives may be left to NCCL and scheduled under independent GEMMs
+    (:mod:`.overlap`): the setting allows it and the graph has a collective at all."""
+    from ..config import config
+
+    if config.overlap_collectives != "auto":
+        return False
+    for module in gm.modules():  # autograd.Function bodies are subgraphs (backward all-reduces)
+        graph = getattr(module, "graph", None)
+        for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
+            target = f"{getattr(node.target, '__module__', '')}.{getattr(node.target, '__name__', node.target)}"
+            if node.op == "call_function" and any(key in target for key in _COLLECTIVE_NAMES):
+                return True
+    return False
+
+
+_COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "_c10d_functional", "distributed")
 
 
 def _aot_eager(gm, example_inputs, fusion):

@@ -150,3 +150,21 @@ def test_schedule_issues_early_and_waits_late(world1, cheap_collectives):
     wait = next(n for n in backward.nodes if "wait_tensor" in str(n.target) and n.args[0] is issue)
     between = [n for n in backward.nodes if order[issue.name] < order[n.name] < order[wait.name]]
     assert any("mm" in str(n.target) for n in between), [n.name for n in between]
+
+
+def test_inductor_keeps_the_gemms_under_the_collective(world1, cheap_collectives):
+    """Compiled by Inductor, the backward issues the all-reduce, runs the weight-gradient GEMMs,
+    then waits (Inductor's peak-memory reordering would move the wait back before them)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = TPBlock(world1)
+    x = torch.randn(2, 8, H, requires_grad=True)
+    compiled = opfuse.optimize(model)
+    _, codes = run_and_get_code(lambda: compiled(x).sum().backward())
+    backward = next(code for code in codes if "all_reduce_" in code and "wait_tensor" in code)
+    lines = [line.strip() for line in backward.splitlines()]
+    issue = next(i for i, line in enumerate(lines) if "all_reduce_" in line and not line.startswith("#"))
+    wait = next(i for i, line in enumerate(lines) if "wait_tensor" in line and not line.startswith("#"))
+    assert any("extern_kernels.mm" in line for line in lines[issue + 1:wait]), "\n".join(lines[issue:wait + 1])
+    torch.testing.assert_close(x.grad, torch.autograd.grad(model(x).sum(), x)[0])
