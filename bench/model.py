@@ -280,7 +280,10 @@ def worker(rank, world, opts, out_path):
         compile_fn, opfuse_fn = _compilers(device, decode=True)
         steps, start = opts["decode_steps"], opts["decode_start"]
         for batch in opts["decode"]:
-            models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device) for v in ("eager", "compile", "opfuse")}
+            full = llama_tp.unsharded(cfg, dtype, device)
+            models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device, full=full)
+                      for v in ("eager", "compile", "opfuse")}
+            full = None
             gen = torch.Generator().manual_seed(6)
             for model in models.values():
                 model.setup_caches(batch, opts["decode_cache"])
@@ -328,7 +331,9 @@ def worker(rank, world, opts, out_path):
                 seq = tokens // batch
                 extra = list(opts.get("variants", ()))
                 names = ["eager", "compile", "opfuse", *extra]
-                models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device) for v in names}
+                full = llama_tp.unsharded(cfg, dtype, device)
+                models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device, full=full) for v in names}
+                full = None
                 ids = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(4)).to(device)
                 grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, dtype)
                 row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}

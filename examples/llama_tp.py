@@ -300,10 +300,16 @@ def vary_norm_weights(model: nn.Module) -> nn.Module:
     return model
 
 
-def build(tp: str, rank: int, world: int, cfg: Config, dtype=torch.float32, device="cpu", seed: int = 0) -> Llama:
-    """The unsharded model (same on every rank: same seed), sharded the ``tp`` way."""
+def unsharded(cfg: Config, dtype=torch.float32, device="cpu", seed: int = 0) -> Llama:
+    """The unsharded model, the same on every rank (same seed)."""
     torch.manual_seed(seed)
-    full = vary_norm_weights(Llama(cfg).to(device=device, dtype=dtype))
+    return vary_norm_weights(Llama(cfg).to(device=device, dtype=dtype))
+
+
+def build(tp: str, rank: int, world: int, cfg: Config, dtype=torch.float32, device="cpu", seed: int = 0,
+          full: Llama | None = None) -> Llama:
+    """The unsharded model (``full``, else :func:`unsharded`), sharded the ``tp`` way."""
+    full = full if full is not None else unsharded(cfg, dtype, device, seed)
     if tp == "dist":
         return shard_by_hand(full, rank, world)
     if tp in ("dtensor", "dtensor-sp"):
