@@ -51,7 +51,7 @@ doctor: venv
 
 # Build the CUDA extension ahead of first use (GPU hosts; uses the torch in $(PYTHON)).
 build:
-	PYTHONPATH=. $(PYTHON) -m opfuse.backend.runtime.extension --build
+	PYTHONPATH=. $(PYTHON) -m opfuse.runtime.extension --build
 
 # Compile every CUDA source without a GPU (runs in CI when nvcc is present; skipped otherwise).
 check-cuda: venv

@@ -9,10 +9,10 @@ fused.
 """
 
 from . import fp8, ops, passes
-from .backend.runtime.peer_watch import PeerTimeoutError, check_peers
+from .runtime.peer_watch import PeerTimeoutError, check_peers
 from .checkpoint import load_unsharded_state_dict, unsharded_state_dict
 from .config import config  # the settings object (shadows the module name on purpose)
-from .fuser import Program, compile
+from .sequential import Program, compile
 from .graphs import graphed
 from .ops.collectives import sync_sequence_parallel_grads
 from .torch_compile import optimize, programs

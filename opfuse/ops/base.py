@@ -150,7 +150,7 @@ class BasicOp(Described, nn.Module):
 
     #: Bumped by every attribute assignment and dtype/device conversion of this op: compiled
     #: programs read attributes (``eps``, ``group``, ...) and hold references to parameters, so
-    #: their cache key includes it (:mod:`opfuse.fuser.compile`).
+    #: their cache key includes it (:mod:`opfuse.sequential.cache`).
     _op_version: int = 0
 
     def __setattr__(self, name, value):

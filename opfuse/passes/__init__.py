@@ -12,12 +12,12 @@ Public API for users adding fusions:
 
 from ..ops.base import PartitionError
 from ..ops.sharding import plan_gemm
-from .context import FusionRecord, PassContext
-from .pattern import OpSpec, Pattern, PatternError, Predicate, predicate
-from .pipeline import BUILTIN_PASSES, Pass, PassError, disabled_passes, passes, register_pass, remove_pass
-from .registry import disabled_rules, register_rule, remove_rule, rules
-from .rule import Match, MatchedOp, Replacement, Rule, RuleError
-from .verify import VerifyError
+from ..machinery.context import FusionRecord, PassContext
+from ..machinery.pattern import OpSpec, Pattern, PatternError, Predicate, predicate
+from ..core.pipeline import BUILTIN_PASSES, Pass, PassError, disabled_passes, passes, register_pass, remove_pass
+from ..core.rules import disabled_rules, register_rule, remove_rule, rules
+from ..machinery.rule import Match, MatchedOp, Replacement, Rule, RuleError
+from ..core.passes.verify import VerifyError
 
 __all__ = [
     "BUILTIN_PASSES",

@@ -37,27 +37,20 @@ from __future__ import annotations
 
 import torch
 
-from ..backend.collective_linear.fp8_op import AllGatherLinearFp8, LinearReduceScatterFp8
-from ..backend.collective_linear.op import AllGatherLinear, LinearReduceScatter
-from ..backend.fp8_grouped_linear.op import GroupedGemmFp8
-from ..backend.fp8_linear.op import Fp8Linear
-from ..backend.grouped_linear.op import GroupedGemm
-from ..backend.linear_activation.op import LinearBiasActivation
-from ..backend.quantize.op import QuantizeActivation
-from ..backend.residual_norm.op import (
-    AddLayerNorm,
-    AddLayerNormQuantize,
-    AddRMSNorm,
-    AddRMSNormQuantize,
-    AllReduceAddLayerNorm,
-    AllReduceAddRMSNorm,
-    AllReduceAddRMSNormQuantize,
-    FusedAllReduce,
-)
-from .pattern import OpSpec, Pattern
-from .predicates import (bias_matches_input, gathered_fp8_scale_shared, is_fp8, norm_params_match_input, not_fp8,
-                         one_group, quantize_fits_gather, quantize_fits_gemm)
-from .rule import Match, Replacement, Rule
+from ..families.collective_linear.fp8.op import AllGatherLinearFp8, LinearReduceScatterFp8
+from ..families.collective_linear.op import AllGatherLinear, LinearReduceScatter
+from ..families.grouped_linear.fp8.op import GroupedGemmFp8
+from ..families.linear.fp8.op import Fp8Linear
+from ..families.grouped_linear.op import GroupedGemm
+from ..families.linear.op import LinearBiasActivation
+from ..families.quantize.op import QuantizeActivation
+from ..families.residual_norm.op import (AddLayerNorm, AddLayerNormQuantize, AddRMSNorm, AddRMSNormQuantize,
+                                         AllReduceAddLayerNorm, AllReduceAddRMSNorm, AllReduceAddRMSNormQuantize,
+                                         FusedAllReduce)
+from ..machinery.pattern import OpSpec, Pattern
+from ..machinery.predicates import (bias_matches_input, gathered_fp8_scale_shared, is_fp8, norm_params_match_input,
+                                    not_fp8, one_group, quantize_fits_gather, quantize_fits_gemm)
+from ..machinery.rule import Match, Replacement, Rule
 
 __all__ = ["BUILTIN_RULES"]
 

@@ -27,11 +27,11 @@ from ..ops.base import OpInputError, TensorMeta
 from ..ops.extra import MakeExtraOutput
 from ..ops.norm import LayerNorm, RMSNorm
 from ..ops.sharding import REPLICATED, Sharding
-from ..passes.registry import get_registry
-from ..passes.rewrite import add_submodule, snake_case
-from .aten import value as fake_value
-from .raising import find_regions
-from .regions import ParamSource, Region, recompute_closure
+from ..core.rules import get_registry
+from ..machinery.rewrite import add_submodule, snake_case
+from ..machinery.aten import value as fake_value
+from .recognition import find_regions
+from ..machinery.region import ParamSource, Region, recompute_closure
 
 __all__ = ["OpGraph", "OpGraphModule", "build_op_graph", "param_source", "tensor_meta"]
 

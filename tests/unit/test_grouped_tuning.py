@@ -1,4 +1,4 @@
-"""The per-GPU choices of ``grouped_linear`` (opfuse/backend/grouped_linear/tuning.py): size classes,
+"""The per-GPU choices of ``grouped_linear`` (opfuse/families/grouped_linear/tuning.py): size classes,
 the measured order the select pass applies (measured implementations first, the rest in table
 order, forcing untouched), the device name read once, and the shipped tables' consistency."""
 
@@ -7,9 +7,9 @@ import torch
 
 import opfuse
 from opfuse import ops
-from opfuse.backend import implementations
-from opfuse.backend.grouped_linear import persistent, tuning
-from opfuse.backend.registry import CallSpec, Implementation, choose
+from opfuse.core import dispatch as implementations
+from opfuse.families.grouped_linear import persistent, tuning
+from opfuse.machinery.fused_op import CallSpec, Implementation, choose
 from opfuse.ops.base import TensorMeta
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from opfuse.backend.collective_linear import plan as P
-from opfuse.backend.collective_linear import schedules as S
-from opfuse.backend.collective_linear import policy
-from opfuse.backend.collective_linear.simulate import Deadlock, Race, simulate
+from opfuse.families.collective_linear.overlap import plan as P
+from opfuse.families.collective_linear.overlap import schedules as S
+from opfuse.families.collective_linear.overlap import policy
+from opfuse.families.collective_linear.overlap.simulate import Deadlock, Race, simulate
 
 SEEDS = range(6)
 
