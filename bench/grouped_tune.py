@@ -38,7 +38,7 @@ import common  # noqa: E402  (bench/common.py)
 from opfuse.core import dispatch as implementations  # noqa: E402
 from opfuse.families.grouped_linear import persistent, tuning  # noqa: E402
 from opfuse.families.grouped_linear.reference import reference_forward  # noqa: E402
-from opfuse.machinery.fused_op import CallSpec  # noqa: E402
+from opfuse.machinery.implementation import CallSpec  # noqa: E402
 from opfuse.ops.base import TensorMeta  # noqa: E402
 from timing import interleaved_us, warm_up_gpu  # noqa: E402  (bench/timing.py)
 

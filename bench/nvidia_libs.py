@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
 from opfuse.core import dispatch as implementations  # noqa: E402
-from opfuse.machinery.fused_op import CallSpec  # noqa: E402
+from opfuse.machinery.implementation import CallSpec  # noqa: E402
 from opfuse.families.residual_norm import reference as norm_reference  # noqa: E402
 from opfuse.ops.base import TensorMeta  # noqa: E402
 from timing import device_copy_gbs, graph_replay_us, median  # noqa: E402  (bench/timing.py)

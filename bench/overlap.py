@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import opfuse  # noqa: E402
 import common  # noqa: E402  (bench/common.py)
 from opfuse.core import dispatch as implementations  # noqa: E402
-from opfuse.machinery.fused_op import CallSpec  # noqa: E402
+from opfuse.machinery.implementation import CallSpec  # noqa: E402
 from opfuse.runtime.symm_pool import open_pool  # noqa: E402
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 from opfuse.ops.base import TensorMeta  # noqa: E402

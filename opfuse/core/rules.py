@@ -1,5 +1,5 @@
-"""The process-wide rule registry: the built-in rules (:data:`.builtin_rules.BUILTIN_RULES`) plus
-the rules users register.
+"""The process-wide rule registry: the built-in rules (each family's ``rules.py``, in the order of
+the one list of families, :data:`opfuse.families.FAMILIES`) plus the rules users register.
 
 Users add fusions without editing opfuse::
 
@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from ..families import FAMILIES
 from ..machinery import graph_pass as pass_registry
-from ..passes.builtin_rules import BUILTIN_RULES
 from ..machinery.pattern import Pattern, PatternError
 from ..machinery.rule import Match, Replacement, Rule, RuleRegistry, caller_location
 
-__all__ = ["get_registry", "register_rule", "remove_rule", "disabled_rules", "rules", "generation", "active_key",
-           "is_builtin"]
+__all__ = ["BUILTIN_RULES", "get_registry", "register_rule", "remove_rule", "disabled_rules", "rules", "generation",
+           "active_key", "is_builtin"]
+
+#: The built-in rules: every family's, in the order of :data:`opfuse.families.FAMILIES`.
+BUILTIN_RULES: tuple[Rule, ...] = tuple(rule for family in FAMILIES for rule in family.rules)
 
 _REGISTRY = RuleRegistry(BUILTIN_RULES)
 

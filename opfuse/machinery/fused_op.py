@@ -1,129 +1,28 @@
-"""The backend's leaf: what a fused op is, what an implementation is, how one is chosen, and the one
-factory that turns a fused op's math into ``torch.library`` custom ops with fakes and autograd.
+"""What a fused op is, and the one factory that turns a fused op's math into ``torch.library``
+custom ops with fakes and autograd.
 
-Nothing here imports an implementation. The ordered implementation lists live in
-:mod:`opfuse.core.dispatch`; each fused-op family (``families/<family>/``) defines its
-fused ops with :func:`define_fused_op` and a :class:`FusedOp` subclass.
+Nothing here imports an implementation. Each fused-op family (``families/<family>/``) defines its
+fused ops with :func:`define_fused_op` and a :class:`FusedOp` subclass, and lists their
+implementations in its ``implementations.py`` (:mod:`.implementation`).
 
 One name per fused op (``FusedOp.name``, e.g. ``"allreduce_add_rmsnorm"``): it is the op's kind
 in patterns and dumps, its key in the implementation table and in ``OPFUSE_FORCE_IMPL``, and its
 custom op (``torch.ops.opfuse.allreduce_add_rmsnorm``; the backward is ``..._backward``).
-
-Choosing (:func:`choose`), in program order on every rank:
-
-1. ``check(spec)`` of each implementation in table order: pure (reads shapes, settings, cached
-   device and pool state; never allocates, never talks to other ranks); ``None`` or a reason.
-2. ``prepare(spec)`` of the first capable one only: reservations, initialisation, barriers.
-   Every rank runs the same checks on the same specs, so every rank prepares the same thing.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import typing
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .. import log
 from ..ops.base import Described, TensorMeta
+from .implementation import CallSpec, Implementation, ImplementationError
 
-__all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "choose", "FusedOp", "FusedCall",
-           "define_fused_op"]
-
-
-class ImplementationError(RuntimeError):
-    """No implementation can run a fused op, or a forced one cannot."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CallSpec:
-    """What an implementation's check sees: the fused op's input metadata and settings."""
-
-    op: str
-    inputs: Mapping[str, TensorMeta | None]
-    attrs: Mapping[str, Any]
-    group_name: str | None = None
-    world_size: int = 1
-    requires_grad: bool = False
-
-    @property
-    def x(self) -> TensorMeta:
-        return self.inputs["x"]
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device(self.x.device)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.x.dtype
-
-
-def _prepared(spec: CallSpec) -> None:
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """One way to run a fused op.
-
-    ``check(spec)`` is pure and returns ``None`` when capable, else a short reason.
-    ``prepare(spec)`` runs once per program for the chosen implementation (reserve peer memory,
-    initialise it, barrier). ``forward`` / ``backward`` take the fused op's custom-op arguments
-    minus the trailing ``impl`` name (see the family's ``op.py``).
-    """
-
-    name: str
-    check: Callable[[CallSpec], str | None]
-    forward: Callable[..., Any]
-    backward: Callable[..., Any] | None = None
-    prepare: Callable[[CallSpec], None] = _prepared
-    description: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    impl: Implementation
-    skipped: tuple[tuple[str, str], ...]
-
-    @property
-    def name(self) -> str:
-        return self.impl.name
-
-
-def choose(spec: CallSpec, impls: Sequence[Implementation], forced: str | None = None) -> Choice:
-    """Check ``impls`` in order; prepare and return the first capable one (or the ``forced`` one,
-    whose incapability is an error: forcing is for tests and benchmarks, where a silent fallback
-    would measure the wrong thing)."""
-    if forced is not None and forced not in {i.name for i in impls}:
-        raise ImplementationError(
-            f"{spec.op}: forced implementation {forced!r} does not exist; known: {[i.name for i in impls]}")
-    # Under torch.compile this runs inside the fake-tensor mode of Inductor's joint-graph pass;
-    # checks may ask a library about real buffers (cuDNN engine support), and prepare() allocates
-    # peer memory and talks to the other ranks: both need real tensors.
-    with unset_fake_temporarily():
-        return _first_capable(spec, impls, forced)
-
-
-def _first_capable(spec: CallSpec, impls: Sequence[Implementation], forced: str | None) -> Choice:
-    skipped = []
-    for impl in impls:
-        if forced is not None and impl.name != forced:
-            continue
-        reason = impl.check(spec)
-        if reason is None:
-            impl.prepare(spec)
-            log.fallback(spec.op, impl.name, skipped)
-            return Choice(impl, tuple(skipped))
-        if forced is not None:
-            raise ImplementationError(f"{spec.op}: forced implementation {forced!r} cannot run: {reason}")
-        skipped.append((impl.name, reason))
-    detail = "; ".join(f"{n}: {r}" for n, r in skipped)
-    raise ImplementationError(f"{spec.op}: no capable implementation ({detail})")
+__all__ = ["FusedOp", "FusedCall", "define_fused_op"]
 
 
 class FusedOp(Described, nn.Module):

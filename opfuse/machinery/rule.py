@@ -1,8 +1,8 @@
 """Fusion rules as data: a pattern, predicates, a replacement builder, a priority, and where the rule
 was defined; and :class:`RuleRegistry`, an ordered collection of them.
 
-This is machinery only: it knows no rule and no fused op. The built-in rules are listed in
-:mod:`.builtin_rules`; the process-wide registry users add to is :mod:`.registry`.
+This is machinery only: it knows no rule and no fused op. The built-in rules are in each family's
+``rules.py``; the process-wide registry users add to is :mod:`opfuse.core.rules`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The cache key has two parts:
 
 * the block's *state* (:func:`state_key`): its structure, each op's version (bumped by any
   attribute assignment or dtype/device conversion of the op), the settings' values, the active
-  rules and the pass pipeline. A change here makes every program of the block stale, so they are
+  rules, the pass pipeline and the registered implementations. A change here makes every program of the block stale, so they are
   dropped;
 * the *call* (:func:`call_key`): shape, dtype, device and ``requires_grad`` of each input,
   whether gradients are enabled, ``requires_grad`` of each parameter, and the FP8 recipe of the
@@ -29,6 +29,7 @@ from ..debug.dump import render_python, render_text
 from ..fp8.state import current_recipe
 from ..ops.base import TensorMeta
 from ..machinery import graph_pass as pass_registry
+from ..core import dispatch
 from ..core.pipeline import PassContext, run_pipeline
 from ..core.rules import active_key
 from .agree import Agreement, groups_of, signature_lines
@@ -54,7 +55,7 @@ def default_group():
 def state_key(seq) -> tuple:
     """What every program of ``seq`` depends on besides its inputs (see the module docstring)."""
     return (tuple(map(id, seq._modules.values())), tuple(op._op_version for op in seq), snapshot(), active_key(),
-            pass_registry.generation(), id(default_group()))
+            pass_registry.generation(), dispatch.generation(), id(default_group()))
 
 
 def uses_default_group(seq) -> bool:

@@ -14,9 +14,9 @@ import torch
 import opfuse
 from opfuse import ops
 from opfuse.core import dispatch as implementations
-from opfuse.machinery.fused_op import CallSpec
+from opfuse.machinery.implementation import CallSpec
 from opfuse.families.grouped_linear import persistent, torch_mm, triton_impl, tuning
-from opfuse.machinery.fused_op import choose
+from opfuse.machinery.implementation import choose
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

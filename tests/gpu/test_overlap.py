@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2+ GPUs")
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.machinery.fused_op import ImplementationError  # noqa: E402
+from opfuse.machinery.implementation import ImplementationError  # noqa: E402
 from opfuse.ops import collectives  # noqa: E402
 from opfuse.ops.base import OpInputError  # noqa: E402
 

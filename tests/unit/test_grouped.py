@@ -14,7 +14,7 @@ import opfuse
 from opfuse import ops
 from opfuse.core import dispatch as implementations
 from opfuse.families.grouped_linear import torch_mm, triton_impl
-from opfuse.machinery.fused_op import CallSpec, ImplementationError, choose
+from opfuse.machinery.implementation import CallSpec, ImplementationError, choose
 from opfuse.ops.base import OpInputError, TensorMeta
 from opfuse.passes import PartitionError
 

@@ -17,7 +17,7 @@ import torch
 from opfuse.families.collective_linear import cublasmp as mp_impl
 from opfuse.families.grouped_linear import cudnn as grouped_cudnn
 from opfuse.families.linear import cudnn as activation_cudnn
-from opfuse.machinery.fused_op import CallSpec
+from opfuse.machinery.implementation import CallSpec
 from opfuse.families.residual_norm import cudnn as norm_cudnn
 from opfuse.runtime import cublasmp, cudnn_frontend
 from opfuse.ops.base import TensorMeta

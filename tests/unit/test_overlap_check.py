@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from opfuse.core import dispatch as implementations
-from opfuse.machinery.fused_op import CallSpec
+from opfuse.machinery.implementation import CallSpec
 from opfuse.families.collective_linear import p2p as impl
 from opfuse.ops.base import OpInputError, TensorMeta
 

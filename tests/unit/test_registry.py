@@ -7,7 +7,7 @@ import torch
 
 from opfuse.core import dispatch as implementations
 from opfuse.machinery import fused_op as registry
-from opfuse.machinery.fused_op import CallSpec, Implementation, ImplementationError, choose
+from opfuse.machinery.implementation import CallSpec, Implementation, ImplementationError, choose
 from opfuse.families.residual_norm import cuda as norm_cuda
 from opfuse.runtime import symm_pool
 from opfuse.ops.base import TensorMeta

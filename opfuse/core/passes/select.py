@@ -12,7 +12,8 @@ import torch
 from torch import fx
 
 from .. import dispatch as implementations
-from ...machinery.fused_op import FusedOp, ImplementationError, choose
+from ...machinery.fused_op import FusedOp
+from ...machinery.implementation import ImplementationError, choose
 from ...runtime import symm_pool
 from ...config import config, parse_force_impl
 from ...ops import group as groups

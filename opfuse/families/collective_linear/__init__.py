@@ -7,3 +7,9 @@ runs: schedule, channels, regions), :mod:`.policy` (grids and sizes, pure Python
 :mod:`.resources` (pools, contexts, region names), :mod:`.executor` (a plan compiled to
 straight-line Python on CUDA), :mod:`.simulate` (a CPU interpreter of plans the tests use).
 """
+
+from ...machinery.family import Family
+from .implementations import TABLE
+from .rules import RULES
+
+FAMILY = Family('collective_linear', TABLE, RULES)

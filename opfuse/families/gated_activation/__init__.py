@@ -5,3 +5,8 @@ GEMMs of a ``GatedLinear``).
 Modules: :mod:`.op` (the fused op and its custom ops), :mod:`.reference`, :mod:`.triton_impl`
 (checks and launchers) and :mod:`.triton_kernels` (the kernels; imported only on a GPU host).
 """
+
+from ...machinery.family import Family
+from .implementations import TABLE
+
+FAMILY = Family('gated_activation', TABLE)

@@ -16,8 +16,9 @@ from torch import Tensor
 
 from ...ops.activation import ACTIVATIONS
 from ...ops.base import TensorMeta
-from ...core import dispatch as implementations
-from ...machinery.fused_op import CallSpec, FusedOp, define_fused_op
+from .implementations import TABLE as implementations
+from ...machinery.fused_op import FusedOp, define_fused_op
+from ...machinery.implementation import CallSpec
 
 __all__ = ["PackedGatedActivation"]
 

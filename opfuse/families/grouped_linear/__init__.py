@@ -16,9 +16,14 @@ implementation          runs where
 ======================  ======================================================================
 
 Every GPU entry keeps the group sizes on the device (no host sync, CUDA-graph capturable). Their
-order is in :mod:`opfuse.core.dispatch`; on a GPU kind measured by
+order is in :mod:`.implementations`; on a GPU kind measured by
 ``bench/grouped_tune.py`` the measured order of the call's size class comes first
 (:mod:`.tuning`; measurements: docs/PERF_NOTES.grouped.md). ``OPFUSE_FORCE_IMPL=grouped_linear=<name>``
 picks one.
 """
 
+from ...machinery.family import Family
+from .implementations import TABLE
+from .rules import RULES
+
+FAMILY = Family('grouped_linear', TABLE, RULES)

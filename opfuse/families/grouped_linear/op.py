@@ -21,8 +21,9 @@ from torch import Tensor
 from ...ops import group as groups
 from ...ops.base import TensorMeta
 from ...ops.collectives import raw_all_gather, raw_reduce_scatter
-from ...core import dispatch as implementations
-from ...machinery.fused_op import CallSpec, FusedOp, define_fused_op
+from .implementations import TABLE as implementations
+from ...machinery.fused_op import FusedOp, define_fused_op
+from ...machinery.implementation import CallSpec
 
 __all__ = ["GroupedGemm", "OP_NAME"]
 

@@ -5,7 +5,7 @@ Both tables are data, written by ``bench/grouped_tune.py`` on each GPU kind (it 
 for the GPU it ran on) and keyed by ``torch.cuda.get_device_name()`` exactly as the driver reports
 it (``"NVIDIA H100 80GB HBM3"``, ``"NVIDIA H200"``), then by the size class of the call
 (:func:`size_class`). A GPU or class without an entry keeps the table order of
-:mod:`opfuse.core.dispatch` and the persistent kernel's default tiles.
+:mod:`.implementations` and the persistent kernel's default tiles.
 
 :func:`order` is the dispatch hook: it moves the measured implementations to the front, fastest
 first, and leaves the others behind them in table order (so an implementation added later, not

@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 
 from ...ops.base import TensorMeta
-from ...core import dispatch as implementations
-from ...machinery.fused_op import CallSpec, FusedOp, define_fused_op
+from .implementations import TABLE as implementations
+from ...machinery.fused_op import FusedOp, define_fused_op
+from ...machinery.implementation import CallSpec
 
 __all__ = ["LinearBiasActivation"]
 

@@ -12,8 +12,9 @@ from torch import Tensor
 from ...fp8.recipe import E4M3
 from ...ops import group as groups
 from ...ops.base import TensorMeta
-from ...core import dispatch as implementations
-from ...machinery.fused_op import CallSpec, FusedOp, define_fused_op
+from .implementations import TABLE as implementations
+from ...machinery.fused_op import FusedOp, define_fused_op
+from ...machinery.implementation import CallSpec
 
 __all__ = ["QuantizeActivation"]
 

@@ -33,8 +33,9 @@ from torch import Tensor
 from ...ops import group as groups
 from ...ops.base import TensorMeta
 from ...ops.norm import compute_dtype
-from ...core import dispatch as implementations
-from ...machinery.fused_op import CallSpec, FusedOp, define_fused_op
+from .implementations import TABLE as implementations
+from ...machinery.fused_op import FusedOp, define_fused_op
+from ...machinery.implementation import CallSpec
 
 __all__ = ["AllReduceAddRMSNorm", "AllReduceAddLayerNorm", "AddRMSNorm", "AddLayerNorm", "FusedAllReduce",
            "AddRMSNormQuantize", "AddLayerNormQuantize", "AllReduceAddRMSNormQuantize"]

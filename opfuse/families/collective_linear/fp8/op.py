@@ -24,9 +24,10 @@ from ....fp8.recipe import Recipe
 from ....fp8.tensor import payload
 from ....ops import group as groups
 from ....ops.base import TensorMeta
-from ....core import dispatch as implementations
+from ..implementations import TABLE as implementations
 from ...linear.fp8.reference import payload_fake
-from ....machinery.fused_op import CallSpec, FusedOp, define_fused_op
+from ....machinery.fused_op import FusedOp, define_fused_op
+from ....machinery.implementation import CallSpec
 
 __all__ = ["AllGatherLinearFp8", "LinearReduceScatterFp8"]
 

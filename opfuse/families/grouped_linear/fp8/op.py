@@ -19,9 +19,10 @@ from torch import Tensor
 from ....fp8.recipe import Recipe
 from ....ops import group as groups
 from ....ops.base import TensorMeta
-from ....core import dispatch as implementations
+from ..implementations import TABLE as implementations
 from ..op import GroupedGemm
-from ....machinery.fused_op import CallSpec, define_fused_op
+from ....machinery.fused_op import define_fused_op
+from ....machinery.implementation import CallSpec
 
 __all__ = ["GroupedGemmFp8"]
 

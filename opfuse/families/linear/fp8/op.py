@@ -22,8 +22,9 @@ from torch import Tensor
 from ....fp8.recipe import Recipe
 from ....fp8.tensor import payload
 from ....ops.base import TensorMeta
-from ....core import dispatch as implementations
-from ....machinery.fused_op import CallSpec, FusedOp, define_fused_op
+from ..implementations import TABLE as implementations
+from ....machinery.fused_op import FusedOp, define_fused_op
+from ....machinery.implementation import CallSpec
 from .reference import payload_fake
 
 __all__ = ["Fp8Linear"]
