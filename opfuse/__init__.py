@@ -12,7 +12,8 @@ from . import fp8, ops, passes
 from .runtime.peer_watch import PeerTimeoutError, check_peers
 from .checkpoint import load_unsharded_state_dict, unsharded_state_dict
 from .config import config  # the settings object (shadows the module name on purpose)
-from .sequential import Program, compile
+from .core.program import Program
+from .sequential import compile
 from .graphs import graphed
 from .ops.collectives import sync_sequence_parallel_grads
 from .torch_compile import optimize, programs

@@ -18,7 +18,7 @@ from typing import Callable
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..sequential.cache import PassRecorder, new_dump_dir
+from ..core.recorder import PassRecorder, new_dump_dir
 from ..core.pipeline import PassContext, run_pipeline
 from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
