@@ -1,7 +1,8 @@
 """Graph passes as data: a name, a function ``fn(graph_module, ctx)``, where it was defined, and
 where it runs; and :class:`PassRegistry`, the ordered pipeline of built-in and registered passes.
 
-Machinery only: the built-in passes and the process-wide registry are in :mod:`.pipeline`.
+Machinery only: the built-in passes and the process-wide registry are in
+:mod:`opfuse.core.pipeline`.
 
 Placement. The built-in passes run in a fixed order. A registered pass names an anchor (a
 built-in pass or an earlier registered one): ``after=A`` runs it after ``A`` and after the passes
@@ -12,17 +13,14 @@ placed at the same point run in registration order.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
 import inspect
 import os
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from torch import fx
 
-from .. import epoch
-from ..config import config
+from .registry import Registry
 
 __all__ = ["Pass", "PassError", "PassRegistry", "generation", "function_location"]
 
@@ -32,12 +30,6 @@ _generation = 0
 def generation() -> int:
     """Bumped whenever any pass registry's pipeline may have changed (compile caches key on it)."""
     return _generation
-
-
-def _bump() -> None:
-    global _generation
-    _generation += 1
-    epoch.bump()  # compiled blocks' per-call guard
 
 
 class PassError(RuntimeError):
@@ -94,28 +86,39 @@ def _check_callable(name: str, fn) -> None:
         pass
 
 
-class PassRegistry:
-    """The built-in passes in their fixed order plus registered passes at their anchors."""
+class PassRegistry(Registry[Pass]):
+    """The built-in passes in their fixed order plus registered passes at their anchors; the one
+    registry API (:class:`~.registry.Registry`) with ``register_pass`` / ``remove_pass`` /
+    ``disabled_passes`` messages and ``OPFUSE_DISABLE_PASSES``."""
+
+    kind = "pass"
+    plural = "passes"
+    setting = "disabled_passes"
+    error = PassError
 
     def __init__(self, builtins: Sequence[Pass]):
         self._builtins = list(builtins)
-        self._registered: dict[str, Pass] = {}
-        self._disabled: list[str] = []
-        self._order: list[Pass] | None = None
+        self._placed: list[Pass] | None = None
+        super().__init__()
+        self._entries.update({p.name: p for p in self._builtins})
 
     # Order --------------------------------------------------------------------------------
 
+    def _registered(self) -> dict[str, Pass]:
+        return {name: p for name, p in self._entries.items() if not p.builtin}
+
     def _follows(self, item: Pass, anchor: str) -> bool:
         """True when registered pass ``item`` is placed (transitively) after ``anchor``."""
+        registered = self._registered()
         seen = set()
         while not item.builtin and item.name not in seen:
             seen.add(item.name)
             nxt = item.after or item.before
             if item.after == anchor:
                 return True
-            if nxt is None or nxt not in self._registered:
+            if nxt is None or nxt not in registered:
                 return False
-            item = self._registered[nxt]
+            item = registered[nxt]
         return False
 
     def _place(self, registered: Sequence[Pass]) -> list[Pass]:
@@ -138,14 +141,10 @@ class PassRegistry:
                         f"{' -> '.join(names)}")
         return order
 
-    def ordered(self) -> list[Pass]:
-        """Every pass in the order the pipeline runs them."""
-        if self._order is None:
-            self._order = self._place(list(self._registered.values()))
-        return list(self._order)
-
-    def names(self) -> list[str]:
-        return [p.name for p in self.ordered()]
+    def _order(self, entries: list[Pass]) -> list[Pass]:
+        if self._placed is None:
+            self._placed = self._place(list(self._registered().values()))
+        return list(self._placed)
 
     def get(self, name: str) -> Pass:
         for item in self.ordered():
@@ -153,23 +152,17 @@ class PassRegistry:
                 return item
         raise KeyError(f"no pass named {name!r}; passes: {', '.join(self.names())}")
 
-    def _unknown(self, what: str, name: str) -> PassError:
-        names = self.names()
-        close = difflib.get_close_matches(str(name), names, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return PassError(f"{what}: no pass named {name!r}{hint}; passes: {', '.join(names)}")
-
     # Changes ------------------------------------------------------------------------------
 
-    def add(self, item: Pass) -> Pass:
-        """Validate and register ``item`` (raises :class:`PassError` with the reason)."""
+    def _changed(self) -> None:
+        global _generation
+        _generation += 1
+        self._placed = None
+        super()._changed()
+
+    def _validate(self, item: Pass) -> None:
         _check_name(item.name)
         _check_callable(item.name, item.run)
-        existing = {p.name: p for p in self.ordered()}
-        if item.name in existing:
-            other = existing[item.name]
-            raise PassError(f"register_pass: a pass named {item.name!r} exists ({'built-in' if other.builtin else 'registered'} "
-                            f"at {other.source}); remove_pass({item.name!r}) first or choose another name")
         for label, anchor in (("after", item.after), ("before", item.before)):
             if anchor is None:
                 continue
@@ -177,63 +170,40 @@ class PassRegistry:
                 raise PassError(f"register_pass: pass {item.name!r}: {label}={anchor!r}; expected a pass name")
             if anchor == item.name:
                 raise PassError(f"register_pass: pass {item.name!r} cannot run {label} itself")
-            if anchor not in existing:
+            if anchor not in self._entries:
                 raise self._unknown(f"register_pass: pass {item.name!r}: {label}=", anchor)
         if item.after is None and item.before is None:
             raise PassError(f"register_pass: pass {item.name!r} needs after= or before=")
-        order = self._place([*self._registered.values(), item])  # raises for impossible placements
-        self._registered[item.name] = item
-        self._order = order
-        _bump()
-        return item
+        if item.name not in self._entries:
+            self._place([*self._registered().values(), item])  # raises for impossible placements
 
-    def remove(self, name: str) -> Pass:
-        """Unregister pass ``name`` (built-in ones cannot be removed; disable them instead)."""
-        if name not in self._registered:
-            if any(p.name == name for p in self._builtins):
-                raise PassError(f"remove_pass: {name!r} is a built-in pass; disable it with disabled_passes({name!r}) "
-                                f"or OPFUSE_DISABLE_PASSES")
-            raise self._unknown("remove_pass", name)
-        anchored = [p.name for p in self._registered.values() if name in (p.after, p.before)]
+    def _duplicate(self, existing: Pass, item: Pass) -> PassError:
+        return PassError(f"register_pass: a pass named {item.name!r} exists ({'built-in' if existing.builtin else 'registered'} "
+                         f"at {existing.source}); remove_pass({item.name!r}) first or choose another name")
+
+    def add(self, item: Pass, *, replace: bool = False) -> Pass:
+        """Validate and register ``item`` (raises :class:`PassError` with the reason); a pass is
+        never replaced in place (remove it first: passes anchored to it would move)."""
+        _check_name(item.name)
+        _check_callable(item.name, item.run)
+        if item.name in self._entries:
+            raise self._duplicate(self._entries[item.name], item)
+        return super().add(item)
+
+    def _check_removable(self, item: Pass) -> None:
+        if item.builtin:
+            raise PassError(f"remove_pass: {item.name!r} is a built-in pass; disable it with "
+                            f"disabled_passes({item.name!r}) or OPFUSE_DISABLE_PASSES")
+        anchored = [p.name for p in self._registered().values() if item.name in (p.after, p.before)]
         if anchored:
-            raise PassError(f"remove_pass: pass {name!r} is the anchor of {anchored}; remove those first")
-        item = self._registered.pop(name)
-        self._order = None
-        _bump()
-        return item
+            raise PassError(f"remove_pass: pass {item.name!r} is the anchor of {anchored}; remove those first")
 
     # Disabling ----------------------------------------------------------------------------
 
     def _check_disable(self, what: str, names: Sequence[str]) -> None:
-        known = {p.name: p for p in self.ordered()}
         for name in names:
-            if name not in known:
+            if name not in self._entries:
                 raise self._unknown(what, name)
-            if known[name].required:
+            if self._entries[name].required:
                 raise PassError(f"{what}: pass {name!r} cannot be disabled (programs cannot run without it)"
                                 + ("; OPFUSE_VERIFY=0 turns its checks off" if name == "verify" else ""))
-
-    def is_disabled(self, item: Pass) -> str | None:
-        """Why ``item`` does not run, or ``None``."""
-        if item.name in self._disabled:
-            return "disabled by opfuse.passes.disabled_passes(...)"
-        if item.name in config.disabled_passes:
-            return "disabled by OPFUSE_DISABLE_PASSES / config.disabled_passes"
-        return None
-
-    def active(self) -> list[Pass]:
-        """The passes a compile runs now, in order (validates ``config.disabled_passes``)."""
-        self._check_disable("OPFUSE_DISABLE_PASSES / config.disabled_passes", config.disabled_passes)
-        return [p for p in self.ordered() if self.is_disabled(p) is None]
-
-    @contextlib.contextmanager
-    def disabled(self, *names: str) -> Iterator[None]:
-        self._check_disable("disabled_passes", names)
-        self._disabled.extend(names)
-        _bump()
-        try:
-            yield
-        finally:
-            for name in names:
-                self._disabled.remove(name)
-            _bump()

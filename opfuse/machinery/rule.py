@@ -7,19 +7,18 @@ This is machinery only: it knows no rule and no fused op. The built-in rules are
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import inspect
 import os
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from torch import fx, nn
 
 from .. import epoch
-from ..config import config
 from ..ops.base import Described
 from .pattern import Pattern, PatternError, Predicate, _as_predicates
+from .registry import Registry
 
 __all__ = ["Rule", "RuleError", "MatchedOp", "Match", "Replacement", "RuleRegistry", "known_kinds", "caller_location",
            "check_predicate"]
@@ -205,84 +204,46 @@ class Rule:
         return f"Rule({self.name!r}, {self.pattern.describe()}, priority={self.priority}, at {self.source})"
 
 
-class RuleRegistry:
-    """An ordered collection of rules; ``generation`` changes whenever the active set may have
-    changed (compile caches key on it)."""
+class RuleRegistry(Registry[Rule]):
+    """The rules, highest priority first (ties: registration order); the one registry API
+    (:class:`~.registry.Registry`) with ``register_rule`` / ``remove_rule`` / ``disabled_rules``
+    messages and ``OPFUSE_DISABLE_RULES``."""
 
-    def __init__(self, initial: Sequence[Rule] = ()):
-        self._rules: dict[str, Rule] = {}
-        self._disabled: list[str] = []
-        self.generation = 0
-        for rule in initial:
-            self.add(rule)
+    kind = "rule"
+    plural = "rules"
+    setting = "disabled_rules"
+    error = PatternError
 
-    def add(self, rule: Rule, *, replace: bool = False) -> Rule:
+    def _validate(self, rule: Rule) -> None:
         if not isinstance(rule, Rule):
             raise PatternError(f"register_rule: expected a Rule, got {type(rule).__name__}")
-        if rule.name in self._rules and not replace:
-            raise PatternError(
-                f"register_rule: a rule named {rule.name!r} exists (defined at "
-                f"{self._rules[rule.name].source}); pass replace=True or remove_rule({rule.name!r})"
-            )
-        self._rules[rule.name] = rule
-        self._changed()
-        return rule
 
-    def _changed(self) -> None:
-        self.generation += 1
-        epoch.bump()
+    def _duplicate(self, existing: Rule, rule: Rule) -> Exception:
+        return PatternError(f"register_rule: a rule named {rule.name!r} exists (defined at {existing.source}); pass "
+                            f"replace=True or remove_rule({rule.name!r})")
 
-    def remove(self, name: str) -> Rule:
-        if name not in self._rules:
-            raise KeyError(f"remove_rule: no rule named {name!r}; known: {sorted(self._rules)}")
-        rule = self._rules.pop(name)
-        self._changed()
-        return rule
+    def _unknown(self, what: str, names) -> Exception:
+        known = sorted(self._entries)
+        if isinstance(names, str):
+            return KeyError(f"{what}: no rule named {names!r}; known: {known}")
+        # A misspelt setting is a bad value (ValueError); a misspelt name in code, a lookup (KeyError).
+        error = ValueError if what == self._setting_label() else KeyError
+        return error(f"{what}: unknown rule(s) {list(names)}; known: {known}")
 
-    def get(self, name: str) -> Rule:
-        return self._rules[name]
-
-    def names(self) -> list[str]:
-        return list(self._rules)
+    def _order(self, rules: list[Rule]) -> list[Rule]:
+        order = {name: i for i, name in enumerate(self._entries)}
+        return sorted(rules, key=lambda r: (-r.priority, order[r.name]))
 
     def all(self) -> list[Rule]:
         """Every rule, highest priority first (ties: registration order)."""
-        order = {name: i for i, name in enumerate(self._rules)}
-        return sorted(self._rules.values(), key=lambda r: (-r.priority, order[r.name]))
+        return self.ordered()
 
     def is_disabled(self, rule: Rule) -> str | None:
         """Why ``rule`` is off, or ``None`` if it is active."""
         if not rule.enabled:
             return "rule.enabled is False"
-        if rule.name in self._disabled:
-            return "disabled by opfuse.passes.disabled_rules(...)"
-        if rule.name in config.disabled_rules:
-            return "disabled by OPFUSE_DISABLE_RULES / config.disabled_rules"
-        return None
-
-    def active(self) -> list[Rule]:
-        """The rules that fire, highest priority first. Names in ``config.disabled_rules`` must be
-        registered rules (a misspelt name would silently keep a rule on)."""
-        unknown = [name for name in config.disabled_rules if name not in self._rules]
-        if unknown:
-            raise ValueError(f"OPFUSE_DISABLE_RULES / opfuse.config.disabled_rules: unknown rule(s) {unknown}; "
-                           f"known: {sorted(self._rules)}")
-        return [r for r in self.all() if self.is_disabled(r) is None]
+        return super().is_disabled(rule)
 
     def key(self) -> tuple:
         """Identifies the active rule set (compiled-program caches key on it)."""
         return tuple((r.name, id(r), r.priority) for r in self.active())
-
-    @contextlib.contextmanager
-    def disabled(self, *names: str) -> Iterator[None]:
-        unknown = [n for n in names if n not in self._rules]
-        if unknown:
-            raise KeyError(f"disabled_rules: unknown rule(s) {unknown}; known: {sorted(self._rules)}")
-        self._disabled.extend(names)
-        self._changed()
-        try:
-            yield
-        finally:
-            for name in names:
-                self._disabled.remove(name)
-            self._changed()
