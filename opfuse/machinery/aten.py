@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 __all__ = ["aten", "c10d", "calls", "value", "shape", "dtype", "scalar", "is_tensor_node", "only_user",
-           "users_calling", "is_cast_to", "last_dim"]
+           "users_calling", "is_cast_to", "last_dim", "before_upcast"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -76,3 +76,11 @@ def is_cast_to(node, target_dtype=None) -> bool:
     if target_dtype is None:
         return True
     return dtype(node) == target_dtype
+
+
+def before_upcast(xf: fx.Node) -> fx.Node:
+    """The tensor a float32 computation started from: ``x`` of ``x.float()`` for half-precision
+    inputs (norms and activations upcast before their arithmetic), else ``xf`` itself."""
+    if is_cast_to(xf, torch.float32) and dtype(xf.args[0]) in (torch.bfloat16, torch.float16):
+        return xf.args[0]
+    return xf

@@ -1,4 +1,5 @@
-"""What a fused-op family declares: its fused ops' implementation table and its fusion rules.
+"""What a fused-op family declares: its fused ops' implementation table, its fusion rules and its
+torch.compile recognizers.
 
 A family is one folder under ``opfuse/families/`` (op, reference, implementations, rules, kernels);
 its ``__init__.py`` builds its :class:`Family` and ``opfuse/families/__init__.py`` lists every
@@ -12,6 +13,7 @@ import dataclasses
 from typing import Sequence
 
 from .implementation import ImplementationTable
+from .recognizer import Recognizer
 from .rule import Rule
 
 __all__ = ["Family"]
@@ -30,11 +32,15 @@ class Family:
         Its fused ops and their implementations in the order tried (reference last).
     rules:
         Its fusion rules, each building one of its fused ops.
+    recognizers:
+        How the torch.compile front end finds, in aten graphs, the basic ops only its rules read
+        (none when the front end's own recognizers cover them).
     """
 
     name: str
     implementations: ImplementationTable
     rules: Sequence[Rule] = ()
+    recognizers: Sequence[Recognizer] = ()
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -45,7 +51,12 @@ class Family:
         for rule in self.rules:
             if not isinstance(rule, Rule):
                 raise TypeError(f"Family {self.name!r}: rules holds {rule!r}; expected opfuse Rule objects")
+        for recognizer in self.recognizers:
+            if not isinstance(recognizer, Recognizer):
+                raise TypeError(f"Family {self.name!r}: recognizers holds {recognizer!r}; expected opfuse Recognizer "
+                                f"objects")
         object.__setattr__(self, "rules", tuple(self.rules))
+        object.__setattr__(self, "recognizers", tuple(self.recognizers))
 
     def fused_ops(self) -> list[str]:
         """The names of the family's fused ops."""

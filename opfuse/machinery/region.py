@@ -3,8 +3,8 @@ is, the helpers the recognisers share, and which interior values a region recomp
 
 A :class:`Region` is a set of aten nodes that computes what one basic op computes, with the op
 (an instance of the opfuse op class, its parameters stand-ins on the meta device), its inputs and
-the node holding its result. The recognisers are :mod:`.recognize_ops` (collectives, linears,
-adds) and :mod:`.recognize_norms` (RMSNorm, LayerNorm, GELU); :mod:`.raising` runs them.
+the node holding its result. Recognizers return regions (:mod:`.recognizer` says how they run;
+the torch.compile front end holds its own and the families', :mod:`opfuse.torch_compile.recognition`).
 
 A region may hold interior values that other nodes use (the backward half of a joint graph reads
 a norm's ``rsqrt``, a linear's flattened input): they are *recomputed* from the region's inputs
@@ -29,7 +29,7 @@ __all__ = ["ParamSource", "Region", "recompute_closure", "EXPENSIVE", "VIEWS", "
            "is_vector_of", "other"]
 
 #: Ops a region may not recompute (the work fusion saves, or a collective).
-EXPENSIVE = (aten.mm, aten.addmm, aten.bmm, c10d.all_reduce, c10d.all_gather_into_tensor,
+EXPENSIVE = (aten.mm, aten.addmm, aten.bmm, aten._grouped_mm, c10d.all_reduce, c10d.all_gather_into_tensor,
              c10d.reduce_scatter_tensor, c10d.wait_tensor)
 
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)

@@ -1,5 +1,6 @@
-"""Recognising collectives, linears, biases and residual adds in aten graphs, in the forms
-Inductor's decompositions leave them (see :mod:`.regions` for what a region is):
+"""The torch.compile front end's recognizers: collectives, linears, biases and residual adds, the
+ops every tensor-parallel transformer graph has and several families' rules read, in the forms
+Inductor's decompositions leave them (see :mod:`opfuse.machinery.region` for what a region is):
 
 =================  ==========================================================================
 op                 aten form
@@ -22,14 +23,15 @@ import operator
 
 from torch import fx
 
+from ..machinery.aten import aten, c10d, calls, dtype, is_tensor_node, shape
+from ..machinery.recognizer import Found, Phase, Recognizer
+from ..machinery.region import VIEWS, ParamSource, Region, frozen, is_input, is_vector_of, standin
 from ..ops import group as groups
 from ..ops.collectives import AllGather, AllReduce, ReduceScatter
 from ..ops.extra import AddExtraInput
 from ..ops.linear import BasicLinear, Bias
-from ..machinery.aten import aten, c10d, calls, dtype, is_tensor_node, shape
-from ..machinery.region import VIEWS, ParamSource, Region, frozen, is_input, is_vector_of, standin
 
-__all__ = ["collective", "linear", "add"]
+__all__ = ["collective", "linear", "add", "BASIC_RECOGNIZERS"]
 
 
 # Collectives ------------------------------------------------------------------------------------
@@ -56,7 +58,7 @@ def _split_along_tokens(x: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
     return y, {x, split, *parts}
 
 
-def collective(wait: fx.Node) -> Region | None:
+def collective(wait: fx.Node, found: Found | None = None) -> Region | None:
     if not calls(wait, c10d.wait_tensor.default) or not wait.args:
         return None
     issue = wait.args[0]
@@ -112,7 +114,7 @@ def _numel(dims) -> int:
     return count
 
 
-def linear(mm: fx.Node) -> list[Region]:
+def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
     if calls(mm, aten.mm.default):
         bias, a, b = None, mm.args[0], mm.args[1]
     elif calls(mm, aten.addmm.default):
@@ -172,7 +174,7 @@ def linear(mm: fx.Node) -> list[Region]:
 _CHAIN_KINDS = {"AllReduce": 3, "ReduceScatter": 3, "Bias": 2, "BasicLinear": 2}
 
 
-def add(node: fx.Node, kind_of) -> Region | None:
+def add(node: fx.Node, found: Found) -> Region | None:
     if not calls(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
@@ -191,6 +193,16 @@ def add(node: fx.Node, kind_of) -> Region | None:
         return None
     # The main input is the one the rules' chains come from (an all-reduce, a bias, a GEMM); the
     # other one is the residual. Ties keep the written order.
-    if _CHAIN_KINDS.get(kind_of(b), 0) > _CHAIN_KINDS.get(kind_of(a), 0):
+    if _CHAIN_KINDS.get(found.kind_of(b), 0) > _CHAIN_KINDS.get(found.kind_of(a), 0):
         a, b = b, a
     return Region(frozen(AddExtraInput()), (a, b), node, frozenset({node, *views_a, *views_b}))
+
+
+#: The front end's own recognizers (the families add theirs: :mod:`.recognition`).
+BASIC_RECOGNIZERS = (
+    Recognizer("collective", Phase.COLLECTIVES, collective,
+               "AllReduce, AllGather, ReduceScatter: a _c10d_functional collective and its wait_tensor"),
+    Recognizer("linear", Phase.GEMMS, linear,
+               "BasicLinear (+ Bias): mm / addmm of a transposed weight that is a graph input"),
+    Recognizer("add", Phase.ADDS, add, "Bias (+ a 1-D parameter) and AddExtraInput (a residual add)"),
+)

@@ -8,5 +8,6 @@ Modules: :mod:`.op` (the fused op and its custom ops), :mod:`.reference`, :mod:`
 
 from ...machinery.family import Family
 from .implementations import TABLE
+from .recognizers import RECOGNIZERS
 
-FAMILY = Family('gated_activation', TABLE)
+FAMILY = Family('gated_activation', TABLE, recognizers=RECOGNIZERS)

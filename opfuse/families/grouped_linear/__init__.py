@@ -24,6 +24,7 @@ picks one.
 
 from ...machinery.family import Family
 from .implementations import TABLE
+from .recognizers import RECOGNIZERS
 from .rules import RULES
 
-FAMILY = Family('grouped_linear', TABLE, RULES)
+FAMILY = Family('grouped_linear', TABLE, RULES, recognizers=RECOGNIZERS)

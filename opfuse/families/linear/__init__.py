@@ -7,6 +7,7 @@ Modules: :mod:`.op`, :mod:`.reference`, :mod:`.cublaslt`, :mod:`.cudnn` (optiona
 
 from ...machinery.family import Family
 from .implementations import TABLE
+from .recognizers import RECOGNIZERS
 from .rules import RULES
 
-FAMILY = Family('linear', TABLE, RULES)
+FAMILY = Family('linear', TABLE, RULES, recognizers=RECOGNIZERS)

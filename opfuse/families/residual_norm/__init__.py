@@ -9,6 +9,7 @@ and LayerNorm in aten graphs, for the torch.compile front end).
 
 from ...machinery.family import Family
 from .implementations import TABLE
+from .recognizers import RECOGNIZERS
 from .rules import RULES
 
-FAMILY = Family('residual_norm', TABLE, RULES)
+FAMILY = Family('residual_norm', TABLE, RULES, recognizers=RECOGNIZERS)

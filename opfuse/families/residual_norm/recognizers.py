@@ -1,5 +1,6 @@
-"""Recognising norms and GELU in aten graphs, in the forms Inductor's decompositions and
-hand-written models leave them (see :mod:`.regions` for what a region is):
+"""The residual-norm family's recognizers: RMSNorm and LayerNorm in aten graphs, in the forms
+Inductor's decompositions and hand-written models leave them (see :mod:`opfuse.machinery.region`
+for what a region is, :mod:`opfuse.machinery.recognizer` for how recognizers run):
 
 =================  ==========================================================================
 op                 aten form
@@ -9,31 +10,22 @@ op                 aten form
                    Llama-style hand-written norms); ``x.float()`` is absent for float32 inputs
 ``LayerNorm``      ``var_mean(x.float(), -1, correction=0) -> + eps -> rsqrt -> (x - mean) * rstd``,
                    ``* weight``, ``+ bias``, cast back (F.layer_norm, nn.LayerNorm)
-``GELU``           the erf and tanh forms of F.gelu
 =================  ==========================================================================
 """
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
-from ...ops.activation import GELU
-from ...ops.norm import LayerNorm, RMSNorm
-from ...machinery.aten import aten, calls, dtype, is_cast_to, scalar, shape
+from ...machinery.aten import aten, before_upcast, calls, dtype, is_cast_to, scalar, shape
+from ...machinery.recognizer import Found, Phase, Recognizer
 from ...machinery.region import ParamSource, Region, frozen, is_input, is_vector_of, other
+from ...ops.norm import LayerNorm, RMSNorm
 
-__all__ = ["rms_norm", "layer_norm", "gelu"]
+__all__ = ["rms_norm", "layer_norm", "RECOGNIZERS"]
 
 
 # Norms ----------------------------------------------------------------------------------------------
-
-
-def _norm_input(xf: fx.Node) -> fx.Node:
-    """The tensor a norm normalises: ``x`` of ``x.float()`` for half-precision inputs."""
-    if is_cast_to(xf, torch.float32) and dtype(xf.args[0]) in (torch.bfloat16, torch.float16):
-        return xf.args[0]
-    return xf
 
 
 def _is_last_dim(dims, ndim: int, keepdim) -> bool:
@@ -99,7 +91,7 @@ def _norm_region(cls, x, xf, normed, out, nodes, weight, bias, eps) -> Region | 
     return Region(frozen(op), (x,), out, frozenset(nodes), params)
 
 
-def rms_norm(rsqrt: fx.Node) -> Region | None:
+def rms_norm(rsqrt: fx.Node, found: Found | None = None) -> Region | None:
     if not calls(rsqrt, aten.rsqrt.default):
         return None
     add = rsqrt.args[0]
@@ -120,13 +112,13 @@ def rms_norm(rsqrt: fx.Node) -> Region | None:
     normed = next((u for u in rsqrt.users if calls(u, aten.mul.Tensor) and other(u, rsqrt) is xf), None)
     if normed is None:
         return None
-    x = _norm_input(xf)
+    x = before_upcast(xf)
     out, tail, weight, _ = _affine_tail(normed, x, shape(x)[-1], with_bias=False)
     nodes = {square, mean, add, rsqrt, normed, *tail}
     return _norm_region(RMSNorm, x, xf, normed, out, nodes, weight, None, scalar(add.args[1]))
 
 
-def layer_norm(var_mean: fx.Node) -> Region | None:
+def layer_norm(var_mean: fx.Node, found: Found | None = None) -> Region | None:
     if not calls(var_mean, aten.var_mean.correction) or var_mean.kwargs.get("correction", 1) != 0:
         return None
     if var_mean.kwargs.get("keepdim") is not True or len(var_mean.args) < 2:
@@ -150,80 +142,15 @@ def layer_norm(var_mean: fx.Node) -> Region | None:
     normed = next((u for u in centered.users if calls(u, aten.mul.Tensor) and other(u, centered) is rsqrt), None)
     if normed is None:
         return None
-    x = _norm_input(xf)
+    x = before_upcast(xf)
     out, tail, weight, bias = _affine_tail(normed, x, shape(x)[-1], with_bias=True)
     nodes = {var_mean, var, mean, add, rsqrt, centered, normed, *tail}
     return _norm_region(LayerNorm, x, xf, normed, out, nodes, weight, bias, scalar(add.args[1]))
 
 
-# GELU -----------------------------------------------------------------------------------------------
-
-_SQRT_HALF = 0.7071067811865476
-_SQRT_2_OVER_PI = 0.7978845608028654
-
-
-def _mul_by(node, factor, of=None) -> fx.Node | None:
-    """``node`` is ``of * factor`` (either order); returns ``of`` (or the tensor operand)."""
-    if not calls(node, aten.mul.Tensor) or len(node.args) != 2:
-        return None
-    a, b = node.args
-    if scalar(b) is not None and abs(scalar(b) - factor) < 1e-12 and (of is None or a is of):
-        return a
-    if scalar(a) is not None and abs(scalar(a) - factor) < 1e-12 and (of is None or b is of):
-        return b
-    return None
-
-
-def _plus_one(node) -> bool:
-    return calls(node, aten.add.Tensor, aten.add.Scalar) and len(node.args) == 2 and scalar(node.args[1]) == 1.0
-
-
-def _gelu_tail(inner_fn: fx.Node, xf: fx.Node, nodes: set) -> Region | None:
-    """``0.5 * xf * (1 + inner_fn)``, then an optional cast back."""
-    one = next(iter(inner_fn.users), None) if len(inner_fn.users) == 1 else None
-    if one is None or not _plus_one(one) or len(one.users) != 1:
-        return None
-    out = next(iter(one.users))
-    if not calls(out, aten.mul.Tensor):
-        return None
-    half = other(out, one)
-    if half is None or _mul_by(half, 0.5, of=xf) is None:
-        return None
-    nodes |= {one, out, half}
-    x = _norm_input(xf)
-    if x is not xf:
-        cast = next((u for u in out.users if is_cast_to(u, dtype(x))), None)
-        if cast is None or len(out.users) != 1:
-            return None
-        nodes |= {xf, cast}
-        out = cast
-    return nodes, x, out
-
-
-def gelu(node: fx.Node) -> Region | None:
-    if calls(node, aten.erf.default):
-        xf = _mul_by(node.args[0], _SQRT_HALF)
-        if xf is None:
-            return None
-        found = _gelu_tail(node, xf, {node.args[0], node})
-        approximate = "none"
-    elif calls(node, aten.tanh.default):
-        # tanh(sqrt(2/pi) * (x + 0.044715 * x^3)), x^3 as (x * x) * x
-        inner = _mul_by(node.args[0], _SQRT_2_OVER_PI)
-        if not calls(inner, aten.add.Tensor) or len(inner.args) != 2:
-            return None
-        xf, cubic = inner.args
-        cube = _mul_by(cubic, 0.044715)
-        if cube is None or not calls(cube, aten.mul.Tensor) or cube.args[1] is not xf:
-            return None
-        square = cube.args[0]
-        if not calls(square, aten.mul.Tensor) or square.args[0] is not xf or square.args[1] is not xf:
-            return None
-        found = _gelu_tail(node, xf, {node.args[0], inner, cubic, cube, square, node})
-        approximate = "tanh"
-    else:
-        return None
-    if found is None:
-        return None
-    nodes, x, out = found
-    return Region(frozen(GELU(approximate)), (x,), out, frozenset(nodes))
+RECOGNIZERS = (
+    Recognizer("rms_norm", Phase.NORMS_AND_ACTIVATIONS, rms_norm,
+               "RMSNorm: x.float() -> pow(2) or x*x -> mean(-1) -> + eps -> rsqrt -> * x, weight and cast back"),
+    Recognizer("layer_norm", Phase.NORMS_AND_ACTIVATIONS, layer_norm,
+               "LayerNorm: var_mean(x.float(), -1) -> + eps -> rsqrt -> (x - mean) * rstd, weight, bias, cast back"),
+)
