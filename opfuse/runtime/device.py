@@ -7,11 +7,14 @@ import importlib.util
 
 import torch
 
-from ..ops.base import dtype_name
-
-__all__ = ["sm_count", "current_stream", "is_capturing", "triton_status", "triton_gpu_reason"]
+__all__ = ["dtype_name", "sm_count", "current_stream", "is_capturing", "triton_status", "triton_gpu_reason"]
 
 _SM_COUNT: dict[int, int] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16`` (what messages print)."""
+    return str(dtype).replace("torch.", "")
 
 
 def sm_count(index: int | None = None) -> int:
