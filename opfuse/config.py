@@ -1,6 +1,6 @@
 """opfuse settings: one object, ``opfuse.config``, overridable by ``OPFUSE_*`` environment variables.
 
-Every field below is documented in the README ("Settings"). The environment is read when the
+Every field below is documented in docs/guide.md ("Settings"). The environment is read when the
 module is imported and again by ``opfuse.config.reload_from_env()``. Settings can be assigned
 (``opfuse.config.fuse = False``) or changed for a scope::
 

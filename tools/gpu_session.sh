@@ -276,7 +276,7 @@ case "$stage" in
     final_summary() { show allreduce_bench; }
     ;;
   nvidia-libs)
-    install_wheels || echo "no wheels in .whl/ (carry them: README, optional NVIDIA libraries)"
+    install_wheels || echo "no wheels in .whl/ (carry them: docs/guide.md, optional NVIDIA libraries)"
     export PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1
     step doctor 90 python3 -m opfuse doctor
     tests nvidia_tests 300 -q -rs tests/gpu/test_nvidia_libs.py

@@ -15,7 +15,8 @@ from .. import epoch
 from ..families import FAMILIES
 from ..machinery.implementation import CallSpec, Implementation, ImplementationError, ImplementationTable
 
-__all__ = ["table", "for_op", "get", "names", "register_implementation", "remove_implementation", "generation"]
+__all__ = ["table", "for_op", "get", "names", "register_implementation", "remove_implementation", "add_table",
+           "remove_table", "generation"]
 
 
 def _owners() -> dict[str, ImplementationTable]:
@@ -88,3 +89,22 @@ def remove_implementation(op: str, name: str) -> Implementation:
     impl = table(op).remove(op, name)
     _changed()
     return impl
+
+
+def add_table(implementations: ImplementationTable) -> None:
+    """Add the fused ops of a family defined outside opfuse (``opfuse.register_family``); a name
+    that is already a fused op is an error (one name per fused op)."""
+    taken = [op for op in implementations.ops() if op in _OWNERS]
+    if taken:
+        raise ImplementationError(f"family {implementations.family}: fused op(s) {taken} exist already (defined by "
+                                  f"{sorted({_OWNERS[op].family for op in taken})}); one name per fused op")
+    _OWNERS.update({op: implementations for op in implementations.ops()})
+    _changed()
+
+
+def remove_table(implementations: ImplementationTable) -> None:
+    """Take the fused ops of an added family out again."""
+    for op in implementations.ops():
+        if _OWNERS.get(op) is implementations:
+            del _OWNERS[op]
+    _changed()

@@ -4,7 +4,7 @@ source and target (at the port numbered with its argument where the target has s
 no edge passes through a box, no text overflows its box, the page logs no
 console error and fetches nothing, and clicking a node shows its details and highlights its
 producers and consumers. Checked with the dagre layout (always) and with Graphviz (when
-installed). Saves a screenshot (``OPFUSE_SCREENSHOT_DIR=docs/img`` writes the README's).
+installed). Saves a screenshot (``OPFUSE_SCREENSHOT_DIR=docs/img`` writes the ones docs/guide.md shows).
 
 Chromium comes from tools/browser/install.sh (npm: puppeteer-core + @sparticuz/chromium); the
 test skips, saying why, where node/npm or the registry are missing."""
