@@ -9,7 +9,7 @@ from ....fp8 import grouped as fp8_grouped
 from ....fp8.numerics import Quantized
 from ....ops import group as groups
 from ....ops.collectives import raw_all_gather, raw_reduce_scatter
-from ....ops.grouped import fp8_grouped_weight
+from ....ops.grouped_fp8 import fp8_grouped_weight
 
 __all__ = ["fsdp_group_of", "shape_of", "weight_operand", "weight_t_operand", "full_weight", "full_bias",
            "reduce_grads"]
