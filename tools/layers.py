@@ -34,6 +34,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import import_cycles  # noqa: E402  (tools/import_cycles.py: the import graph)
+import markers  # noqa: E402  (tools/markers.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "ARCHITECTURE.md")
@@ -190,14 +191,7 @@ def doc_block(package: str = "opfuse", root: str = ROOT) -> str:
 
 def write_doc(path: str = DOC) -> bool:
     """Rewrite the diagram block of ``path``; returns whether it changed."""
-    with open(path) as handle:
-        text = handle.read()
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    new = text[:start] + doc_block() + text[end:]
-    if new != text:
-        with open(path, "w") as handle:
-            handle.write(new)
-    return new != text
+    return markers.replace_between(path, BEGIN, END, doc_block())
 
 
 def main(argv=None) -> int:

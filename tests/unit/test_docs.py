@@ -3,7 +3,6 @@
 reason), the outputs the docs show are what the code prints, docs/reference.md's tables are the
 registries', the README stays short, and every OPFUSE_* variable opfuse reads is documented."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -11,18 +10,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .tools_support import ROOT, load_tool
 
-
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-doc_blocks = _tool("doc_blocks")
+doc_blocks = load_tool("doc_blocks")
 ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 

@@ -3,21 +3,13 @@ machinery -> ops -> runtime -> foundation, sibling front ends, declared family u
 reached through their one list; deferred imports count. docs/ARCHITECTURE.md's diagram is the one
 the import graph gives."""
 
-import importlib.util
-import os
+from .tools_support import ROOT, load_tool, write_package
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("layers", os.path.join(ROOT, "tools", "layers.py"))
-layers = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(layers)
+layers = load_tool("layers")
 
 
 def _package(tmp_path, files):
-    for name, text in files.items():
-        path = tmp_path / "opfuse" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return str(tmp_path)
+    return write_package(tmp_path, "opfuse", files)
 
 
 def test_opfuse_imports_follow_the_layers():

@@ -38,33 +38,27 @@ def _(x, sizes, weight):
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
-class MyGated(nn.Module):
-    def __init__(self, activation):
+class CallsCustomOp(nn.Module):
+    """A user's fused module: ``op(*inputs, [weight], *constants)`` (lowering binds the matched op's
+    stand-in weight to the graph input it stands for)."""
+
+    def __init__(self, op, *constants, weight=None):
         super().__init__()
-        self.activation = activation
+        self.op, self.constants, self.weight = op, constants, weight
 
-    def forward(self, gate, up):
-        return torch.ops.opfuse_test.gated(gate, up, self.activation)
-
-
-class MyGrouped(nn.Module):
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, x, sizes):
-        return torch.ops.opfuse_test.grouped(x, sizes, self.weight)
+    def forward(self, *inputs):
+        return self.op(*inputs, *(() if self.weight is None else (self.weight,)), *self.constants)
 
 
 @pytest.fixture
 def user_rules():
     made = [
         register_rule(name="test_user_gated", priority=50, pattern=Pattern.chain(OpSpec("act", "GatedActivation")),
-                      build=lambda m: Replacement(MyGated(m["act"].op.activation), [m.input("act", 0),
-                                                                                     m.input("act", 1)])),
+                      build=lambda m: Replacement(CallsCustomOp(torch.ops.opfuse_test.gated, m["act"].op.activation),
+                                                  [m.input("act", 0), m.input("act", 1)])),
         register_rule(name="test_user_grouped", priority=50, pattern=Pattern.chain(OpSpec("gemm", "BasicGroupedLinear")),
-                      build=lambda m: Replacement(MyGrouped(m["gemm"].op.weight), [m.input("gemm", 0),
-                                                                                   m.input("gemm", 1)])),
+                      build=lambda m: Replacement(CallsCustomOp(torch.ops.opfuse_test.grouped, weight=m["gemm"].op.weight),
+                                                  [m.input("gemm", 0), m.input("gemm", 1)])),
     ]
     yield made
     for rule in made:
@@ -121,29 +115,22 @@ def test_user_rule_over_gated_activation_fires_under_torch_compile(user_rules, a
         torch.testing.assert_close(got, want)
 
 
-def test_user_rule_over_grouped_linear_fires_under_torch_compile(user_rules):
+@pytest.mark.parametrize("user", [True, False], ids=["user_rule", "builtin_rule"])
+def test_rules_over_grouped_linear_fire_under_torch_compile(request, user):
+    """A user's rule over BasicGroupedLinear (bit-equal to eager: its op calls torch._grouped_mm) and,
+    without it, the built-in grouped_linear (its reference on CPU: a loop of F.linear)."""
+    if user:
+        request.getfixturevalue("user_rules")
     torch.manual_seed(0)
     model = Experts()
     x, counts = torch.randn(24, 8, dtype=torch.bfloat16), torch.tensor([6, 2, 9, 7])
     y_eager, grads_eager = _run(model, x, counts)
     compiled = opfuse.optimize(model, options={"inductor": False})
     y, grads = _run(compiled, x, counts)
-    assert "test_user_grouped" in _compiled_rules(compiled)
-    torch.testing.assert_close(y, y_eager, rtol=0, atol=0)
-    for got, want in zip(grads, grads_eager):
-        torch.testing.assert_close(got, want)
-
-
-def test_builtin_grouped_linear_rule_fires_under_torch_compile():
-    torch.manual_seed(0)
-    model = Experts()
-    x, counts = torch.randn(24, 8, dtype=torch.bfloat16), torch.tensor([6, 2, 9, 7])
-    y_eager, grads_eager = _run(model, x, counts)
-    compiled = opfuse.optimize(model, options={"inductor": False})
-    y, grads = _run(compiled, x, counts)
-    (program,) = opfuse.programs(compiled)
-    assert [(f.rule, f.impl) for f in program.fusions] == [("grouped_linear", "reference")]
-    torch.testing.assert_close(y, y_eager)       # bf16: the reference loops over F.linear
+    fusions = [(f.rule, f.impl) for program in opfuse.programs(compiled) for f in program.fusions]
+    assert fusions == ([("test_user_grouped", None)] if user else [("grouped_linear", "reference")])
+    exact = {"rtol": 0, "atol": 0} if user else {}
+    torch.testing.assert_close(y, y_eager, **exact)
     for got, want in zip(grads, grads_eager):
         torch.testing.assert_close(got, want)
 

@@ -10,16 +10,15 @@ layer, ``linear_reduce_scatter``).
   Backward: ``dy_full = all_gather(dy)``, ``dx = dy_full @ w``, ``dw = dy_full.T @ x``.
 """
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ...ops import group as groups
-from ...ops.base import TensorMeta
 from .implementations import TABLE as implementations
-from ...machinery.fused_op import FusedOp, define_fused_op
-from ...machinery.implementation import CallSpec
+from ...machinery.fused_op import define_fused_op
+from ...machinery.gemm_op import GemmFusedOp, autograd, setup_context
 
 __all__ = ["AllGatherLinear", "LinearReduceScatter"]
 
@@ -47,28 +46,11 @@ def _ag_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, need_dx: boo
     """Prototype: ``(dx, dw, db)``, each empty when not needed."""
 
 
-def _ag_setup(ctx, inputs, output):
-    x, weight, bias, group, impl = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.group, ctx.impl, ctx.has_bias = group, impl, bias is not None
-
-
-def _ag_autograd(backward_op):
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        need_db = need_db and ctx.has_bias
-        dx, dw, db = backward_op(dy.contiguous(), x, weight, ctx.group, need_dx, need_dw, need_db, ctx.impl)
-        return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None
-
-    return backward
-
-
 AG_LINEAR, _ = define_fused_op(
     "all_gather_linear", lookup=implementations.get, forward=_ag_forward, fake=_ag_fake, backward=_ag_backward,
     backward_fake=lambda dy, x, weight, group, need_dx, need_dw, need_db, impl: _grads_fake(
         dy, x, weight, need_dx, need_dw, need_db),
-    setup_context=_ag_setup, autograd=_ag_autograd)
+    setup_context=setup_context, autograd=autograd)
 
 
 # linear_reduce_scatter ----------------------------------------------------------------------------
@@ -117,37 +99,8 @@ LINEAR_RS, _ = define_fused_op(
 # Fused modules --------------------------------------------------------------------------------
 
 
-class _CollectiveLinear(FusedOp):
-    def __init__(self, *, weight, bias=None, group=None):
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.group = group
-
-    def extra_repr(self) -> str:
-        out, inp = self.weight.shape
-        text = f"in={inp}, out={out}, group={groups.group_name(self.group)}"
-        if self.bias is not None:
-            text += ", bias"
-        if self.impl:
-            text += f", impl={self.impl}"
-        return text
-
-    def call_spec(self, metas: Sequence[TensorMeta]) -> CallSpec:
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        requires_grad = torch.is_grad_enabled() and (metas[0].requires_grad or any(p.requires_grad for p in params))
-        return CallSpec(
-            op=self.name,
-            inputs={"x": metas[0], "weight": TensorMeta.of(self.weight),
-                    "bias": None if self.bias is None else TensorMeta.of(self.bias)},
-            attrs=self._attrs(),
-            group_name=groups.group_name(self.group),
-            world_size=groups.world_size(self.group),
-            requires_grad=requires_grad,
-        )
-
-    def _attrs(self) -> dict:
-        return {}
+class _CollectiveLinear(GemmFusedOp):
+    collective = True
 
 
 class AllGatherLinear(_CollectiveLinear):

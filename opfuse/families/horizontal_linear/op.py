@@ -25,6 +25,7 @@ from ...ops.base import TensorMeta
 from ...ops.packing import join_rows
 from .implementations import TABLE as implementations
 from ...machinery.fused_op import FusedOp, define_fused_op
+from ...machinery.gemm_op import autograd, setup_context
 from ...machinery.implementation import CallSpec
 
 __all__ = ["HorizontalLinear"]
@@ -50,26 +51,9 @@ def _backward_fake(dy, x, weight, group, need_dx, need_dw, need_db, impl):
             dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0))
 
 
-def _setup(ctx, inputs, output):
-    x, weight, bias, group, impl = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.group, ctx.impl, ctx.has_bias = group, impl, bias is not None
-
-
-def _autograd(backward_op):
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_db = ctx.needs_input_grad[2] and ctx.has_bias
-        dx, dw, db = backward_op(dy.contiguous(), x, weight, ctx.group, need_dx, need_dw, need_db, ctx.impl)
-        return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None
-
-    return backward
-
-
 HORIZONTAL_LINEAR, _ = define_fused_op(
     "horizontal_linear", lookup=implementations.get, forward=_forward, fake=_fake, backward=_backward,
-    backward_fake=_backward_fake, setup_context=_setup, autograd=_autograd)
+    backward_fake=_backward_fake, setup_context=setup_context, autograd=autograd)
 
 
 class HorizontalLinear(FusedOp):

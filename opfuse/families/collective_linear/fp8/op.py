@@ -15,7 +15,7 @@ backward keeps, one byte per element; ``x_data_t`` as for ``fp8_linear`` (the re
 GPU implementation writes it; the all-gather's backward transposes the gathered ``x`` instead).
 """
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -23,11 +23,10 @@ from torch import Tensor
 from ....fp8.recipe import Recipe
 from ....fp8.tensor import payload
 from ....ops import group as groups
-from ....ops.base import TensorMeta
 from ..implementations import TABLE as implementations
 from ...linear.fp8.reference import payload_fake
-from ....machinery.fused_op import FusedOp, define_fused_op
-from ....machinery.implementation import CallSpec
+from ....machinery.fused_op import define_fused_op
+from ....machinery.gemm_op import GemmFusedOp
 
 __all__ = ["AllGatherLinearFp8", "LinearReduceScatterFp8"]
 
@@ -92,27 +91,12 @@ AG_LINEAR_FP8 = _define("all_gather_linear_fp8", +1)
 LINEAR_RS_FP8 = _define("linear_reduce_scatter_fp8", -1)
 
 
-class _CollectiveLinearFp8(FusedOp):
+class _CollectiveLinearFp8(GemmFusedOp):
+    collective = True
     custom_op = None
 
     def __init__(self, *, weight, bias=None, group=None, recipe: Recipe):
-        super().__init__()
-        self.weight, self.bias, self.group, self.recipe = weight, bias, group, recipe
-
-    def extra_repr(self) -> str:
-        out, inp = self.weight.shape
-        text = f"in={inp}, out={out}, group={groups.group_name(self.group)}, {self.recipe.describe()}"
-        text += ", bias" if self.bias is not None else ""
-        return text + (f", impl={self.impl}" if self.impl else "")
-
-    def call_spec(self, metas: Sequence[TensorMeta]) -> CallSpec:
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        requires_grad = torch.is_grad_enabled() and (metas[0].requires_grad or any(p.requires_grad for p in params))
-        return CallSpec(op=self.name,
-                        inputs={"x": metas[0], "weight": TensorMeta.of(self.weight),
-                                "bias": None if self.bias is None else TensorMeta.of(self.bias)},
-                        attrs={"recipe": self.recipe}, group_name=groups.group_name(self.group),
-                        world_size=groups.world_size(self.group), requires_grad=requires_grad)
+        super().__init__(weight=weight, bias=bias, group=group, recipe=recipe)
 
     def forward(self, x):
         q = payload(x)

@@ -14,17 +14,16 @@ alias inputs): backward keeps the quantized ``x`` (one byte per element), not th
 per tensor, an FP8 weight gradient to come; see :func:`.reference.transposes_x`), else empty.
 """
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ....fp8.recipe import Recipe
 from ....fp8.tensor import payload
-from ....ops.base import TensorMeta
 from ..implementations import TABLE as implementations
-from ....machinery.fused_op import FusedOp, define_fused_op
-from ....machinery.implementation import CallSpec
+from ....machinery.fused_op import define_fused_op
+from ....machinery.gemm_op import GemmFusedOp
 from .reference import payload_fake
 
 __all__ = ["Fp8Linear"]
@@ -78,32 +77,13 @@ FP8_LINEAR, _ = define_fused_op(
     backward_fake=_backward_fake, setup_context=_setup, autograd=_autograd)
 
 
-class Fp8Linear(FusedOp):
+class Fp8Linear(GemmFusedOp):
     """``y = x @ weight.T (+ bias)`` with FP8 operands of ``recipe``."""
 
     name = "fp8_linear"
 
     def __init__(self, *, weight, bias=None, recipe: Recipe):
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.recipe = recipe
-
-    def extra_repr(self) -> str:
-        out, inp = self.weight.shape
-        text = f"in={inp}, out={out}, {self.recipe.describe()}" + (", bias" if self.bias is not None else "")
-        return text + (f", impl={self.impl}" if self.impl else "")
-
-    def call_spec(self, metas: Sequence[TensorMeta]) -> CallSpec:
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        requires_grad = torch.is_grad_enabled() and (metas[0].requires_grad or any(p.requires_grad for p in params))
-        return CallSpec(
-            op=self.name,
-            inputs={"x": metas[0], "weight": TensorMeta.of(self.weight),
-                    "bias": None if self.bias is None else TensorMeta.of(self.bias)},
-            attrs={"recipe": self.recipe},
-            requires_grad=requires_grad,
-        )
+        super().__init__(weight=weight, bias=bias, recipe=recipe)
 
     def forward(self, x):
         q = payload(x)
