@@ -51,7 +51,7 @@ doctor: venv
 
 # Build the CUDA extension ahead of first use (GPU hosts; uses the torch in $(PYTHON)).
 build:
-	PYTHONPATH=. $(PYTHON) -m opfuse.backend.runtime.extension --build
+	PYTHONPATH=. $(PYTHON) -m opfuse.runtime.extension --build
 
 # Compile every CUDA source without a GPU (runs in CI when nvcc is present; skipped otherwise).
 check-cuda: venv
@@ -62,9 +62,11 @@ check-cuda: venv
 		echo "check-cuda: nvcc not found, skipped"; \
 	fi
 
-# No import cycles inside the package, deferred imports included.
+# No import cycles inside the package, and imports that go down the layers (docs/ARCHITECTURE.md),
+# deferred imports included.
 check-imports: venv
 	$(PY) tools/import_cycles.py
+	$(PY) tools/layers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache tools/browser/node_modules

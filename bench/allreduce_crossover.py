@@ -1,7 +1,7 @@
 """Dispatch crossovers of the fused all-reduce + residual add + RMSNorm, by world size and row size.
 
     PYTHONPATH=. python3 bench/allreduce_crossover.py --world 2 3 4 --json crossover.json [--plot F.png]
-    python3 tools/crossover_table.py crossover.json          # -> opfuse/backend/residual_norm/crossovers.json
+    python3 tools/crossover_table.py crossover.json          # -> opfuse/families/residual_norm/crossovers.json
     python3 bench/allreduce_crossover.py --from-json crossover.json   # the tables again, no GPU
 
 For every (world, hidden, tokens) of the grid, times each capable implementation of

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import statistics
 import sys
@@ -65,21 +64,17 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
+from block_baselines import EPS, AsyncTP, TorchBlock  # noqa: E402  (bench/block_baselines.py)
+from block_report import fmt, ratio_series, tables  # noqa: E402  (bench/block_report.py)
 from opfuse import ops  # noqa: E402
 from timing import graph_replay_us  # noqa: E402  (bench/timing.py)
-from opfuse.ops import collectives  # noqa: E402
 
-EPS = 1e-6
 EAGER_KEYS = ("nn", "compile", "opfuse", "graphed")
-TARGETS = {"decode_nn": 0.7, "decode_compile": 0.85, "train_nn": 1.15, "train_compile": 1.0,
-           "decode_floor": 1.08, "train_floor": 1.05}
 FULL = dict(hidden=8192, ffn=28672, decode=[1, 16, 64], train=[2048, 8192], calls_decode=20, calls_train=3,
             reps=7, reps_train=5)
 QUICK = dict(hidden=1024, ffn=4096, decode=[1, 16], train=[512], calls_decode=10, calls_train=3, reps=5,
@@ -93,96 +88,6 @@ DEVICE = "cuda"
 def sync():
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-
-
-# The torch baselines --------------------------------------------------------------------------------
-
-def _wait(t):
-    return torch.ops._c10d_functional.wait_tensor(t)
-
-
-class _SumFn(torch.autograd.Function):  # "g": all-reduce forward, identity backward
-    @staticmethod
-    def forward(ctx, x, name):
-        return _wait(torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", name))
-
-    @staticmethod
-    def backward(ctx, dy):
-        return dy, None
-
-
-class _CopyFn(torch.autograd.Function):  # "f": identity forward, all-reduce backward
-    @staticmethod
-    def forward(ctx, x, name):
-        ctx.name = name
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _wait(torch.ops._c10d_functional.all_reduce(dy.contiguous(), "sum", ctx.name)), None
-
-
-class _GatherFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, world, name):
-        ctx.world, ctx.name = world, name
-        return _wait(torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), world, name))
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _wait(torch.ops._c10d_functional.reduce_scatter_tensor(dy.contiguous(), "sum", ctx.world,
-                                                                      ctx.name)), None, None
-
-
-class _ScatterFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, world, name):
-        ctx.world, ctx.name = world, name
-        return _wait(torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), "sum", world, name))
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _wait(torch.ops._c10d_functional.all_gather_into_tensor(dy.contiguous(), ctx.world,
-                                                                       ctx.name)), None, None
-
-
-class TorchBlock(nn.Module):
-    """The block in plain torch over the opfuse block's parameters. ``functional``: functional
-    collectives (traceable by torch.compile); else torch.distributed's eager NCCL calls."""
-
-    def __init__(self, block: ops.Sequential, act: str, sp: bool, functional: bool):
-        super().__init__()
-        self.n1 = block[0].weight
-        if act == "gelu":
-            self.w1, self.b1 = block[1].weight, block[1].bias
-        else:  # separate gate and up projections, as Hugging Face's LlamaMLP runs them (two GEMMs)
-            self.gate = (block[1].gate_weight, block[1].gate_bias)
-            self.up = (block[1].up_weight, block[1].up_bias)
-        self.w2, self.b2, self.n2 = block[3].weight, block[3].bias, block[6].weight
-        self.act, self.sp, self.functional = act, sp, functional
-        self.world, self.name = dist.get_world_size(), dist.group.WORLD.group_name
-
-    def _comm(self, kind, x):
-        if self.functional:
-            if kind in ("gather", "scatter"):
-                return (_GatherFn if kind == "gather" else _ScatterFn).apply(x, self.world, self.name)
-            return (_CopyFn if kind == "copy" else _SumFn).apply(x, self.name)
-        return {"gather": collectives.all_gather, "scatter": collectives.reduce_scatter,
-                "copy": collectives.grad_all_reduce, "sum": collectives.all_reduce}[kind](x, None)
-
-    def forward(self, x, res):
-        hidden = x.shape[-1]
-        h = self._comm("gather" if self.sp else "copy", F.rms_norm(x, (hidden,), self.n1, EPS))
-        # Compiled: the bias as its own add, so Inductor's async-TP matcher sees a plain mm after the
-        # all-gather (an addmm is not matched, and bf16 addmm stays fused in recent Inductor); the
-        # add fuses into the activation kernel. Eager: what nn.Linear runs (addmm).
-        linear = (lambda t, w, b: F.linear(t, w) + b) if self.functional else F.linear
-        if self.act == "gelu":
-            a = F.gelu(linear(h, self.w1, self.b1), approximate="tanh")
-        else:
-            a = F.silu(linear(h, *self.gate)) * linear(h, *self.up)
-        r = self._comm("scatter" if self.sp else "sum", F.linear(a, self.w2)) + self.b2 + res
-        return F.rms_norm(r, (hidden,), self.n2, EPS), r
 
 
 def opfuse_block(hidden, ffn, act, sp):
@@ -272,62 +177,6 @@ def gemm_floor_us(hidden, ffn, act, world, tokens, train, calls, reps):
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-# Async-TP accounting --------------------------------------------------------------------------------------
-
-class AsyncTP:
-    """Turns on Inductor's micro-pipeline TP and counts the collectives it fuses (by wrapping the
-    post-grad pass; compile caches are bypassed while counting, else a cached graph skips it)."""
-
-    def __init__(self):
-        self.fused = {"all_gather+mm": 0, "mm+reduce_scatter": 0}
-        self.candidates = {"all_gather": 0, "reduce_scatter": 0}
-        self.note = None
-        try:
-            from torch.distributed import _symmetric_memory as symm_mem
-            from torch._inductor import config as inductor_config
-            from torch._inductor.fx_passes import micro_pipeline_tp, post_grad
-
-            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-            if enable is not None:
-                enable(dist.group.WORLD.group_name)
-            inductor_config._micro_pipeline_tp = True
-            original = post_grad.micro_pipeline_tp_pass
-
-            def counting(graph):
-                try:  # the patterns the pass looks at (whether or not it then fuses them)
-                    self.candidates["all_gather"] += len(micro_pipeline_tp.find_all_gather_patterns(graph))
-                    self.candidates["reduce_scatter"] += len(micro_pipeline_tp.find_reduce_scatter_patterns(graph))
-                except Exception:  # noqa: BLE001 - diagnostics only
-                    pass
-                original(graph)
-                for node in graph.nodes:
-                    name = str(node.target)
-                    if "fused_all_gather_matmul" in name:
-                        self.fused["all_gather+mm"] += 1
-                    elif "fused_matmul_reduce_scatter" in name:
-                        self.fused["mm+reduce_scatter"] += 1
-
-            post_grad.micro_pipeline_tp_pass = counting
-        except Exception as error:  # noqa: BLE001 - report, compile without it
-            self.note = f"async TP unavailable: {type(error).__name__}: {error}"
-        logging.getLogger("torch._inductor.fx_passes.micro_pipeline_tp").setLevel(logging.ERROR)
-
-    @staticmethod
-    def uncached():
-        stack = contextlib.ExitStack()
-        from torch._inductor import config as inductor_config
-
-        stack.enter_context(inductor_config.patch(fx_graph_cache=False))
-        try:
-            from torch._functorch import config as functorch_config
-
-            if hasattr(functorch_config, "enable_autograd_cache"):
-                stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
-        except Exception:  # noqa: BLE001
-            pass
-        return stack
 
 
 # The worker ---------------------------------------------------------------------------------------------
@@ -492,91 +341,6 @@ def worker(rank, world, opts, out_path):
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump({"rows": rows, "notes": notes, "seconds": time.perf_counter() - t_start}, handle)
-
-
-# Tables ---------------------------------------------------------------------------------------------------
-
-def fmt(v, digits=1):
-    return "-" if v is None else f"{v:.{digits}f}"
-
-
-def ratio(a, b):
-    return None if a is None or b is None or b == 0 else a / b
-
-
-def tables(world, result, opts) -> tuple[str, list]:
-    rows = result["rows"]
-    out = [f"\nworld {world}: hidden {opts['hidden']}, ffn {opts['ffn']}, {opts['act']}, bf16; microseconds per block "
-           f"call (max over ranks); host = CPU time to issue one call"]
-    summary = []
-    decode = [r for r in rows if r["case"] == "decode"]
-    if decode:
-        out += ["", f"decode (forward only; graphs of {opts['calls_decode']} calls)",
-                "| tokens | nn | nn:graph | compile | compile:graph | opfuse | opfuse:graph | graphed call | "
-                "host nn | host opfuse | host graphed | opfuse:graph / nn:graph | / compile:graph | "
-                "floor (GEMMs) | opfuse:graph / floor | graphed / floor | impls |",
-                "|" + "---|" * 17]
-        for r in decode:
-            a, b = ratio(r.get("opfuse:graph"), r.get("nn:graph")), ratio(r.get("opfuse:graph"), r.get("compile:graph"))
-            out.append(f"| {r['tokens']} | {fmt(r.get('nn'))} | {fmt(r.get('nn:graph'))} | {fmt(r.get('compile'))} | "
-                       f"{fmt(r.get('compile:graph'))} | {fmt(r.get('opfuse'))} | {fmt(r.get('opfuse:graph'))} | "
-                       f"{fmt(r.get('graphed'))} | {fmt(r.get('host:nn'))} | {fmt(r.get('host:opfuse'))} | "
-                       f"{fmt(r.get('host:graphed'))} | {fmt(a, 2)} | {fmt(b, 2)} | {fmt(r.get('floor'))} | "
-                       f"{fmt(ratio(r.get('opfuse:graph'), r.get('floor')), 2)} | "
-                       f"{fmt(ratio(r.get('graphed'), r.get('floor')), 2)} | {r.get('impls', '')} |")
-            for key, base, target in (("decode_nn", "nn:graph", TARGETS["decode_nn"]),
-                                      ("decode_compile", "compile:graph", TARGETS["decode_compile"]),
-                                      ("decode_floor", "floor", TARGETS["decode_floor"])):
-                for what in ("opfuse:graph", "graphed"):
-                    value = ratio(r.get(what), r.get(base))
-                    summary.append((world, f"decode T={r['tokens']}", f"{what} / {base}", value, f"<= {target}",
-                                    None if value is None else value <= target))
-    train = [r for r in rows if r["case"].startswith("train")]
-    if train:
-        out += ["", f"train (forward + backward, grads of inputs and parameters; {opts['calls_train']} calls per batch)",
-                "| mode | tokens | nn | nn:graph | compile | opfuse | graphed | host opfuse | host graphed | "
-                "nn / opfuse | compile / opfuse | nn / graphed | floor (GEMMs) | opfuse / floor | graphed / floor | "
-                "impls |",
-                "|" + "---|" * 16]
-        for r in train:
-            out.append(f"| {r['case'][6:]} | {r['tokens']} | {fmt(r.get('nn'))} | {fmt(r.get('nn:graph'))} | "
-                       f"{fmt(r.get('compile'))} | {fmt(r.get('opfuse'))} | {fmt(r.get('graphed'))} | "
-                       f"{fmt(r.get('host:opfuse'))} | {fmt(r.get('host:graphed'))} | "
-                       f"{fmt(ratio(r.get('nn'), r.get('opfuse')), 2)} | {fmt(ratio(r.get('compile'), r.get('opfuse')), 2)} | "
-                       f"{fmt(ratio(r.get('nn'), r.get('graphed')), 2)} | {fmt(r.get('floor'))} | "
-                       f"{fmt(ratio(r.get('opfuse'), r.get('floor')), 2)} | "
-                       f"{fmt(ratio(r.get('graphed'), r.get('floor')), 2)} | {r.get('impls', '')} |")
-            for what in ("opfuse", "graphed"):
-                value = ratio(r.get(what), r.get("floor"))
-                target = TARGETS["train_floor"]
-                summary.append((world, f"{r['case']} T={r['tokens']}", f"{what} / floor", value, f"<= {target}",
-                                None if value is None else value <= target))
-                value = ratio(r.get("nn"), r.get(what))
-                summary.append((world, f"{r['case']} T={r['tokens']}", f"nn / {what} (speedup)", value,
-                                f">= {TARGETS['train_nn']}", None if value is None else value >= TARGETS["train_nn"]))
-                value = ratio(r.get("compile"), r.get(what))
-                summary.append((world, f"{r['case']} T={r['tokens']}", f"compile / {what} (speedup)", value,
-                                f">= {TARGETS['train_compile']}",
-                                None if value is None else value >= TARGETS["train_compile"]))
-    errs = "; ".join(f"{r['case']} T={r['tokens']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r.get("err", {}).items()
-                                                                    if v is not None) for r in rows)
-    out += ["", f"relative error vs torch.nn (outputs; train: max over outputs' grads): {errs}"]
-    out += [f"note: {n}" for n in result["notes"]]
-    out.append(f"(world {world} took {result['seconds']:.0f} s in the ranks)")
-    return "\n".join(out), summary
-
-
-def ratio_series(results) -> dict:
-    """The chart: opfuse / torch.nn per world and case against tokens (decode: both as CUDA graphs;
-    train: eager forward + backward)."""
-    series = {}
-    for world, result in results.items():
-        for r in result["rows"]:
-            ours, base = ("opfuse:graph", "nn:graph") if r["case"] == "decode" else ("opfuse", "nn")
-            value = ratio(r.get(ours), r.get(base))
-            if value is not None:
-                series.setdefault(f"world {world} {r['case']}: {ours} / {base}", []).append((r["tokens"], value))
-    return series
 
 
 def main() -> int:

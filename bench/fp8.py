@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opfuse  # noqa: E402
 from opfuse import fp8, ops  # noqa: E402
-from opfuse.backend.quantize import weight_cache  # noqa: E402
+from opfuse.families.quantize import weight_cache  # noqa: E402
 import common  # noqa: E402  (bench/common.py)
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 
@@ -181,7 +181,7 @@ def routing(tokens, experts, seed=0):
 
 def grouped_rows(o):
     from opfuse.fp8 import grouped as fp8_grouped
-    from opfuse.backend.fp8_grouped_linear import scaled_grouped_mm
+    from opfuse.families.grouped_linear.fp8 import scaled_grouped_mm
 
     rows = []
     e, k, n = o["experts"], o["k"], o["n"]

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (bench/common.py)
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.backend import implementations  # noqa: E402
-from opfuse.backend.registry import CallSpec  # noqa: E402
+from opfuse.core import dispatch as implementations  # noqa: E402
+from opfuse.machinery.implementation import CallSpec  # noqa: E402
 from timing import device_copy_gbs, interleaved_us, warm_up_gpu  # noqa: E402  (bench/timing.py)
 
 OP = "grouped_linear"

@@ -1,6 +1,6 @@
 """Measure every capable ``grouped_linear`` implementation per size class on this GPU and print the
 tuning-table entries for it (``ORDER`` and ``PERSISTENT_TILES`` in
-opfuse/backend/grouped_linear/tuning.py), so one run per GPU kind produces its rows.
+opfuse/families/grouped_linear/tuning.py), so one run per GPU kind produces its rows.
 
     PYTHONPATH=. python3 bench/grouped_tune.py [--reps 7] [--calls 4] [--classes decode large_m] [--json FILE]
 
@@ -35,10 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
-from opfuse.backend import implementations  # noqa: E402
-from opfuse.backend.grouped_linear import persistent, tuning  # noqa: E402
-from opfuse.backend.grouped_linear.reference import reference_forward  # noqa: E402
-from opfuse.backend.registry import CallSpec  # noqa: E402
+from opfuse.core import dispatch as implementations  # noqa: E402
+from opfuse.families.grouped_linear import persistent, tuning  # noqa: E402
+from opfuse.families.grouped_linear.reference import reference_forward  # noqa: E402
+from opfuse.machinery.implementation import CallSpec  # noqa: E402
 from opfuse.ops.base import TensorMeta  # noqa: E402
 from timing import interleaved_us, warm_up_gpu  # noqa: E402  (bench/timing.py)
 
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         common.progress(f"{cls} done")
 
-    print("\n=== tuning-table entries for this GPU (paste into opfuse/backend/grouped_linear/tuning.py)")
+    print("\n=== tuning-table entries for this GPU (paste into opfuse/families/grouped_linear/tuning.py)")
     print("ORDER:")
     print(f"    {device!r}: {{")
     for key, names in order.items():

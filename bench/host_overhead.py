@@ -36,7 +36,7 @@ import common  # noqa: E402  (bench/common.py)
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.backend.registry import FusedOp  # noqa: E402
+from opfuse.machinery.fused_op import FusedOp  # noqa: E402
 
 
 def block(hidden, device):
@@ -72,7 +72,7 @@ def fused_dispatch_cases(program, inputs):
     """``(name, module call, implementation call)`` for each fused module of ``program``: the
     module as the program calls it, and its implementation's ``forward`` called directly with the
     arguments the module hands to its custom op (recorded from one call)."""
-    from opfuse.backend import registry
+    from opfuse.machinery import fused_op as registry
 
     recorded, original = [], registry.FusedCall.__call__
 

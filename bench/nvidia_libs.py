@@ -1,6 +1,6 @@
 """NVIDIA's libraries as opfuse implementations, side by side with opfuse's own and torch's, in one
 run (ratios only mean something within a run). Decides the dispatch order of ``cudnn`` and
-``cublasmp`` in opfuse/backend/implementations.py.
+``cublasmp`` in opfuse/core/dispatch.py.
 
     PYTHONPATH=. python3 bench/nvidia_libs.py                      # every part
     PYTHONPATH=. python3 bench/nvidia_libs.py --part norms grouped epilogue
@@ -43,9 +43,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
-from opfuse.backend import implementations  # noqa: E402
-from opfuse.backend.registry import CallSpec  # noqa: E402
-from opfuse.backend.residual_norm import reference as norm_reference  # noqa: E402
+from opfuse.core import dispatch as implementations  # noqa: E402
+from opfuse.machinery.implementation import CallSpec  # noqa: E402
+from opfuse.families.residual_norm import reference as norm_reference  # noqa: E402
 from opfuse.ops.base import TensorMeta  # noqa: E402
 from timing import device_copy_gbs, graph_replay_us, median  # noqa: E402  (bench/timing.py)
 
@@ -242,8 +242,8 @@ def cublasmp_worker(rank, world, cfg, out_path):
     import torch.distributed as dist
 
     from overlap import eager_interleaved, reserve  # noqa: PLC0415  (bench/overlap.py)
-    from opfuse.backend.collective_linear import cublasmp as mp_impl
-    from opfuse.backend.collective_linear import p2p
+    from opfuse.families.collective_linear import cublasmp as mp_impl
+    from opfuse.families.collective_linear import p2p
     from torch.distributed import _symmetric_memory as symm_mem
 
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
@@ -374,7 +374,7 @@ def main() -> int:
         for var, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                            ("NVSHMEM_DISABLE_NVLS", "1")):
             os.environ.setdefault(var, value)
-        from opfuse.backend.runtime import cublasmp, cudnn_frontend
+        from opfuse.runtime import cublasmp, cudnn_frontend
 
         data = {"libraries": [cudnn_frontend.describe(), cublasmp.describe()], "hidden": args.hidden}
         if "norms" in args.part:

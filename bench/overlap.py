@@ -49,9 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opfuse  # noqa: E402
 import common  # noqa: E402  (bench/common.py)
-from opfuse.backend import implementations  # noqa: E402
-from opfuse.backend.registry import CallSpec  # noqa: E402
-from opfuse.backend.runtime.symm_pool import open_pool  # noqa: E402
+from opfuse.core import dispatch as implementations  # noqa: E402
+from opfuse.machinery.implementation import CallSpec  # noqa: E402
+from opfuse.runtime.symm_pool import open_pool  # noqa: E402
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 from opfuse.ops.base import TensorMeta  # noqa: E402
 
@@ -103,8 +103,8 @@ def eager_interleaved(fns: dict, host_of: str) -> tuple[dict, float]:
 
 def plan_summary() -> str:
     """Rank 0's most recently bound overlap plan: schedule, GEMMs per call, streams."""
-    from opfuse.backend.collective_linear import plan as P
-    from opfuse.backend.collective_linear import resources
+    from opfuse.families.collective_linear.overlap import plan as P
+    from opfuse.families.collective_linear.overlap import resources
 
     ctx = resources._CONTEXTS.get((dist.group.WORLD.group_name, torch.cuda.current_device()))
     if ctx is None or not ctx.plans:
@@ -140,7 +140,7 @@ def reserve(op: str, x, weight, group, **attrs):
 
 
 def bench_case(rank, world, op, m, k, n, chunk_settings):
-    from opfuse.backend.collective_linear import p2p as impl
+    from opfuse.families.collective_linear import p2p as impl
 
     pg = dist.group.WORLD
     name = pg.group_name

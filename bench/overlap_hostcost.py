@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
-from opfuse.backend.collective_linear import executor, resources  # noqa: E402
-from opfuse.backend.collective_linear import p2p as impl  # noqa: E402
-from opfuse.backend.collective_linear.cpu_binding import CpuPool, NoOpApi, bind, tiny_case_plans  # noqa: E402
-from opfuse.backend.collective_linear.plan import Probe  # noqa: E402
+from opfuse.families.collective_linear.overlap import executor, resources  # noqa: E402
+from opfuse.families.collective_linear import p2p as impl  # noqa: E402
+from opfuse.families.collective_linear.overlap.cpu_binding import CpuPool, NoOpApi, bind, tiny_case_plans  # noqa: E402
+from opfuse.families.collective_linear.overlap.plan import Probe  # noqa: E402
 
 #: (world, tokens M, op) of bench/overlap.py; K = 8192, N = 28672 / world.
 CASES = [(w, m, op) for w in (2, 4) for m in (2048, 8192) for op in ("AG+GEMM", "GEMM+RS")]

@@ -1,5 +1,5 @@
 """Copy-engine push bandwidth into peers' symmetric memory: how the all-gather schedules of
-:mod:`opfuse.backend.overlap` should issue their pushes.
+:mod:`opfuse.families.collective_linear.overlap` should issue their pushes.
 
     PYTHONPATH=. python3 bench/push_bandwidth.py --world 2 4 [--json FILE] [--plot FILE.png]
 
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
-from opfuse.backend.runtime.symm_pool import open_pool  # noqa: E402
+from opfuse.runtime.symm_pool import open_pool  # noqa: E402
 from timing import graph_replay_us, max_over_ranks, median  # noqa: E402  (bench/timing.py)
 
 CALLS, REPS = 10, 7

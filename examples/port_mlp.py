@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/port_mlp.py            # 2 CPU processes (gloo)
     torchrun --nproc-per-node 4 examples/port_mlp.py            # 4 GPUs (NCCL) when the host has them
 
-What it shows, step by step (README, "Using opfuse in an existing model"):
+What it shows, step by step (docs/guide.md, "Porting a model"):
 
 1. the existing block (``PlainMLP``: RMSNorm -> silu(gate_proj) * up_proj -> down_proj -> + residual
    -> RMSNorm, nn.Linear / nn.RMSNorm, as Hugging Face's LlamaMLP) and the same block as

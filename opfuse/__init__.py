@@ -9,12 +9,14 @@ fused.
 """
 
 from . import fp8, ops, passes
-from .backend.runtime.peer_watch import PeerTimeoutError, check_peers
+from .runtime.peer_watch import PeerTimeoutError, check_peers
 from .checkpoint import load_unsharded_state_dict, unsharded_state_dict
 from .config import config  # the settings object (shadows the module name on purpose)
-from .fuser import Program, compile
+from .core.program import Program
+from .sequential import compile
 from .graphs import graphed
 from .ops.collectives import sync_sequence_parallel_grads
+from .plugins import register_family, remove_family
 from .torch_compile import optimize, programs
 from .torch_compile import register as _register_backend
 
@@ -22,6 +24,6 @@ __version__ = "0.1.0"
 
 __all__ = ["ops", "passes", "fp8", "config", "compile", "graphed", "optimize", "programs", "Program",
            "sync_sequence_parallel_grads", "unsharded_state_dict", "load_unsharded_state_dict", "check_peers",
-           "PeerTimeoutError", "__version__"]
+           "PeerTimeoutError", "register_family", "remove_family", "__version__"]
 
 _register_backend()  # backend="opfuse" for torch.compile (see opfuse.torch_compile.backend)

@@ -1,6 +1,6 @@
 """opfuse settings: one object, ``opfuse.config``, overridable by ``OPFUSE_*`` environment variables.
 
-Every field below is documented in the README ("Settings"). The environment is read when the
+Every field below is documented in docs/guide.md ("Settings"). The environment is read when the
 module is imported and again by ``opfuse.config.reload_from_env()``. Settings can be assigned
 (``opfuse.config.fuse = False``) or changed for a scope::
 
@@ -57,11 +57,11 @@ class Config:
     symm_pool_max_mb: int = 4096
     #: Largest message (bytes per rank) for the one-shot Lamport kernel (``OPFUSE_ONESHOT_MAX_BYTES``);
     #: 0 = the measured crossover for the group's world size and row size
-    #: (``opfuse/backend/residual_norm/crossovers.json``).
+    #: (``opfuse/families/residual_norm/crossovers.json``).
     oneshot_max_bytes: int = 0
     #: Largest message (bytes per rank) for the two-shot kernel; larger messages use NCCL + the
     #: local kernel (``OPFUSE_TWOSHOT_MAX_BYTES``); 0 = the measured crossover for the world size
-    #: and row size (``opfuse/backend/residual_norm/crossovers.json``).
+    #: and row size (``opfuse/families/residual_norm/crossovers.json``).
     twoshot_max_bytes: int = 0
     #: Sub-chunks in the comm+GEMM pipelines (``OPFUSE_OVERLAP_CHUNKS``): 0 = automatic (reduce-scatter:
     #: ring with two row halves when a rank's chunk has >= 1024 rows, else direct push-and-sum;

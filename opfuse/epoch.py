@@ -3,7 +3,7 @@ changed: an op's attributes, parameters, dtype or device, a block's structure, a
 set of fusion rules.
 
 A compiled block's per-call guard compares it (one integer) instead of re-deriving its cache
-key; when it moved, the block recomputes the full key (:mod:`opfuse.fuser.compile`). Only writers
+key; when it moved, the block recomputes the full key (:mod:`opfuse.sequential.cache`). Only writers
 that cannot be told apart from harmless ones cheaply bump it; readers never do.
 """
 

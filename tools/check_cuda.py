@@ -12,7 +12,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from opfuse.backend.runtime import extension  # noqa: E402
+from opfuse.runtime import extension  # noqa: E402
 
 
 def main() -> int:

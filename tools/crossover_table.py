@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Turn a crossover sweep (bench/allreduce_crossover.py --json) into the dispatch table
-``opfuse/backend/residual_norm/crossovers.json``.
+``opfuse/families/residual_norm/crossovers.json``.
 
     python3 tools/crossover_table.py sweep.json            # rewrite the packaged table
     python3 tools/crossover_table.py sweep.json --dry-run  # print the fitted limits only
@@ -27,7 +27,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from opfuse.backend.residual_norm import crossovers  # noqa: E402
+from opfuse.families.residual_norm import crossovers  # noqa: E402
 
 ONESHOT, TWOSHOT, NCCL = "cuda_oneshot", "cuda_twoshot", "nccl+cuda"
 MISSING_PENALTY = math.log(10.0)

@@ -92,7 +92,7 @@ allreduce_vs_flashinfer() {  # allreduce_vs_flashinfer CHECK-LIMIT CHECK-TIMEOUT
 crossover_sweep() {  # crossover_sweep SWEEP-LIMIT TABLE-LIMIT WORLD...
   local limit=$1 table_limit=$2; shift 2
   step crossover_sweep "$limit" python3 bench/allreduce_crossover.py --world "$@" --json "$OUT/allreduce_crossover.json"
-  # The fitted table goes to $OUT for review; copy it to opfuse/backend/residual_norm/ to ship it.
+  # The fitted table goes to $OUT for review; copy it to opfuse/families/residual_norm/ to ship it.
   step crossover_table "$table_limit" python3 tools/crossover_table.py "$OUT/allreduce_crossover.json" --out "$OUT/crossovers.json"
 }
 show() {  # show LOG...: the summary part of each bench log that exists
@@ -114,7 +114,7 @@ show() {  # show LOG...: the summary part of each bench log that exists
 nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,driver_version --format=csv > "$OUT/gpus.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'triton', triton.__version__)" >> "$OUT/gpus.txt" 2>&1
 # The grouped GEMM is Triton and torch only: its stage skips the extension build.
-[ "$stage" = grouped ] || step build 300 python3 -m opfuse.backend.runtime.extension --build
+[ "$stage" = grouped ] || step build 300 python3 -m opfuse.runtime.extension --build
 case "$stage" in
   validate-multi)
     tests kernels 240 -x -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fused_single_gpu.py
@@ -276,7 +276,7 @@ case "$stage" in
     final_summary() { show allreduce_bench; }
     ;;
   nvidia-libs)
-    install_wheels || echo "no wheels in .whl/ (carry them: README, optional NVIDIA libraries)"
+    install_wheels || echo "no wheels in .whl/ (carry them: docs/guide.md, optional NVIDIA libraries)"
     export PYTHONPATH=.:/tmp/site OPFUSE_EXPECT_NVIDIA_LIBS=1
     step doctor 90 python3 -m opfuse doctor
     tests nvidia_tests 300 -q -rs tests/gpu/test_nvidia_libs.py

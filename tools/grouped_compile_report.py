@@ -44,9 +44,9 @@ def main(argv=None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from opfuse.backend.grouped_linear import persistent, tuning
-    from opfuse.backend.grouped_linear.persistent_kernels import (grouped_mm_persistent_kernel, grouped_tile_map_kernel,
-                                                                  grouped_wgrad_tma_kernel)
+    from opfuse.families.grouped_linear import persistent, tuning
+    from opfuse.families.grouped_linear.persistent_kernels import (grouped_mm_persistent_kernel,
+                                                                   grouped_tile_map_kernel, grouped_wgrad_tma_kernel)
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     cuobjdump = os.path.join(bin_dir, "cuobjdump")

@@ -17,7 +17,7 @@ import itertools
 import json
 import sys
 
-from opfuse.backend.collective_linear import plans as overlap_plans
+from opfuse.families.collective_linear.overlap import planner as overlap_plans
 from opfuse.config import config
 
 K, FFN = 8192, 28672

@@ -10,8 +10,8 @@ import subprocess
 import torch
 
 import opfuse
-from opfuse.backend import implementations
-from opfuse.backend.runtime import cublasmp, cudnn_frontend, extension
+from opfuse.core import dispatch as implementations
+from opfuse.runtime import cublasmp, cudnn_frontend, extension
 from opfuse.debug.html import find_dot
 
 #: The implementations each optional NVIDIA library provides (``doctor`` says why they can run or not).

@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..ops.base import OpInputError, TensorMeta
-from ..fuser.sequential import Sequential
+from ..sequential.block import Sequential
 from .recording import Capture, GraphCaptureError, GraphSignatureError, ReplayFunction, describe_all, mismatch
 from .recorders import REPLAY_MODES, make_replayer
 

@@ -1,7 +1,7 @@
 """Fusible ops: each an ``nn.Module`` with a pure-torch reference forward and backward, and a rule
 for how it transforms a tensor-parallel layout.
 
-Compose them with :class:`Sequential` (defined with the compiler, :mod:`opfuse.fuser.sequential`,
+Compose them with :class:`Sequential` (defined with the compiler, :mod:`opfuse.sequential.block`,
 and named here); opfuse lowers, partitions and fuses the chain.
 """
 
@@ -49,10 +49,10 @@ __all__ = [
 
 
 def __getattr__(name):
-    # Sequential compiles itself, so it lives above the ops (in the fuser); importing it lazily
+    # Sequential compiles itself, so it lives above the ops (in the sequential front end); importing it lazily
     # keeps this package free of the compiler.
     if name == "Sequential":
-        from ..fuser.sequential import Sequential
+        from ..sequential.block import Sequential
 
         return Sequential
     raise AttributeError(f"module 'opfuse.ops' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import epoch
 from ..fp8.tensor import Float8Activation
+from ..runtime.device import dtype_name  # noqa: F401 - also the ops' name for it (opfuse.ops.base.dtype_name)
 
 __all__ = ["BasicOp", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal", "dtype_name",
            "output_meta"]
@@ -29,10 +30,6 @@ class OpInputError(ValueError):
 
 class PartitionError(OpInputError):
     """A sharding combination the partition rules do not allow."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +147,7 @@ class BasicOp(Described, nn.Module):
 
     #: Bumped by every attribute assignment and dtype/device conversion of this op: compiled
     #: programs read attributes (``eps``, ``group``, ...) and hold references to parameters, so
-    #: their cache key includes it (:mod:`opfuse.fuser.compile`).
+    #: their cache key includes it (:mod:`opfuse.sequential.cache`).
     _op_version: int = 0
 
     def __setattr__(self, name, value):

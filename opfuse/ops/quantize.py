@@ -1,5 +1,5 @@
 """``Quantize``: an activation to FP8 in front of a GEMM (inserted by the compiler under
-:func:`opfuse.fp8.autocast`; see :mod:`opfuse.passes.fp8`)."""
+:func:`opfuse.fp8.autocast`; see :mod:`opfuse.core.passes.fp8`)."""
 
 from __future__ import annotations
 

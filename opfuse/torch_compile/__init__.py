@@ -1,12 +1,18 @@
 """The torch.compile front end: opfuse's rules applied to the graphs torch.compile captures from
 ordinary models (``torch.compile(model, backend="opfuse")``, :func:`optimize`, :func:`programs`).
 
-Modules, one job each: :mod:`.aten` (questions about aten nodes), :mod:`.regions` (recognising
-opfuse ops in aten graphs), :mod:`.op_graph` (the op graph the pass pipeline runs on),
-:mod:`.lower` (fused ops back to custom-op calls), :mod:`.graph_pass` (the Inductor pass that
-does all of it), :mod:`.program` (what it did, per graph), :mod:`.backend` (the backend).
+Modules, in the order a compile goes through them: :mod:`.backend` (the backend, ``optimize``,
+``programs``), :mod:`.graph_pass` (the Inductor pass that does all of it), :mod:`.recognition`
+(the recognizers: this front end's, :mod:`.recognizers`, and the families'; users add theirs with
+:func:`register_recognizer`), :mod:`.op_graph` (the op graph the core's pass pipeline runs on),
+:mod:`.lower` (fused ops back to custom-op calls), :mod:`.program` (what it did, per graph). The
+pipeline, rules, dispatch and ``Program`` are the core's (:mod:`opfuse.core`), shared with the
+``ops.Sequential`` front end (:mod:`opfuse.sequential`), which this package never imports.
 """
 
+from ..machinery.recognizer import Phase, Recognizer
 from .backend import OpfuseBackend, opfuse_backend, optimize, programs, register
+from .recognition import disabled_recognizers, recognizers, register_recognizer, remove_recognizer
 
-__all__ = ["OpfuseBackend", "opfuse_backend", "optimize", "programs", "register"]
+__all__ = ["OpfuseBackend", "opfuse_backend", "optimize", "programs", "register", "register_recognizer",
+           "remove_recognizer", "recognizers", "disabled_recognizers", "Phase", "Recognizer"]

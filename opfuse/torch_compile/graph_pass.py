@@ -20,8 +20,8 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..config import config
-from ..fuser.compile import PassRecorder, new_dump_dir
-from ..passes.pipeline import PassContext, run_pipeline
+from ..core.pipeline import PassContext, run_pipeline
+from ..core.recorder import PassRecorder, new_dump_dir
 from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
 from .overlap import plan_overlaps, schedule_overlaps

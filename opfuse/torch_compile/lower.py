@@ -19,9 +19,9 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..backend.registry import FusedOp
-from .aten import c10d, calls
-from .aten import value as fake_value
+from ..machinery.fused_op import FusedOp
+from ..machinery.aten import c10d, calls
+from ..machinery.aten import value as fake_value
 from .op_graph import OpGraph, param_source
 
 __all__ = ["LoweringError", "lower_fusions"]

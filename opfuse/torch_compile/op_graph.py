@@ -25,13 +25,12 @@ from torch import fx, nn
 
 from ..ops.base import OpInputError, TensorMeta
 from ..ops.extra import MakeExtraOutput
-from ..ops.norm import LayerNorm, RMSNorm
 from ..ops.sharding import REPLICATED, Sharding
-from ..passes.registry import get_registry
-from ..passes.rewrite import add_submodule, snake_case
-from .aten import value as fake_value
-from .raising import find_regions
-from .regions import ParamSource, Region, recompute_closure
+from ..core.rules import get_registry
+from ..machinery.rewrite import add_submodule, snake_case
+from ..machinery.aten import value as fake_value
+from .recognition import find_regions
+from ..machinery.region import ParamSource, Region, recompute_closure
 
 __all__ = ["OpGraph", "OpGraphModule", "build_op_graph", "param_source", "tensor_meta"]
 
@@ -132,25 +131,29 @@ def _inferred_metas(regions: list[Region]) -> dict[int, TensorMeta]:
     return metas
 
 
-def _exporting_kinds() -> set[str]:
-    """Kinds the active rules' patterns place right before a ``MakeExtraOutput``: the values a
-    fused op can export."""
-    kinds = set()
+def _extra_output_kinds() -> tuple[set[str], set[str]]:
+    """``(exporting, reading)``: the kinds the active rules' patterns place right before a
+    ``MakeExtraOutput`` (the values a fused op can export) and right after it (the ops, norms in the
+    built-in rules, whose input a fused op can also export)."""
+    exporting, reading = set(), set()
     for rule in get_registry().active():
         for variant in rule.variants:
             for src, dst, _ in variant.edges:
                 if "MakeExtraOutput" in variant.spec(dst).kinds:
-                    kinds.update(variant.spec(src).kinds)
-    return kinds
+                    exporting.update(variant.spec(src).kinds)
+                if "MakeExtraOutput" in variant.spec(src).kinds:
+                    reading.update(variant.spec(dst).kinds)
+    return exporting, reading
 
 
 def _insert_extra_outputs(gm: fx.GraphModule, aten: dict) -> None:
-    """``V -> [MakeExtraOutput] -> norm`` wherever a norm's input ``V`` has other users and is the
-    value of an op a rule could fuse and export (an all-reduce, a bias, a residual add)."""
+    """``V -> [MakeExtraOutput] -> op`` wherever the input ``V`` of an op that a rule reads after a
+    ``MakeExtraOutput`` (a norm) has other users and is the value of an op a rule could fuse and
+    export (an all-reduce, a bias, a residual add)."""
     graph = gm.graph
-    exporting = _exporting_kinds()
+    exporting, reading = _extra_output_kinds()
     for node in list(graph.nodes):
-        if node.op != "call_module" or not isinstance(gm.get_submodule(node.target), (RMSNorm, LayerNorm)):
+        if node.op != "call_module" or gm.get_submodule(node.target).kind not in reading:
             continue
         source = node.args[0]
         if not isinstance(source, fx.Node) or source.op != "call_module" or len(source.users) < 2:

@@ -25,7 +25,7 @@ import dataclasses
 
 from torch import fx
 
-from .aten import aten, c10d, calls, shape, value
+from ..machinery.aten import aten, c10d, calls, shape, value
 
 __all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
 

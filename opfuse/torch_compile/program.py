@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import fx
 
-from ..debug.explain import Explanation, explain_program
-from ..fuser.program import Program
-from ..passes.registry import rules
+from ..core.explain import Explanation, explain_program
+from ..core.program import Program
+from ..core.rules import rules
 
 __all__ = ["GraphProgram"]
 

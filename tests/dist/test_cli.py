@@ -1,4 +1,4 @@
-"""The README commands' entry points: ``python -m opfuse demo`` and ``dump`` (2 gloo processes),
+"""The commands' entry points: ``python -m opfuse demo`` and ``dump`` (2 gloo processes),
 under torchrun too; their output files, ``--version``, one-line errors, and ``bench``."""
 
 import os
@@ -65,7 +65,7 @@ def test_demo_under_torchrun():
 @pytest.mark.dist
 def test_porting_example_under_torchrun():
     """examples/port_mlp.py: a plain gated MLP ported to ops.Sequential, trained one step, and its
-    weights gathered back into the plain model (README, "Using opfuse in an existing model")."""
+    weights gathered back into the plain model (docs/guide.md, "Porting a model")."""
     result = subprocess.run(torchrun() + ["--standalone", "--nproc-per-node", "2", "examples/port_mlp.py"], cwd=ROOT,
                             env=env(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from opfuse import fp8, ops
-from opfuse.backend import implementations
-from opfuse.backend.residual_norm.op import AllReduceAddRMSNormQuantize
+from opfuse.core import dispatch as implementations
+from opfuse.families.residual_norm.op import AllReduceAddRMSNormQuantize
 from opfuse.ops.base import TensorMeta
 
 from ..fp8_reference import E4M3, E5M2, fq, fused_and_unfused

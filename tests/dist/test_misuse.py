@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import opfuse
 from opfuse import ops
-from opfuse.fuser.agree import RankMismatchError
+from opfuse.sequential.agree import RankMismatchError
 from opfuse.ops.base import OpInputError, PartitionError
 from opfuse.ops.group import GroupError
 

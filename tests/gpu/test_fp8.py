@@ -10,9 +10,9 @@ import torch
 
 import opfuse
 from opfuse import fp8, ops
-from opfuse.backend.fp8_linear import reference as linear_reference
-from opfuse.backend.fp8_linear import scaled_mm
-from opfuse.backend.quantize import kernels
+from opfuse.families.linear.fp8 import reference as linear_reference
+from opfuse.families.linear.fp8 import scaled_mm
+from opfuse.families.quantize import kernels
 from opfuse.fp8 import numerics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -210,8 +210,8 @@ GROUPED_CASES = [  # tokens, groups, K, N, sizes (several non-empty groups: a ke
 @pytest.mark.parametrize("recipe", ["tensor", "row"])
 @pytest.mark.parametrize("case", range(len(GROUPED_CASES)))
 def test_scaled_grouped_mm_matches_emulation(recipe, case):
-    from opfuse.backend.fp8_grouped_linear import reference as grouped_reference
-    from opfuse.backend.fp8_grouped_linear import scaled_grouped_mm
+    from opfuse.families.grouped_linear.fp8 import reference as grouped_reference
+    from opfuse.families.grouped_linear.fp8 import scaled_grouped_mm
 
     tokens, groups, k, n, sizes, bias = GROUPED_CASES[case]
     key = RECIPES[recipe].key()

@@ -13,7 +13,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from opfuse.backend.runtime import extension  # noqa: E402
+from opfuse.runtime import extension  # noqa: E402
 from opfuse.fp8 import numerics  # noqa: E402
 
 from .test_residual_norm_kernels import SimulatedRanks, code, make, norm_code  # noqa: E402

@@ -227,7 +227,7 @@ def assert_same_on_all_ranks(t, what):
 def poison_overlap_regions():
     """NaN into every overlap region (not the Lamport regions of the all-reduce kernels, whose
     flags are protocol state), between calls, after every rank finished."""
-    from opfuse.backend.runtime.symm_pool import _POOLS
+    from opfuse.runtime.symm_pool import _POOLS
 
     torch.cuda.synchronize()
     dist.barrier()

@@ -13,10 +13,10 @@ import torch
 
 import opfuse
 from opfuse import ops
-from opfuse.backend import implementations
-from opfuse.backend.registry import CallSpec
-from opfuse.backend.grouped_linear import persistent, torch_mm, triton_impl, tuning
-from opfuse.backend.registry import choose
+from opfuse.core import dispatch as implementations
+from opfuse.machinery.implementation import CallSpec
+from opfuse.families.grouped_linear import persistent, torch_mm, triton_impl, tuning
+from opfuse.machinery.implementation import choose
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -32,8 +32,8 @@ pytestmark = pytest.mark.skipif(GPUS < 1, reason="needs CUDA")
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.backend.registry import ImplementationError  # noqa: E402
-from opfuse.backend.runtime import cublasmp, cudnn_frontend  # noqa: E402
+from opfuse.machinery.implementation import ImplementationError  # noqa: E402
+from opfuse.runtime import cublasmp, cudnn_frontend  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
 from opfuse.graphs.graphed import graphed  # noqa: E402
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2+ GPUs")
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.backend.registry import ImplementationError  # noqa: E402
+from opfuse.machinery.implementation import ImplementationError  # noqa: E402
 from opfuse.ops import collectives  # noqa: E402
 from opfuse.ops.base import OpInputError  # noqa: E402
 
@@ -95,7 +95,7 @@ def randomize(model, gen):
 def poison(*likes):
     """NaN into every overlap region of every pool and into the allocator blocks the next outputs
     will most likely get, so an unwritten element shows up as non-finite."""
-    from opfuse.backend.runtime.symm_pool import _POOLS
+    from opfuse.runtime.symm_pool import _POOLS
 
     for pool in _POOLS.values():
         for name, region in pool.regions.items():

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.backend.residual_norm.cuda import oneshot_limit  # noqa: E402
+from opfuse.families.residual_norm.cuda import oneshot_limit  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -203,7 +203,7 @@ def check_fallbacks(rank, world):
         model(xs[rank], res)
         assert opfuse.compile(model, xs[rank], res).fusions[0].impl == "nccl+cuda"
     # Bad direct calls give clear errors.
-    from opfuse.backend.residual_norm.cuda import oneshot_forward
+    from opfuse.families.residual_norm.cuda import oneshot_forward
 
     with pytest.raises(ValueError, match="residual is torch.float16, x is torch.bfloat16"):
         oneshot_forward(xs[rank], None, res.half(), None, None, norm="rms", eps=1e-6,

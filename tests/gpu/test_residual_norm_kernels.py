@@ -15,7 +15,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from opfuse.backend.runtime import extension  # noqa: E402
+from opfuse.runtime import extension  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
@@ -405,8 +405,8 @@ def test_layer_norm_backward_through_the_family_and_a_graph(hidden):
     """``cuda.norm_backward`` (what every residual-norm implementation's backward calls) uses the
     kernel for LayerNorm at packed and odd hidden sizes, matches the float64 reference, and
     replays in a CUDA graph on fresh data; RMSNorm at an odd size falls back to the reference."""
-    from opfuse.backend.residual_norm import cuda as norm_cuda
-    from opfuse.backend.residual_norm import quantize_triton
+    from opfuse.families.residual_norm import cuda as norm_cuda
+    from opfuse.families.residual_norm.fp8 import triton_impl as quantize_triton
 
     gen = torch.Generator(device="cuda").manual_seed(hidden)
     dtype, tokens, eps = torch.bfloat16, 300, 1e-5

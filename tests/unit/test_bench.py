@@ -1,6 +1,6 @@
 """The benchmarks' common behaviour on a CPU host: --json, --plot (matplotlib optional, one line
 without it), --from-json (tables and chart from recorded numbers), progress on stderr; and the
-README chart's data (docs/measurements/allreduce_v3_w2w4.json) matches the recorded table."""
+docs/performance.md chart's data (docs/measurements/allreduce_v3_w2w4.json) matches the recorded table."""
 
 import json
 import os
@@ -68,7 +68,7 @@ def test_recorded_allreduce_chart_matches_the_published_table(tmp_path):
     series = allreduce_norm.ratio_series(recorded)
     w2 = dict(series["world 2, hidden 8192: opfuse / NCCL+compiled"])
     w4 = dict(series["world 4, hidden 8192: opfuse / NCCL+compiled"])
-    # README's table: opfuse / compiled 0.61, 0.45, 0.87 at world 2; 0.51, 0.79, 0.88 at world 4.
+    # docs/performance.md's table: opfuse / compiled 0.61, 0.45, 0.87 at world 2; 0.51, 0.79, 0.88 at world 4.
     assert [round(w2[t], 2) for t in (1, 128, 8192)] == [0.61, 0.45, 0.87]
     assert [round(w4[t], 2) for t in (1, 512, 8192)] == [0.51, 0.79, 0.88]
     if not has_matplotlib():

@@ -122,7 +122,7 @@ def test_a_call_with_unchanged_inputs_skips_the_lookup(rng, monkeypatch):
     block = ops.Sequential(ops.RMSNorm(8), ops.GELU())
     x = torch.randn(2, 8, generator=rng)
     block(x)
-    from opfuse.fuser import sequential
+    from opfuse.sequential import block as sequential
 
     lookups = []
     original = sequential.Sequential._lookup

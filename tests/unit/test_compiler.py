@@ -19,7 +19,7 @@ def kinds(gm):
 def test_lowering_one_node_per_op_with_extra_io():
     seq = ops.Sequential(ops.RMSNorm(8), ops.AddExtraInput(), ops.MakeExtraOutput(), ops.GELU())
     x, r = torch.randn(2, 8), torch.randn(2, 8)
-    gm = opfuse.fuser.lower.lower(seq, (x, r))
+    gm = opfuse.sequential.lower.lower(seq, (x, r))
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     assert placeholders == ["x", "extra0_add_extra_input1"]
     assert kinds(gm) == ["RMSNorm", "AddExtraInput", "MakeExtraOutput", "GELU"]

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import opfuse
-from opfuse.backend.residual_norm import crossovers
-from opfuse.backend.residual_norm.crossovers import CrossoverTable, Limits
+from opfuse.families.residual_norm import crossovers
+from opfuse.families.residual_norm.crossovers import CrossoverTable, Limits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("crossover_table", os.path.join(ROOT, "tools", "crossover_table.py"))
@@ -50,7 +50,7 @@ def test_packaged_table_keeps_the_limits_measured_before_the_sweep():
 
 
 def test_backend_limits_come_from_the_table_unless_a_setting_overrides_them():
-    from opfuse.backend.residual_norm import cuda
+    from opfuse.families.residual_norm import cuda
 
     assert cuda.oneshot_limit(2, 16384) == crossovers.table().limits(2, 16384).oneshot_max
     assert cuda.twoshot_limit(4, 8192) == crossovers.table().limits(4, 8192).twoshot_max

@@ -28,7 +28,7 @@ def test_python_dump_is_runnable_and_names_rules(tail):
     code = program.dump("python")
     ast.parse(code)
     assert "fused_allreduce_add_rmsnorm" in code and "rule allreduce_add_rmsnorm at" in code
-    assert "builtin_rules.py:" in code and "impl=reference" in code
+    assert "rules.py:" in code and "impl=reference" in code
     namespace = {}
     exec(compile(code, "<dump>", "exec"), namespace)
     y, h = namespace["forward"](program.graph_module, x, r)

@@ -288,7 +288,7 @@ def test_allreduce_norm_emitting_fp8_fires_and_matches_the_unfused_block(world1,
     """Row-parallel GEMM -> all-reduce + add + RMSNorm -> FP8 GEMM: the FP8 all-reduce norm
     outranks the plain one, lists its implementations in order, and forward and gradients equal the
     unfused block's (multi-rank numerics: tests/dist/test_fp8_allreduce_norm.py)."""
-    from opfuse.backend import implementations
+    from opfuse.core import dispatch as implementations
 
     assert implementations.names()["allreduce_add_rmsnorm_quantize"] == [
         "cuda_oneshot", "cuda_twoshot", "allreduce+triton", "reference"]

@@ -6,7 +6,8 @@ bytes and every shard's GEMM against the float64 product of the dequantized oper
 import pytest
 import torch
 
-from opfuse.backend.collective_linear import p2p, plans
+from opfuse.families.collective_linear import p2p
+from opfuse.families.collective_linear.overlap import planner as plans
 from opfuse.fp8 import numerics
 
 from .test_overlap_executor import _run_ranks, fake_cuda  # noqa: F401 - the fixture
@@ -47,7 +48,7 @@ def test_fp8_gather_plan_moves_bytes_and_scales_each_shard(fake_cuda, world, bia
 
 
 def test_an_fp8_plan_cannot_accumulate():
-    from opfuse.backend.collective_linear import executor
+    from opfuse.families.collective_linear.overlap import executor
 
     with pytest.raises(ValueError, match="cannot accumulate"):
         compiler = executor._Compiler.__new__(executor._Compiler)

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from opfuse.backend.gated_activation import reference, triton_impl
+    from opfuse.families.gated_activation import reference, triton_impl
 
     torch.manual_seed(0)
     for rows, n, dtype in [(1, 5, torch.float32), (7, 300, torch.float32), (70, 33, torch.float16),

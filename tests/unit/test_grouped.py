@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 import opfuse
 from opfuse import ops
-from opfuse.backend import implementations
-from opfuse.backend.grouped_linear import torch_mm, triton_impl
-from opfuse.backend.registry import CallSpec, ImplementationError, choose
+from opfuse.core import dispatch as implementations
+from opfuse.families.grouped_linear import torch_mm, triton_impl
+from opfuse.machinery.implementation import CallSpec, ImplementationError, choose
 from opfuse.ops.base import OpInputError, TensorMeta
 from opfuse.passes import PartitionError
 

@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from opfuse.backend.grouped_linear import torch_mm, triton_impl as ti
-    from opfuse.backend.grouped_linear.reference import reference_forward, reference_backward
+    from opfuse.families.grouped_linear import torch_mm, triton_impl as ti
+    from opfuse.families.grouped_linear.reference import reference_forward, reference_backward
 
     def clamp(sizes, tokens):
         out, start = [], 0
@@ -76,9 +76,9 @@ PERSISTENT_SCRIPT = textwrap.dedent("""
     import torch
     import triton
     from triton.runtime import _allocation
-    from opfuse.backend.grouped_linear import persistent as P, tuning
-    from opfuse.backend.grouped_linear.persistent_kernels import grouped_tile_map_kernel
-    from opfuse.backend.grouped_linear.triton_impl import m_tile_bound
+    from opfuse.families.grouped_linear import persistent as P, tuning
+    from opfuse.families.grouped_linear.persistent_kernels import grouped_tile_map_kernel
+    from opfuse.families.grouped_linear.triton_impl import m_tile_bound
 
     def clamp(sizes, tokens):
         out, start = [], 0

@@ -1,4 +1,4 @@
-"""The per-GPU choices of ``grouped_linear`` (opfuse/backend/grouped_linear/tuning.py): size classes,
+"""The per-GPU choices of ``grouped_linear`` (opfuse/families/grouped_linear/tuning.py): size classes,
 the measured order the select pass applies (measured implementations first, the rest in table
 order, forcing untouched), the device name read once, and the shipped tables' consistency."""
 
@@ -7,9 +7,9 @@ import torch
 
 import opfuse
 from opfuse import ops
-from opfuse.backend import implementations
-from opfuse.backend.grouped_linear import persistent, tuning
-from opfuse.backend.registry import CallSpec, Implementation, choose
+from opfuse.core import dispatch as implementations
+from opfuse.families.grouped_linear import persistent, tuning
+from opfuse.machinery.implementation import CallSpec, Implementation, choose
 from opfuse.ops.base import TensorMeta
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -115,14 +115,15 @@ def test_select_pass_asks_for_the_measured_order(monkeypatch):
         seen.append(call_spec)
         return [impls[-1], *impls[:-1]]      # reference first
 
-    monkeypatch.setitem(implementations.MEASURED_ORDER, "grouped_linear", reverse)
+    monkeypatch.setitem(implementations.table("grouped_linear").measured_order, "grouped_linear", reverse)
     layer = ops.GroupedLinear(4, 8, 6)
     x, counts = torch.randn(10, 8), torch.tensor([3, 0, 4, 2])
     with opfuse.config.override(fuse=True):
         program = ops.Sequential(layer).program(x, counts)
     assert program.fusions[0].impl == "reference" and program.fusions[0].skipped == ()
     assert seen and seen[0].op == "grouped_linear" and seen[0].x.shape == (10, 8)
-    assert implementations.for_op("grouped_linear") == implementations.TABLE["grouped_linear"]
+    table_order = implementations.table("grouped_linear").names()["grouped_linear"]
+    assert [impl.name for impl in implementations.for_op("grouped_linear")] == table_order
 
 
 def test_shipped_tables_name_known_implementations_and_classes():

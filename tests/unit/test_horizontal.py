@@ -12,7 +12,7 @@ import opfuse
 from opfuse import ops
 from opfuse.ops.packing import adjacent, join_rows, pack_rows_
 from opfuse.passes import PassContext, disabled_passes
-from opfuse.passes.pipeline import run_pipeline
+from opfuse.core.pipeline import run_pipeline
 
 from .test_ops import randomize_
 

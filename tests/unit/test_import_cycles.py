@@ -1,21 +1,13 @@
 """The import-cycle checker (tools/import_cycles.py): it finds cycles, deferred imports included,
 and opfuse has none."""
 
-import importlib.util
-import os
+from .tools_support import ROOT, load_tool, write_package
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("import_cycles", os.path.join(ROOT, "tools", "import_cycles.py"))
-import_cycles = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(import_cycles)
+import_cycles = load_tool("import_cycles")
 
 
 def _package(tmp_path, files):
-    for name, text in files.items():
-        path = tmp_path / "pkg" / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return str(tmp_path)
+    return write_package(tmp_path, "pkg", files)
 
 
 def test_finds_a_cycle_held_together_by_an_import_inside_a_function(tmp_path):

@@ -5,8 +5,8 @@ in tests/gpu/test_residual_norm_kernels.py)."""
 import pytest
 import torch
 
-from opfuse.backend.residual_norm import cuda as norm_cuda
-from opfuse.backend.residual_norm import reference
+from opfuse.families.residual_norm import cuda as norm_cuda
+from opfuse.families.residual_norm import reference
 
 
 class _Recorder:

@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
-from opfuse.backend.collective_linear import cublasmp as mp_impl
-from opfuse.backend.grouped_linear import cudnn as grouped_cudnn
-from opfuse.backend.linear_activation import cudnn as activation_cudnn
-from opfuse.backend.registry import CallSpec
-from opfuse.backend.residual_norm import cudnn as norm_cudnn
-from opfuse.backend.runtime import cublasmp, cudnn_frontend
+from opfuse.families.collective_linear import cublasmp as mp_impl
+from opfuse.families.grouped_linear import cudnn as grouped_cudnn
+from opfuse.families.linear import cudnn as activation_cudnn
+from opfuse.machinery.implementation import CallSpec
+from opfuse.families.residual_norm import cudnn as norm_cudnn
+from opfuse.runtime import cublasmp, cudnn_frontend
 from opfuse.ops.base import TensorMeta
 
 CUDA = torch.device("cuda", 0)
@@ -73,7 +73,7 @@ def _collective_spec(op="all_gather_linear", tokens=16, k=64, n=32, world=2, dty
 
 
 def test_importing_opfuse_loads_no_optional_library():
-    code = ("import sys, opfuse, opfuse.backend.implementations, opfuse.cli.doctor; "
+    code = ("import sys, opfuse, opfuse.core.dispatch, opfuse.cli.doctor; "
             "print(sorted(m for m in sys.modules if m == 'cudnn' or m.startswith('cudnn.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True,
                          env={**os.environ, "PYTHONPATH": ROOT})
@@ -436,7 +436,7 @@ def test_norm_implementation_wiring(monkeypatch, norm, float32_dx, cudnn_stats):
     """forward / backward of the ``cudnn`` implementation against the reference, with cuDNN's
     graphs emulated: buffers by uid, recomputed statistics, the residual gradient summed in (with
     and without the optional float32-dx and statistics graphs)."""
-    from opfuse.backend.residual_norm import reference
+    from opfuse.families.residual_norm import reference
 
     def plan(kind, x, norm_, extra=()):
         hidden = x.shape[-1]

@@ -4,9 +4,9 @@ their place in the implementation table."""
 import pytest
 import torch
 
-from opfuse.backend import implementations
-from opfuse.backend.registry import CallSpec
-from opfuse.backend.collective_linear import p2p as impl
+from opfuse.core import dispatch as implementations
+from opfuse.machinery.implementation import CallSpec
+from opfuse.families.collective_linear import p2p as impl
 from opfuse.ops.base import OpInputError, TensorMeta
 
 CUDA = torch.device("cuda", 0)

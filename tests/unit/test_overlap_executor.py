@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from opfuse.backend.collective_linear import reference as collective_reference
-from opfuse.backend.collective_linear import executor, resources
-from opfuse.backend.collective_linear import p2p as impl
+from opfuse.families.collective_linear import reference as collective_reference
+from opfuse.families.collective_linear.overlap import executor, resources
+from opfuse.families.collective_linear import p2p as impl
 
 DT = torch.float64
 

@@ -6,9 +6,9 @@ budgets (docs/PERF_NOTES.overlap.md, "Host overhead")."""
 import pytest
 import torch
 
-from opfuse.backend.collective_linear import executor, policy, schedules
-from opfuse.backend.collective_linear import plan as P
-from opfuse.backend.collective_linear.cpu_binding import CpuRegion, NoOpApi, bind, tiny_case_plans
+from opfuse.families.collective_linear.overlap import executor, policy, schedules
+from opfuse.families.collective_linear.overlap import plan as P
+from opfuse.families.collective_linear.overlap.cpu_binding import CpuRegion, NoOpApi, bind, tiny_case_plans
 
 
 class _CountingApi(NoOpApi):

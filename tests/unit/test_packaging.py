@@ -37,5 +37,5 @@ def test_package_data_covers_the_runtime_files():
                                                             recursive=True)}
     needed |= {"opfuse/py.typed", "opfuse/debug/viewer.js", "opfuse/debug/viewer.css",
                "opfuse/debug/vendor/dagre.min.js", "opfuse/debug/vendor/LICENSE.dagre",
-               "opfuse/backend/residual_norm/crossovers.json"}
+               "opfuse/families/residual_norm/crossovers.json"}
     assert needed <= matched, sorted(needed - matched)

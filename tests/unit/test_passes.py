@@ -1,6 +1,6 @@
 """Registered graph passes: placement, errors at registration, disabling, provenance in fusions /
 dumps / explain, failures named with the pass, verify after every registered pass, the compile
-cache, and the README example."""
+cache, and the docs/EXTENDING.md example."""
 
 import os
 import re
@@ -301,21 +301,21 @@ def test_compile_cache_keys_on_the_pass_list(registered, rng):
     assert opfuse.compile(seq, x) not in (first, second, third) and len(seen) == 1
 
 
-# The README example --------------------------------------------------------------------------------
+# The docs/EXTENDING.md example -------------------------------------------------------------------
 
 
-def readme_section(title):
+def doc_section(title):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "README.md")) as handle:
+    with open(os.path.join(root, "docs", "EXTENDING.md")) as handle:
         text = handle.read()
-    start = text.index(f"### {title}\n")
-    end = text.find("\n## ", start)
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
     return text[start:end if end > 0 else None]
 
 
-def test_readme_writing_a_pass_example_runs(registered, rng):
-    section = readme_section("Writing a pass")
+def test_extending_writing_a_pass_example_runs(registered, rng):
+    section = doc_section("(v) A graph pass")
     (code,) = re.findall(r"```python\n(.*?)```", section, re.S)[:1]
     namespace = {}
-    exec(compile(code, "README.md (Writing a pass)", "exec"), namespace)
+    exec(compile(code, "docs/EXTENDING.md (A graph pass)", "exec"), namespace)
     registered.extend(n for n in [p.name for p in passes()] if n not in BUILTIN)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import opfuse
-from opfuse.backend.collective_linear import cpu_binding
-from opfuse.backend.runtime import peer_watch
+from opfuse.families.collective_linear.overlap import cpu_binding
+from opfuse.runtime import peer_watch
 
 SITES = {"one-shot": 1, "two-shot reduce-scatter": 2, "two-shot all-gather": 3}
 

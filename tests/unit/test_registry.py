@@ -5,10 +5,11 @@ factory gives every fused op a schema, a fake and autograd."""
 import pytest
 import torch
 
-from opfuse.backend import implementations, registry
-from opfuse.backend.registry import CallSpec, Implementation, ImplementationError, choose
-from opfuse.backend.residual_norm import cuda as norm_cuda
-from opfuse.backend.runtime import symm_pool
+from opfuse.core import dispatch as implementations
+from opfuse.machinery import fused_op as registry
+from opfuse.machinery.implementation import CallSpec, Implementation, ImplementationError, choose
+from opfuse.families.residual_norm import cuda as norm_cuda
+from opfuse.runtime import symm_pool
 from opfuse.ops.base import TensorMeta
 
 CUDA = torch.device("cuda", 0)

@@ -10,8 +10,8 @@ from torch import fx
 import opfuse
 from opfuse import ops
 from opfuse.passes import disabled_rules
-from opfuse.passes.matcher import check_legal, find_matches, graph_to_networkx
-from opfuse.passes.registry import get_registry
+from opfuse.machinery.matcher import check_legal, find_matches, graph_to_networkx
+from opfuse.core.rules import get_registry
 
 from .test_ops import randomize_
 
@@ -144,7 +144,7 @@ def test_interior_value_used_outside_blocks_fusion(world1, rng):
     pattern) is not legal: the interior value would be lost."""
     seq = randomize_(ops.Sequential(ops.AddExtraInput(), ops.RMSNorm(H)), rng)
     x, r = torch.randn(2, H, generator=rng), torch.randn(2, H, generator=rng)
-    gm = opfuse.fuser.lower.lower(seq, (x, r))
+    gm = opfuse.sequential.lower.lower(seq, (x, r))
     out = next(n for n in gm.graph.nodes if n.op == "output")
     add = next(n for n in gm.graph.nodes if n.name == "op0_add_extra_input")
     out.args = ((out.args[0][0], add),)
@@ -179,7 +179,7 @@ def test_fusion_that_would_create_a_cycle_is_rejected():
 
 def test_different_groups_block_a_rule(world1, rng):
     from opfuse.passes import OpSpec, Pattern, Replacement, register_rule, remove_rule
-    from opfuse.passes.predicates import one_group
+    from opfuse.machinery.predicates import one_group
 
     g1, g2 = dist.new_group([0]), dist.new_group([0])
 

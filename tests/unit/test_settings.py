@@ -8,7 +8,7 @@ import torch
 
 import opfuse
 from opfuse import ops
-from opfuse.backend.registry import ImplementationError
+from opfuse.machinery.implementation import ImplementationError
 from opfuse.config import env_name, reload_from_env
 
 

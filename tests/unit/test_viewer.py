@@ -50,7 +50,7 @@ def test_page_data_describes_nodes_edges_and_outputs(program, monkeypatch):
     assert {(e["src"], e["dst"], e["port"]) for e in after["edges"]} == want
     fused = nodes["fused_allreduce_add_rmsnorm"]
     assert fused["cls"] == "fused" and fused["ports"] == 2
-    assert re.fullmatch(r"allreduce_add_rmsnorm at .*builtin_rules\.py:\d+", fused["info"]["rule"])
+    assert re.fullmatch(r"allreduce_add_rmsnorm at .*residual_norm/rules\.py:\d+", fused["info"]["rule"])
     assert fused["info"]["implementation"] == "reference" and "AllReduce (AllReduce)" not in fused["info"]["covers"]
     assert fused["info"]["python"].startswith("fused_allreduce_add_rmsnorm = self.fused_allreduce_add_rmsnorm(")
     assert fused["info"]["sharding"] == "replicated"

@@ -4,7 +4,7 @@ source and target (at the port numbered with its argument where the target has s
 no edge passes through a box, no text overflows its box, the page logs no
 console error and fetches nothing, and clicking a node shows its details and highlights its
 producers and consumers. Checked with the dagre layout (always) and with Graphviz (when
-installed). Saves a screenshot (``OPFUSE_SCREENSHOT_DIR=docs/img`` writes the README's).
+installed). Saves a screenshot (``OPFUSE_SCREENSHOT_DIR=docs/img`` writes the ones docs/guide.md shows).
 
 Chromium comes from tools/browser/install.sh (npm: puppeteer-core + @sparticuz/chromium); the
 test skips, saying why, where node/npm or the registry are missing."""
@@ -84,7 +84,7 @@ def test_viewer_draws_the_graph_right(browser_ready, layout, tmp_path):
     # Clicking the fused node: its details, and its 2 producers and 2 consumers highlighted.
     details = got["details"]
     assert "fused_allreduce_add_rmsnorm = self.fused_allreduce_add_rmsnorm(" in details
-    assert "allreduce_add_rmsnorm at" in details and "builtin_rules.py:" in details
+    assert "allreduce_add_rmsnorm at" in details and "rules.py:" in details
     assert "reference" in details and "replicated" in details and "(float32[8, 64]@cpu" in details
     assert got["highlight"] == {"producers": 2, "consumers": 2}
     assert os.path.getsize(shot) > 10_000

@@ -1,1 +1,0 @@
-"""GEMM + bias + activation as one fused op (``linear_bias_activation``)."""

@@ -1,0 +1,81 @@
+"""The FP8 step of partitioning (under :func:`opfuse.fp8.autocast`): every GEMM becomes an FP8 GEMM
+and its input activation is quantized by a ``Quantize`` op.
+
+Where the ``Quantize`` goes: in front of the GEMM, moved up past the ops that only move its input
+(``AllGather``, ``GradAllReduce``) so that what they move is FP8. An all-gathered activation with
+one scale per tensor gets a scale shared by the group's ranks (the amax is all-reduced), so the
+gathered tensor has one scale too; with one scale per row each row travels with its own.
+``GroupedLinear`` quantizes its input inside the grouped GEMM (one scale per tensor must ignore the
+rows past ``sum(group_sizes)``, which only the grouped op knows).
+
+It runs at the end of the partition pass, so the partitioned graph (``OPFUSE_DUMP``:
+``01_partition.py``; ``Program.dump(graph="unfused")``) is the unfused FP8 program: every op in it
+has a reference that emulates the FP8 numerics in float32, which the passes and fusion rules after
+it start from (``horizontal_gemm`` leaves FP8 GEMMs alone).
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from ...ops import group as groups
+from ...ops.base import output_meta
+from ...ops.collectives import AllGather, GradAllReduce
+from ...ops.grouped import BasicGroupedLinear
+from ...ops.linear import BasicLinear
+from ...ops.quantize import Quantize
+from ...machinery.rewrite import add_submodule
+
+__all__ = ["insert_fp8"]
+
+#: Ops a Quantize moves in front of (they move the value without computing on it).
+_MOVERS = (AllGather, GradAllReduce)
+
+
+def _op(gm: fx.GraphModule, node) -> object:
+    return gm.get_submodule(node.target) if isinstance(node, fx.Node) and node.op == "call_module" else None
+
+
+def _swap_module(gm: fx.GraphModule, node: fx.Node, module) -> None:
+    node.target = add_submodule(gm, f"{node.target}_fp8", module)
+
+
+def _quantize_input(gm: fx.GraphModule, gemm: fx.Node, recipe) -> None:
+    """Insert ``Quantize`` on the GEMM's input, above the movers that feed it."""
+    chain = [gemm]
+    source = gemm.args[0]
+    while isinstance(_op(gm, source), _MOVERS) and len(source.users) == 1:
+        chain.append(source)
+        source = source.args[0]
+    if source.meta["opfuse_meta"].quantized is not None:
+        return  # already FP8 (a Quantize the user placed)
+    gathers = [_op(gm, n) for n in chain if isinstance(_op(gm, n), AllGather)]
+    # The gather's group, resolved: ``None`` would mean "no group" to Quantize.
+    op = Quantize.for_recipe(recipe, amax_group=groups.resolve(gathers[0].group, "AllGather") if gathers else None)
+    first = chain[-1]
+    with gm.graph.inserting_before(first):
+        node = gm.graph.call_module(add_submodule(gm, f"{gemm.name}_quantize", op), (source,))
+    node.meta.update(opfuse_meta=output_meta(op, source.meta["opfuse_meta"]),
+                     opfuse_sharding=source.meta["opfuse_sharding"],
+                     opfuse_path=gemm.meta.get("opfuse_path", gemm.name) + ".quantize")
+    first.replace_input_with(source, node)
+    # The movers now carry FP8: recompute their metadata (the GEMM's output is unchanged).
+    for mover in reversed(chain[1:]):
+        metas = [a.meta["opfuse_meta"] for a in mover.args if isinstance(a, fx.Node)]
+        mover.meta["opfuse_meta"] = output_meta(_op(gm, mover), *metas)
+
+
+def insert_fp8(gm: fx.GraphModule, ctx) -> None:
+    """Make every ``BasicLinear`` / ``BasicGroupedLinear`` an FP8 GEMM of ``ctx.recipe`` and quantize
+    the linear GEMMs' inputs (no-op outside autocast)."""
+    recipe = getattr(ctx, "recipe", None)
+    if recipe is None:
+        return
+    for node in list(gm.graph.nodes):
+        op = _op(gm, node)
+        if isinstance(op, BasicLinear) and op.recipe is None:
+            _swap_module(gm, node, op.with_recipe(recipe))
+            _quantize_input(gm, node, recipe)
+        elif isinstance(op, BasicGroupedLinear) and op.recipe is None:
+            _swap_module(gm, node, op.with_recipe(recipe))
+    gm.delete_all_unused_submodules()

@@ -1,0 +1,140 @@
+"""``grouped_linear_fp8`` through ``torch._scaled_grouped_mm`` (CUTLASS, sm90): device offsets, no
+host sync, CUDA-graph capturable.
+
+torch's grouped FP8 GEMM takes E4M3 operands with per-row float32 scales: ``x`` ``[T, K]`` with
+``scale_a [T]``, the weight as ``[G, K, N]`` column-major (the ``[G, N, K]`` bytes transposed) with
+``scale_b [G, N]``; K and N multiples of 16. One scale per tensor is passed as that scale on every
+row. Rows past the last offset are left unwritten by torch and zeroed here; the weight gradient
+(bfloat16, ``torch._grouped_mm``, "2d x 2d") of an expert without tokens is zeroed too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ....fp8 import grouped as fp8_grouped
+from ....fp8.numerics import Quantized, row_mask
+from ....fp8.recipe import recipe_from_key
+from ....ops.base import dtype_name
+from ...quantize import kernels, weight_cache
+from . import common
+
+__all__ = ["check", "forward", "backward", "offsets"]
+
+_MAX_GROUPS = 1023
+
+
+def check(spec) -> str | None:
+    if spec.device.type != "cuda":
+        return "needs a CUDA device"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    major, minor = torch.cuda.get_device_capability(spec.device)
+    if major != 9:
+        return f"compute capability {major}.{minor}: torch's grouped FP8 GEMM is tested on sm90 here"
+    w = spec.inputs["weight"]
+    if spec.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return f"dtype {dtype_name(spec.dtype)}: the grouped FP8 GEMM writes bfloat16 (and its wgrad is bfloat16)"
+    groups, n, k = w.shape
+    if k % 16 or n % 16:
+        return f"in_features {k} / out_features {n} must be multiples of 16"
+    if groups > _MAX_GROUPS:
+        return f"{groups} groups (at most {_MAX_GROUPS})"
+    if spec.requires_grad and not hasattr(torch, "_grouped_mm"):
+        return "training needs torch._grouped_mm for the weight gradient"
+    return None
+
+
+def offsets(group_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Cumulative int32 end offsets, clamped to ``[0, tokens]`` (the reference's clamping)."""
+    return torch.cumsum(group_sizes.clamp(min=0), 0, dtype=torch.int64).clamp_(max=tokens).to(torch.int32)
+
+
+def _weight(weight, fsdp_group, num_groups, r) -> Quantized:
+    if fsdp_group:  # shards change on every rank: no cache
+        return common.weight_operand(weight, fsdp_group, num_groups, r)
+
+    def build():
+        groups, n, k = weight.shape
+        amax = None
+        if not r.rowwise:  # one scale per expert: its amax on each of its rows
+            amax = torch.linalg.vector_norm(weight.reshape(groups, -1), float("inf"), dim=1).float()
+            amax = amax.repeat_interleave(n)
+        q = kernels.quantize(weight.reshape(groups * n, k), r.forward_dtype, True, amax_value=amax)
+        return Quantized(q.data.view(groups, n, k), q.scale_inv.view(groups, n))
+
+    return weight_cache.cached(weight, f"{r.key()}/grouped-w", build)
+
+
+def _weight_t(weight, fsdp_group, num_groups, r) -> Quantized:
+    if fsdp_group:
+        return common.weight_t_operand(weight, fsdp_group, num_groups, r)
+
+    def build():
+        if not r.rowwise:
+            return fp8_grouped.weight_t_operand(_weight(weight, fsdp_group, num_groups, r), r)
+        groups, n, k = weight.shape
+        q = kernels.quantize(weight.transpose(1, 2).reshape(groups * k, n), r.forward_dtype, True)
+        return Quantized(q.data.view(groups, k, n), q.scale_inv.view(groups, k))
+
+    return weight_cache.cached(weight, f"{r.key()}/grouped-wt", build)
+
+
+def _group_of_row(offs: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Each row's group, ``G`` for rows past the last offset."""
+    return torch.searchsorted(offs, torch.arange(tokens, device=offs.device, dtype=torch.int32), right=True)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def forward(x, group_sizes, weight, bias, fsdp_group, num_groups, recipe):
+    r = recipe_from_key(recipe)
+    tokens = x.shape[0]
+    wq = _weight(weight, fsdp_group, num_groups, r)
+    n = wq.data.shape[1]
+    if tokens == 0:
+        return x.new_zeros(0, n)
+    valid = fp8_grouped.valid_rows(group_sizes, tokens)
+    xq = kernels.quantize(x, r.forward_dtype, r.rowwise, valid_rows=None if r.rowwise else valid)
+    offs = offsets(group_sizes, tokens)
+    y = torch._scaled_grouped_mm(_aligned(xq.data), wq.data.transpose(-2, -1),
+                                 xq.scale_inv.reshape(-1).expand(tokens).contiguous(), wq.scale_inv, offs=offs,
+                                 out_dtype=x.dtype)
+    y.masked_fill_(~row_mask(tokens, valid, x.device), 0)
+    full_bias = common.full_bias(bias, fsdp_group, num_groups)
+    if full_bias is not None:
+        padded = torch.cat([full_bias, full_bias.new_zeros(1, n)])
+        y += padded[_group_of_row(offs, tokens)]
+    return y
+
+
+def backward(dy, x, group_sizes, weight, bias, fsdp_group, num_groups, recipe, need_dx, need_dw, need_db):
+    r = recipe_from_key(recipe)
+    groups, n, k = common.shape_of(weight, fsdp_group, num_groups)
+    tokens = dy.shape[0]
+    empty = dy.new_empty(0)
+    dx = torch.zeros_like(x) if need_dx else empty
+    dw = dy.new_zeros(groups, n, k) if need_dw else empty
+    db = dy.new_zeros(groups, n) if need_db else empty
+    if tokens:
+        offs = offsets(group_sizes, tokens)
+        valid = fp8_grouped.valid_rows(group_sizes, tokens)
+        if need_dx:
+            wt = _weight_t(weight, fsdp_group, num_groups, r)
+            dyq = kernels.quantize(dy, torch.float8_e4m3fn, True)
+            dx = torch._scaled_grouped_mm(_aligned(dyq.data), wt.data.transpose(-2, -1), dyq.scale_inv.reshape(-1),
+                                          wt.scale_inv, offs=offs, out_dtype=dy.dtype)
+            dx.masked_fill_(~row_mask(tokens, valid, dy.device), 0)
+        if need_dw:
+            dw = torch._grouped_mm(_aligned(dy).t(), _aligned(x), offs=offs)
+            counts = torch.diff(offs, prepend=offs.new_zeros(1))
+            dw.masked_fill_((counts == 0).view(-1, 1, 1), 0)
+        if need_db:
+            rows = _group_of_row(offs, tokens)
+            db = torch.zeros(groups + 1, n, dtype=torch.float32, device=dy.device).index_add_(0, rows, dy.float())
+            db = db[:groups].to(dy.dtype)
+    dw, db = common.reduce_grads(dw, db, fsdp_group, need_dw, need_db, k)
+    return dx, dw, db

@@ -1,0 +1,85 @@
+"""The quantizer every FP8 implementation calls: Triton kernels on CUDA (:mod:`.triton_kernels`:
+one read for the amax and one read + one FP8 write for the cast, or one pass per row), torch ops
+(:mod:`opfuse.fp8.numerics`) elsewhere. Both give the same bytes and scales."""
+
+from __future__ import annotations
+
+import torch
+
+from ...fp8 import numerics
+from ...fp8.numerics import Quantized
+from ...runtime.device import triton_status
+
+__all__ = ["quantize", "fast_path_reason", "amax"]
+
+_TILE_M, _TILE_N, _ROW_BLOCK = 32, 256, 1024
+
+
+def fast_path_reason(x: torch.Tensor) -> str | None:
+    """``None`` when the Triton kernels run on ``x``, else why not."""
+    if x.device.type != "cuda":
+        return "not a CUDA tensor"
+    return triton_status()
+
+
+def _grid(rows: int, cols: int):
+    return (triton_cdiv(rows, _TILE_M), triton_cdiv(cols, _TILE_N))
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def amax(x: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[1, 1]``: ``max |x|`` of 2-D ``x`` (rows at or past ``valid_rows`` skipped: a
+    Triton kernel; without them torch's infinity-norm reduction, one launch)."""
+    if x.numel() == 0 or valid_rows is None or fast_path_reason(x):
+        return numerics.amax(x, False, valid_rows)
+    from .triton_kernels import amax_kernel
+
+    out = torch.zeros((1, 1), dtype=torch.float32, device=x.device)
+    rows, cols = x.shape
+    amax_kernel[_grid(rows, cols)](x, out, valid_rows if valid_rows is not None else out, rows, cols, x.stride(0),
+                                   HAS_VALID=valid_rows is not None, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    return out
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, *, amax_value: torch.Tensor | None = None,
+             valid_rows: torch.Tensor | None = None, transpose: bool = False):
+    """2-D ``x`` quantized along its rows (:func:`opfuse.fp8.numerics.quantize`; with ``rowwise``,
+    ``amax_value`` may give each row's amax, ``[rows]``); with ``transpose=True`` (one scale per
+    tensor) returns ``(q, q_transposed)``, the transposed bytes written by the same pass."""
+    if transpose and rowwise:
+        raise ValueError("quantize(transpose=True): a transposed operand with per-row scales must be quantized "
+                         "along its own rows")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.numel() == 0 or fast_path_reason(x):
+        given = amax_value.reshape(-1, 1) if rowwise and amax_value is not None else amax_value
+        q = numerics.quantize(x, dtype, rowwise, given, valid_rows)
+        return (q, Quantized(q.data.t().contiguous(), q.scale_inv)) if transpose else q
+    from .triton_kernels import cast_kernel, rowwise_kernel
+
+    rows, cols = x.shape
+    limit = numerics.fp8_max(dtype)
+    data = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    if rowwise:
+        if valid_rows is not None:
+            raise ValueError("quantize: per-row scales take no valid_rows")
+        scale_inv = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        given = amax_value is not None
+        rowwise_kernel[(rows,)](x, data, scale_inv, amax_value.contiguous() if given else scale_inv, cols,
+                                x.stride(0), FMAX=limit, GIVEN_AMAX=given, BN=_ROW_BLOCK, num_warps=4)
+        return Quantized(data, scale_inv)
+    a = amax(x, valid_rows) if amax_value is None else amax_value
+    scale_inv = torch.empty((1, 1), dtype=torch.float32, device=x.device)
+    # The transposed bytes in the same pass for 16-bit inputs; float32 tiles came out of tl.trans
+    # wrong with triton 3.6, so those are transposed by torch.
+    fused_t = transpose and x.element_size() == 2
+    data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if fused_t else data
+    cast_kernel[_grid(rows, cols)](x, a, data, data_t, scale_inv, rows, cols, x.stride(0), FMAX=limit,
+                                   WRITE_T=fused_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    q = Quantized(data, scale_inv)
+    if transpose and not fused_t:
+        data_t = data.t().contiguous()
+    return (q, Quantized(data_t, scale_inv)) if transpose else q

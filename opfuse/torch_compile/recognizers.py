@@ -1,0 +1,208 @@
+"""The torch.compile front end's recognizers: collectives, linears, biases and residual adds, the
+ops every tensor-parallel transformer graph has and several families' rules read, in the forms
+Inductor's decompositions leave them (see :mod:`opfuse.machinery.region` for what a region is):
+
+=================  ==========================================================================
+op                 aten form
+=================  ==========================================================================
+``AllReduce``      ``wait_tensor(_c10d_functional.all_reduce(x, "sum", group))``
+``AllGather``      ``wait_tensor(all_gather_into_tensor(x, n, group))`` (dim 0)
+``ReduceScatter``  ``wait_tensor(reduce_scatter_tensor(x, "sum", n, group))`` (dim 0, or DTensor's
+                   sequence dim when every dim before it has size 1)
+``BasicLinear``    ``mm(x, permute(W, [1, 0]))`` with ``W`` a graph input (a parameter), with the
+                   views that flatten ``x``'s leading dims and restore them
+``Bias``           ``add(y, b)`` with ``b`` a graph input of shape ``[features]``;
+                   ``addmm(b, x, W.T)`` is a ``BasicLinear`` followed by a ``Bias``
+``AddExtraInput``  ``add(a, b)`` of two tensors of one shape and dtype (the residual add)
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from ..machinery.aten import aten, c10d, calls, dtype, is_tensor_node, shape
+from ..machinery.recognizer import Found, Phase, Recognizer
+from ..machinery.region import VIEWS, ParamSource, Region, frozen, is_input, is_vector_of, standin
+from ..ops import group as groups
+from ..ops.collectives import AllGather, AllReduce, ReduceScatter
+from ..ops.extra import AddExtraInput
+from ..ops.linear import BasicLinear, Bias
+
+__all__ = ["collective", "linear", "add", "BASIC_RECOGNIZERS"]
+
+
+# Collectives ------------------------------------------------------------------------------------
+
+
+def _split_along_tokens(x: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
+    """``cat([y.split(size, dim)[i] for i ...], dim=0)`` with every dim of ``y`` before ``dim`` of
+    size 1 is ``y`` regrouped (DTensor's reduce-scatter along the sequence dim, batch 1): returns
+    ``(y, nodes)``, else ``(x, set())``."""
+    if not calls(x, aten.cat.default) or (len(x.args) > 1 and x.args[1] != 0):
+        return x, set()
+    parts = x.args[0]
+    if not parts or not all(calls(p, operator.getitem) for p in parts):
+        return x, set()
+    split = parts[0].args[0]
+    if not calls(split, aten.split.Tensor, aten.split_with_sizes.default) or len(split.args) < 3:
+        return x, set()
+    y, dim = split.args[0], split.args[2]
+    dims = shape(y)
+    if dims is None or any(p.args[0] is not split for p in parts) or [p.args[1] for p in parts] != list(range(len(parts))):
+        return x, set()
+    if len(parts) != len(split.users) or any(size != 1 for size in dims[:dim % len(dims)]):
+        return x, set()
+    return y, {x, split, *parts}
+
+
+def collective(wait: fx.Node, found: Found | None = None) -> Region | None:
+    if not calls(wait, c10d.wait_tensor.default) or not wait.args:
+        return None
+    issue = wait.args[0]
+    if calls(issue, c10d.all_reduce.default):
+        x, reduce_op, name = issue.args[:3]
+        cls = AllReduce if reduce_op == "sum" else None
+    elif calls(issue, c10d.all_gather_into_tensor.default):
+        x, _size, name = issue.args[:3]
+        cls = AllGather
+    elif calls(issue, c10d.reduce_scatter_tensor.default):
+        x, reduce_op, _size, name = issue.args[:4]
+        cls = ReduceScatter if reduce_op == "sum" else None
+    else:
+        return None
+    if cls is None or len(issue.users) != 1 or not is_tensor_node(x):
+        return None
+    try:
+        group = groups.from_name(name)
+    except Exception:  # noqa: BLE001 - a group this process does not know: leave the collective alone
+        return None
+    extra = set()
+    if cls is ReduceScatter:
+        x, extra = _split_along_tokens(x)
+    return Region(frozen(cls(group=group)), (x,), wait, frozenset({issue, wait, *extra}))
+
+
+# Linear ---------------------------------------------------------------------------------------------
+
+
+def _view_chain(node) -> tuple[fx.Node, list[fx.Node]]:
+    """``node``'s source through a chain of views (reshapes), and the views."""
+    chain = []
+    while calls(node, *VIEWS):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _through_views(node) -> tuple[fx.Node, list[fx.Node]]:
+    """``node`` seen through views that give its source's shape back (functionalised in-place
+    collectives on reshaped tensors leave such round trips): ``(source, views)``, or
+    ``(node, [])`` when the views change the shape."""
+    source, chain = _view_chain(node)
+    if chain and shape(source) == shape(node) and is_tensor_node(source):
+        return source, chain
+    return node, []
+
+
+def _numel(dims) -> int:
+    count = 1
+    for size in dims:
+        count *= size
+    return count
+
+
+def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
+    if calls(mm, aten.mm.default):
+        bias, a, b = None, mm.args[0], mm.args[1]
+    elif calls(mm, aten.addmm.default):
+        if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1:
+            return []
+        bias, a, b = mm.args[:3]
+    else:
+        return []
+    a_shape, b_shape = shape(a), shape(b)
+    if a_shape is None or b_shape is None or len(a_shape) != 2 or len(b_shape) != 2:
+        return []
+    k, n = b_shape
+    nodes = {mm}
+    # The weight of ``mm(x, permute(W))`` is ``W``. Only weights that are graph inputs count
+    # (parameters, or their local shards under DTensor): the GEMMs of backward graphs multiply
+    # activations and transposed weights, which the fused ops do not take.
+    if not (calls(b, aten.permute.default) and list(b.args[1]) == [1, 0] and is_input(b.args[0])):
+        return []
+    weight = ParamSource(b.args[0])
+    nodes.add(b)
+    # x's leading dims flattened for the GEMM and restored on its result, through any views (the
+    # grouping of the leading dims may differ: a dim-1 all-gather with batch 1 is viewed that way).
+    x, out = a, mm
+    source, views_in = _view_chain(a)
+    dims = shape(source)
+    if views_in and dims is not None and dims[-1] == k and _numel(dims[:-1]) == a_shape[0]:
+        x = source
+        nodes.update(views_in)
+    cur, views_out = mm, []
+    while len(cur.users) == 1 and calls(next(iter(cur.users)), *VIEWS):
+        cur = next(iter(cur.users))
+        views_out.append(cur)
+        if shape(cur)[-1] == n:
+            out = cur
+    if out is not mm:
+        nodes.update(views_out[:views_out.index(out) + 1])
+    if dtype(x) != dtype(weight.node):
+        return []
+    weight_standin = standin((n, k), dtype(weight.node))
+    gemm = Region(frozen(BasicLinear(k, n, weight=weight_standin)), (x,), out, frozenset(nodes), {weight_standin: weight})
+    if bias is None:
+        return [gemm]
+    if not is_vector_of(bias, n) or dtype(bias) != dtype(mm) or not is_input(bias):
+        return []
+    # addmm: the GEMM has no value of its own; the bias region's nodes compute from x and W.
+    gemm.value, gemm.anchor = None, mm
+    gemm.nodes = frozenset(nodes - {mm, out})
+    bias_standin = standin((n,), dtype(bias))
+    biased = Region(frozen(Bias(n, bias=bias_standin)), (), out, frozenset({mm, out}), {bias_standin: ParamSource(bias)},
+                    virtual_input=True)
+    return [gemm, biased]
+
+
+# Adds -------------------------------------------------------------------------------------------------
+
+#: Producers that make an operand the main input of a residual add (the chain the rules follow).
+_CHAIN_KINDS = {"AllReduce": 3, "ReduceScatter": 3, "Bias": 2, "BasicLinear": 2}
+
+
+def add(node: fx.Node, found: Found) -> Region | None:
+    if not calls(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if not (is_tensor_node(a) and is_tensor_node(b)) or shape(node) is None:
+        return None
+    (a, views_a), (b, views_b) = _through_views(a), _through_views(b)
+    for y, vec in ((a, b), (b, a)):
+        if (shape(y) == shape(node) and is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
+                and is_input(vec)):
+            if dtype(node) != dtype(y) and dtype(vec) == dtype(y):
+                return None
+            bias_standin = standin((shape(node)[-1],), dtype(vec))
+            return Region(frozen(Bias(shape(node)[-1], bias=bias_standin)), (y,), node,
+                          frozenset({node, *views_a, *views_b}), {bias_standin: ParamSource(vec)})
+    if shape(a) != shape(node) or shape(b) != shape(node) or not (dtype(a) == dtype(b) == dtype(node)):
+        return None
+    # The main input is the one the rules' chains come from (an all-reduce, a bias, a GEMM); the
+    # other one is the residual. Ties keep the written order.
+    if _CHAIN_KINDS.get(found.kind_of(b), 0) > _CHAIN_KINDS.get(found.kind_of(a), 0):
+        a, b = b, a
+    return Region(frozen(AddExtraInput()), (a, b), node, frozenset({node, *views_a, *views_b}))
+
+
+#: The front end's own recognizers (the families add theirs: :mod:`.recognition`).
+BASIC_RECOGNIZERS = (
+    Recognizer("collective", Phase.COLLECTIVES, collective,
+               "AllReduce, AllGather, ReduceScatter: a _c10d_functional collective and its wait_tensor"),
+    Recognizer("linear", Phase.GEMMS, linear,
+               "BasicLinear (+ Bias): mm / addmm of a transposed weight that is a graph input"),
+    Recognizer("add", Phase.ADDS, add, "Bias (+ a 1-D parameter) and AddExtraInput (a residual add)"),
+)
