@@ -1,7 +1,7 @@
 """The pass pipeline, top to bottom, and the passes users register into it.
 
 Each pass is ``fn(graph_module, ctx) -> None`` and edits the graph in place (``ctx`` is a
-:class:`~.context.PassContext`). The built-in passes, in order::
+:class:`~opfuse.machinery.context.PassContext`). The built-in passes, in order::
 
     partition               expand composite ops, insert the collectives their layouts need
     horizontal_gemm         GEMMs reading the same value -> one GEMM (registered with register_pass)

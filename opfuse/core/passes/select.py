@@ -3,7 +3,7 @@
 Before the first check that involves a process group on a CUDA device, the group's symmetric
 pool is opened (collective, once per group and device), so the implementations' checks can stay
 pure. The chosen implementation's ``prepare`` runs right after its check (see
-:func:`opfuse.machinery.fused_op.choose`).
+:func:`opfuse.machinery.implementation.choose`).
 """
 
 from __future__ import annotations

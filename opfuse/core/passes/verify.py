@@ -6,7 +6,7 @@ carries metadata, and every basic op's recorded shape, dtype and layout agree wi
 computes from its inputs. The final :func:`verify` pass adds what only holds at the end:
 composites expanded, an implementation chosen for every fused op, and every node that a user
 rule fused computing the shapes, dtypes and devices of the ops it replaced (a
-:class:`~.rule.RuleError` naming the rule).
+:class:`~opfuse.machinery.rule.RuleError` naming the rule).
 """
 
 from __future__ import annotations

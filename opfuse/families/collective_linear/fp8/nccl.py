@@ -1,5 +1,5 @@
 """The ``nccl`` implementations of the FP8 collective GEMMs: ``torch._scaled_mm`` GEMMs
-(:mod:`..fp8_linear.scaled_mm`) around ``torch.distributed`` collectives that move FP8 bytes.
+(:mod:`...linear.fp8.scaled_mm`) around ``torch.distributed`` collectives that move FP8 bytes.
 
 * ``all_gather_linear_fp8``: forward gathers the FP8 ``x`` (half the bytes of bfloat16) and runs one
   GEMM. Backward starts re-gathering ``x`` before the dgrad GEMM and reduce-scatters ``dx`` (in the
@@ -27,7 +27,7 @@ __all__ = ["check", "ag_forward", "ag_backward", "rs_forward", "rs_backward"]
 
 
 def check(spec) -> str | None:
-    """The FP8 GEMM's conditions (:func:`..fp8_linear.scaled_mm.check`) and an NCCL group."""
+    """The FP8 GEMM's conditions (:func:`...linear.fp8.scaled_mm.check`) and an NCCL group."""
     reason = scaled_mm.check(spec)
     if reason:
         return reason

@@ -1,6 +1,6 @@
 """The ``p2p_overlap`` implementation of ``all_gather_linear_fp8``: the forward all-gather moves FP8
 bytes over peer memory (half the bytes of bfloat16) while ``torch._scaled_mm`` GEMMs each arriving
-shard, on the gather plan of :mod:`.schedules` (:func:`.p2p._bound` with ``scaled=True``).
+shard, on the gather plan of :mod:`..overlap.schedules` (:func:`..p2p._bound` with ``scaled=True``).
 
 One scale per tensor only (shared by the group's ranks: every shard's GEMM takes the same
 ``scale_a``); per-row scales go to the ``nccl`` implementation. Backward is the ``nccl`` one (dgrad,

@@ -8,8 +8,8 @@ column-major ``[K, N]`` (a row-major ``[N, K]`` tensor transposed: the operands 
 ``[1, N]`` (both per row; sm90, bfloat16 output). The weight-gradient GEMM contracts over the
 tokens: a token count that is not a multiple of 16 is padded with zero columns.
 
-Weights are quantized once per parameter version (:mod:`..quantize.weight_cache`); activations
-and gradients by the Triton quantizers (:mod:`..quantize.kernels`). GEMMs accumulate in float32
+Weights are quantized once per parameter version (:mod:`...quantize.weight_cache`); activations
+and gradients by the Triton quantizers (:mod:`...quantize.kernels`). GEMMs accumulate in float32
 (no fast accumulation), so results match the float32 emulation to float32 rounding.
 """
 
@@ -110,7 +110,7 @@ def pad_tokens(q: Quantized, multiple: int = 16) -> Quantized:
 
 def quantize_input(x, x_data, x_scale, weight, r, recipe: str):
     """``(xq, xt)``: x's FP8 operand (the given payload or quantized here) and, when this pass can
-    write them (:func:`.op.transposes_x`), its transposed bytes for the wgrad GEMM (else ``None``)."""
+    write them (:func:`.reference.transposes_x`), its transposed bytes for the wgrad GEMM (else ``None``)."""
     k = weight.shape[1]
     if x_data is not None:
         return Quantized(x_data.reshape(-1, k), x_scale), None

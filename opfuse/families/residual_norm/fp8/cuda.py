@@ -12,7 +12,7 @@ regions, same crossovers, same checks and preparation); only the row finish diff
   ``y`` bit for bit) casts each row to FP8.
 
 The scale math is :mod:`opfuse.fp8.numerics`' (float32, IEEE divisions), so the FP8 bytes equal the
-reference quantizer's for the same ``y``. Backward is the family's (:func:`.cuda.norm_backward`).
+reference quantizer's for the same ``y``. Backward is the family's (:func:`..cuda.norm_backward`).
 """
 
 from __future__ import annotations

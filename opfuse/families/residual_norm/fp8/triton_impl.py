@@ -1,6 +1,6 @@
 """The ``triton`` implementation of the norms that emit FP8 (``add_rmsnorm_quantize``,
 ``add_layernorm_quantize``): the add, the norm and the quantization in one kernel per row
-(:mod:`.triton_kernels`), the normalized activation never written in high precision.
+(:mod:`..triton_kernels`), the normalized activation never written in high precision.
 
 One scale per row: one pass. One scale per tensor: a first pass writes ``h`` and each row's amax,
 the amax (all-reduced over ``amax_group`` when the quantized shards are gathered next) gives the
