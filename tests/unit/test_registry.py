@@ -90,6 +90,10 @@ class _FakeExtension:
     def twoshot_region_bytes(world, capacity):
         return 2 * world * capacity
 
+    @staticmethod
+    def lamport_region_bytes(world, capacity):
+        return 4 * capacity
+
 
 class _Pool:
     """A pool that fails loudly if a check reserves anything."""
@@ -115,6 +119,7 @@ def test_peer_kernel_checks_are_pure(monkeypatch):
     monkeypatch.setattr(symm_pool, "lookup", lambda group, device=None: (pool, None))
     assert norm_cuda.check_oneshot(_spec()) is None
     assert norm_cuda.check_twoshot(_spec()) is None
+    assert norm_cuda.check_lamport(_spec()) is None
     assert pool.asked and all(name.startswith("residual_norm/") for name, _ in pool.asked)
     pool.fits = False
     assert "symmetric pool cannot hold" in norm_cuda.check_oneshot(_spec())
