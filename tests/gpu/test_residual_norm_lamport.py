@@ -121,7 +121,7 @@ class Sequence:
 
 
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_lamport_back_to_back_calls_of_changing_sizes(ext, world, pdl):
     dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(70 + world)
@@ -200,9 +200,8 @@ def test_a_late_peer_still_gets_the_right_answer(ext):
     ys = [torch.full_like(xs[0], float("nan")) for _ in range(world)]
     hs = [torch.full_like(xs[0], float("nan")) for _ in range(world)]
     sim.fork()
-    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 0.05)  # ~50 ms at the base clock
     with torch.cuda.stream(sim.streams[1]):
-        torch.cuda._sleep(cycles)
+        torch.cuda._sleep(100_000_000)  # 1e8 cycles: 50-70 ms at H100 / H200 clocks
     for r in range(world):
         sim.launch(r, xs[r], bias, res, w, None, ys[r], hs[r], "rms", timeout_ns=TIMEOUT_NS)
     sim.join()
