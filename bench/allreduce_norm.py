@@ -284,8 +284,11 @@ def worker(rank, world, opts, out_path):
             row["err"] = {k: v for k, v in zip(ERR_KEYS, worst) if v >= 0}
             rows.append(row)
             del h_ref, y_ref
-            if rank == 0:
-                common.progress(f"world {world}: hidden {hidden}, {tokens} tokens done")
+            if rank == 0:  # the times too: a run cut by its time limit still shows what it measured
+                times = ", ".join(f"{k} {row[k]:.1f}" for k in ("nccl_ar", "ours", "fi") + tuple(k for _, k in FORCED)
+                                  if row.get(k) is not None)
+                common.progress(f"world {world}: hidden {hidden}, {tokens} tokens done (us: {times}; "
+                                f"chosen {row.get('ours_impl', '-')})")
     if rank == 0:
         with open(out_path, "w") as handle:
             json.dump({"rows": rows, "ceilings": ceilings, "flashinfer": fi_why or "measured", "quick": quick},
