@@ -282,7 +282,7 @@ case "$stage" in
       local left=$((END - $2 - SECONDS)); [ "$left" -lt 30 ] && left=30
       echo $(( $1 < left ? $1 : left ))
     }
-    tests lamport_kernels "$(fits 150 330)" -x -q tests/gpu/test_residual_norm_lamport.py
+    tests lamport_kernels "$(fits 150 330)" -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
     tests lamport_dist "$(fits 150 270)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
     fi_flag=--no-flashinfer
     if [ -d .thirdparty/flashinfer ]; then
