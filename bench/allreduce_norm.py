@@ -22,7 +22,8 @@ baselines stay finite. Columns:
   symm1_eager    torch symm_mem one_shot_all_reduce + eager add+norm
   symm2_ar       torch symm_mem two_shot_all_reduce_ alone
   ours           opfuse AllReduceAddRMSNorm, implementation chosen by the dispatch table
-  ours_nopdl     (up to 1 MiB) the chosen program launched without PDL (OPFUSE_PDL=0's launch): PDL's share
+  ours_pdl       (up to 1 MiB) the chosen program with its peer kernels launched with PDL (OPFUSE_PDL=1):
+                 PDL's share
   ours_1shot / ours_2shotL / ours_2shot / ours_nccl   the same with the implementation forced (where
                             capable; 2shotL = the pipelined Lamport two-shot of issue 30, 2shot = the
                             flag-based two-shot, nccl = NCCL all-reduce + opfuse's local add+norm kernel)
@@ -132,9 +133,8 @@ FORCED = (("cuda_oneshot", "ours_1shot"), ("cuda_twoshot_lamport", "ours_2shotL"
 
 
 ERR_KEYS = ("ours_y", "ours_h", "fi_y", "fi_h") + tuple(f"{key}_y" for _, key in FORCED)
-#: Up to this message the chosen kernel is also timed without PDL (``ours_nopdl``): PDL's share.
+#: Up to this message the chosen kernel is also timed with PDL launches (``ours_pdl``): PDL's share.
 PDL_COMPARE_MAX_BYTES = 1 << 20
-PDL_DEFAULT = norm_cuda.PDL
 
 
 def busbw_gbs(message, world, us):
@@ -250,14 +250,11 @@ def worker(rank, world, opts, out_path):
 
                 measure_opfuse(row, "ours", health, ours)
                 if message <= PDL_COMPARE_MAX_BYTES:
-                    def ours_without_pdl():  # the same program, launched without PDL (captured so)
-                        norm_cuda.PDL = False
-                        try:
+                    def ours_with_pdl():  # the same program, its peer kernels launched with PDL (captured so)
+                        with opfuse.config.override(pdl=True):
                             return graph_time_us(lambda: block(x, res))
-                        finally:
-                            norm_cuda.PDL = PDL_DEFAULT
 
-                    measure_opfuse(row, "ours_nopdl", health, ours_without_pdl)
+                    measure_opfuse(row, "ours_pdl", health, ours_with_pdl)
                 row.update(flashinfer_columns(fi, fi_why, world, x, res, weight, y_ref, h_ref, row["err"]))
                 for impl, key in FORCED:
                     def forced_us(impl=impl):
@@ -391,7 +388,7 @@ def _columns(world, result):
         ("symm2 AR", "symm2_ar", lambda r: fmt(r.get("symm2_ar"))),
         ("ours", None, lambda r: fmt(r.get("ours"))),
         ("impl", None, lambda r: str(r.get("ours_impl") or "-")),
-        ("ours no PDL", "ours_nopdl", lambda r: fmt(r.get("ours_nopdl"))),
+        ("ours PDL", "ours_pdl", lambda r: fmt(r.get("ours_pdl"))),
         ("ours/compiled", "nccl_compiled", lambda r: fmt(ratio(r.get("ours"), r.get("nccl_compiled")), 2)),
         ("ours/symm1", "symm1_eager", lambda r: fmt(ratio(r.get("ours"), r.get("symm1_eager")), 2)),
         ("ours/symm2", "symm2_ar", lambda r: fmt(ratio(r.get("ours"), r.get("symm2_ar")), 2)),

@@ -71,6 +71,10 @@ class Config:
     #: A second GEMM stream in the comm+GEMM pipelines (``OPFUSE_OVERLAP_ALTERNATE_STREAMS``):
     #: ``auto`` = where a chunk GEMM's last wave is idle enough to be worth it, ``on``, ``off``.
     overlap_alternate_streams: str = "auto"
+    #: Launch the all-reduce + norm peer kernels with programmatic dependent launch, so their launch
+    #: overlaps the tail of the kernel before them (``OPFUSE_PDL``). Off until measured on GPUs
+    #: (docs/PERF_NOTES.md, issue 30).
+    pdl: bool = False
     #: How long opfuse waits for a peer before it fails, in milliseconds (``OPFUSE_PEER_TIMEOUT_MS``):
     #: the peer-memory kernels' and the overlap plans' waits, and the compile-time check that every
     #: rank compiled the same program. 0 waits forever. The default is NCCL's default process-group
@@ -240,6 +244,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "twoshot_max_bytes": _integer(0),
     "overlap_chunks": _integer(0),
     "overlap_alternate_streams": _choice("auto", "on", "off"),
+    "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
     "log": _choice("warning", "info", "debug"),
 }
@@ -259,6 +264,7 @@ _ENV_NAMES = {
     "twoshot_max_bytes": "TWOSHOT_MAX_BYTES",
     "overlap_chunks": "OVERLAP_CHUNKS",
     "overlap_alternate_streams": "OVERLAP_ALTERNATE_STREAMS",
+    "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",
 }

@@ -164,13 +164,9 @@ def check_pdl_off_gives_the_same_bits(rank, world):
         res = partials(78, 1, tokens, hidden, dtype)[0]
         outs = []
         for pdl in (True, False):
-            norm_cuda.PDL = pdl
-            try:
-                with opfuse.config.override(force_impl=f"allreduce_add_rmsnorm={impl}"):
-                    model = block(hidden, dtype)
-                    outs.append(model(xs[rank], res))
-            finally:
-                norm_cuda.PDL = True
+            with opfuse.config.override(force_impl=f"allreduce_add_rmsnorm={impl}", pdl=pdl):
+                model = block(hidden, dtype)
+                outs.append(model(xs[rank], res))
         (y0, h0), (y1, h1) = outs
         assert torch.equal(y0, y1) and torch.equal(h0, h1), f"{impl}: PDL on and off differ"
 

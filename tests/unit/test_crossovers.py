@@ -42,10 +42,10 @@ def test_packaged_table_keeps_the_limits_measured_before_the_sweep():
     table = crossovers.table()
     assert sorted(table.worlds) == [2, 3, 4, 8]
     # hidden 8192 bf16 (16 KiB rows) and hidden 4096 (8 KiB rows), as docs/PERF_NOTES.md v3 measured them;
-    # the Lamport two-shot (issue 30, predicted) takes everything above the one-shot: no limit
-    assert table.limits(2, 16384) == Limits(8 * MiB, 256 * MiB, None)
-    assert table.limits(4, 16384) == Limits(1 * MiB, 256 * MiB, None)
-    assert table.limits(3, 8192) == Limits(2 * MiB, 16 * MiB, None)
+    # the Lamport two-shot (issue 30) has not run on a GPU: dispatch never chooses it until measured
+    assert table.limits(2, 16384) == Limits(8 * MiB, 256 * MiB, 0)
+    assert table.limits(4, 16384) == Limits(1 * MiB, 256 * MiB, 0)
+    assert table.limits(3, 8192) == Limits(2 * MiB, 16 * MiB, 0)
     assert table.limits(2, 4096).twoshot_max == 16 * MiB     # shorter rows: the 8 KiB point
     assert table.limits(4, 32768).twoshot_max == 256 * MiB   # longer rows: the 16 KiB point
     # unlisted worlds take the next larger listed one (the old default for worlds 5-7 and 9+: 512 KiB)
@@ -217,12 +217,19 @@ def test_lamport_limit_is_optional_parsed_checked_and_interpolated():
         make({2: [point(4096, 1, 2, -1, True)]})
 
 
-def test_backend_lamport_limit_follows_the_table_and_the_two_shot_setting():
+def test_backend_lamport_limit_follows_the_table_and_the_two_shot_setting(monkeypatch):
     from opfuse.backend.residual_norm import cuda
 
     assert cuda.lamport_limit(2, 16384) == crossovers.table().limits(2, 16384).lamport_max
-    with opfuse.config.override(twoshot_max_bytes=67890):
-        assert cuda.lamport_limit(2, 16384) == 67890
+    with opfuse.config.override(twoshot_max_bytes=67890):  # a setting never turns on a kernel the table keeps off
+        assert cuda.lamport_limit(2, 16384) == 0
+    for limit, bounded in ((None, 67890), (1 << 30, 67890), (1000, 1000)):
+        table = crossovers.CrossoverTable.from_dict(
+            {"worlds": {"2": [{"row_bytes": 16384, "oneshot_max": 0, "twoshot_max": None, "lamport_max": limit}]}})
+        monkeypatch.setattr(cuda.crossovers, "table", lambda table=table: table)
+        assert cuda.lamport_limit(2, 16384) == limit
+        with opfuse.config.override(twoshot_max_bytes=67890):
+            assert cuda.lamport_limit(2, 16384) == bounded
 
 
 def lamport_sweep(messages, a, b, c):

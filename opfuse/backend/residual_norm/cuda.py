@@ -15,9 +15,9 @@ implementation            what runs                                             
 ``cuda``                  single GPU: the fused add+norm kernel (``add_*norm`` ops)  CUDA
 ========================  =========================================================  ==================
 
-The peer kernels launch with programmatic dependent launch (PDL: their launch overlaps the tail of
-the kernel before them; they read nothing before the grid-dependency wait) unless ``OPFUSE_PDL=0``
-(read at import; :data:`PDL`).
+With ``opfuse.config.pdl`` (``OPFUSE_PDL=1``) the peer kernels launch with programmatic dependent
+launch (PDL: their launch overlaps the tail of the kernel before them; they read nothing before the
+grid-dependency wait).
 
 Peer buffers are regions of the group's :class:`~opfuse.backend.runtime.symm_pool.SymmetricPool`:
 the checks only ask whether a region would fit; ``prepare`` (the chosen implementation, every
@@ -29,7 +29,6 @@ that pick between them (by world size and row size) are in :mod:`.crossovers`.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ from . import crossovers, reference
 __all__ = ["check_oneshot", "check_twoshot", "check_lamport", "check_nccl_then_kernel", "check_local",
            "prepare_oneshot", "prepare_twoshot", "prepare_lamport", "oneshot_forward", "twoshot_forward",
            "lamport_forward", "nccl_then_kernel_forward", "local_forward", "norm_backward", "one_dtype_reason",
-           "operands", "peer_launch", "ptr", "SUPPORTED_DTYPES", "FAMILY", "PDL", "KINDS"]
+           "operands", "peer_launch", "ptr", "SUPPORTED_DTYPES", "FAMILY", "KINDS"]
 
 FAMILY = "residual_norm"
 #: The fused ops the peer kernels run (a kernel records its op's index here on a timeout).
@@ -55,8 +54,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: The peer kernels: one-shot, pipelined Lamport two-shot, flag-based two-shot.
 KINDS = ("oneshot", "lamport", "twoshot")
 _MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20, "lamport": 1 << 20}
-#: Launch the peer kernels with programmatic dependent launch (``OPFUSE_PDL=0`` turns it off).
-PDL = os.environ.get("OPFUSE_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def oneshot_limit(world: int, row_bytes: int = 0) -> int:
@@ -76,12 +73,13 @@ def twoshot_limit(world: int, row_bytes: int) -> int | None:
 
 
 def lamport_limit(world: int, row_bytes: int) -> int | None:
-    """Largest message the pipelined Lamport two-shot takes (``OPFUSE_TWOSHOT_MAX_BYTES``, which
-    bounds both two-shot kernels, else the crossover table's ``lamport_max``; 0: never, None: no
-    limit)."""
-    if config.twoshot_max_bytes:
-        return config.twoshot_max_bytes
-    return crossovers.table().limits(world, row_bytes).lamport_max
+    """Largest message the pipelined Lamport two-shot takes: the crossover table's ``lamport_max``
+    (0: never, None: no limit), bounded by ``OPFUSE_TWOSHOT_MAX_BYTES`` when that is set (a setting
+    never turns on a kernel the table keeps off: force it with ``OPFUSE_FORCE_IMPL``)."""
+    limit = crossovers.table().limits(world, row_bytes).lamport_max
+    if config.twoshot_max_bytes and limit != 0:
+        return config.twoshot_max_bytes if limit is None else min(limit, config.twoshot_max_bytes)
+    return limit
 
 
 # Capability checks (pure) ---------------------------------------------------------------------
@@ -153,8 +151,9 @@ def _check_peer(kind: str, limit):
         if most is not None and message > most:
             setting = "OPFUSE_ONESHOT_MAX_BYTES" if kind == "oneshot" else "OPFUSE_TWOSHOT_MAX_BYTES"
             if most == 0:
+                override = f"{setting} overrides it" if kind != "lamport" else "OPFUSE_FORCE_IMPL forces it"
                 return (f"the {kind} kernel is not used at world {spec.world_size} with {row_bytes}-byte rows (limit 0 "
-                        f"in the crossover table; {setting} overrides it)")
+                        f"in the crossover table; {override})")
             return (f"message of {message} bytes exceeds the {kind} limit of {most} bytes ({setting}; automatic "
                     f"when 0: by world size and row size, here world {spec.world_size}, {row_bytes}-byte rows)")
         if spec.world_size > extension.load(FAMILY).MAX_WORLD:
@@ -317,9 +316,9 @@ def peer_launch(kind: str, x, bias, residual, weight, norm_bias, eps, group, y, 
     else:  # a bound on the grid (the same on every rank: same GPU kind)
         grid = sm_count()
     if epilogue is None:
-        getattr(ext, f"allreduce_{kind}")(*args, grid, current_stream(), PDL)
+        getattr(ext, f"allreduce_{kind}")(*args, grid, current_stream(), config.pdl)
     else:
-        getattr(ext, f"allreduce_{kind}_fp8")(epilogue, *args, grid, current_stream(), PDL)
+        getattr(ext, f"allreduce_{kind}_fp8")(epilogue, *args, grid, current_stream(), config.pdl)
 
 
 def _peer_forward(kind: str):
