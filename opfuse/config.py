@@ -76,6 +76,10 @@ class Config:
     #: backward all-reduce next to the weight-gradient GEMMs), and fuses it elsewhere; ``fuse``
     #: fuses every collective a rule matches.
     overlap_collectives: str = "auto"
+    #: Launch the all-reduce + norm peer kernels with programmatic dependent launch, so their launch
+    #: overlaps the tail of the kernel before them (``OPFUSE_PDL``). Off until measured on GPUs
+    #: (docs/PERF_NOTES.md, issue 30).
+    pdl: bool = False
     #: How long opfuse waits for a peer before it fails, in milliseconds (``OPFUSE_PEER_TIMEOUT_MS``):
     #: the peer-memory kernels' and the overlap plans' waits, and the compile-time check that every
     #: rank compiled the same program. 0 waits forever. The default is NCCL's default process-group
@@ -246,6 +250,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "overlap_chunks": _integer(0),
     "overlap_alternate_streams": _choice("auto", "on", "off"),
     "overlap_collectives": _choice("auto", "fuse"),
+    "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
     "log": _choice("warning", "info", "debug"),
 }
@@ -266,6 +271,7 @@ _ENV_NAMES = {
     "overlap_chunks": "OVERLAP_CHUNKS",
     "overlap_alternate_streams": "OVERLAP_ALTERNATE_STREAMS",
     "overlap_collectives": "OVERLAP_COLLECTIVES",
+    "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",
 }

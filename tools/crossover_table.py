@@ -5,15 +5,17 @@
     python3 tools/crossover_table.py sweep.json            # rewrite the packaged table
     python3 tools/crossover_table.py sweep.json --dry-run  # print the fitted limits only
 
-For every measured (world, row bytes), the two limits are chosen together so that the order the
-backend applies (one-shot up to ``oneshot_max``, two-shot up to ``twoshot_max``, NCCL + the local
-kernel above) loses the least against the fastest forced implementation over the measured sizes:
-the sum over sizes of log(time of the implementation the limits pick / fastest time), where an
-implementation without a time (not capable, not timed) counts as 10x slower. Candidate limits
-lie between measured messages (their geometric mean), or at the largest measured message; ties go
-to the smaller one-shot limit and the larger two-shot limit. Worlds the sweep did not measure keep
-their entries from the current table. The sweep's automatic choice is not used: it only reports
-how the old table did.
+For every measured (world, row bytes), the three limits are chosen together so that the order the
+backend applies (one-shot up to ``oneshot_max``, the pipelined Lamport two-shot up to
+``lamport_max``, the flag-based two-shot up to ``twoshot_max``, NCCL + the local kernel above)
+loses the least against the fastest forced implementation over the measured sizes: the sum over
+sizes of log(time of the implementation the limits pick / fastest time), where an implementation
+without a time (not capable, not timed) counts as 10x slower. Candidate limits lie between
+measured messages (their geometric mean), or at the largest measured message; ties go to the
+smaller one-shot limit, the larger two-shot limit, and a Lamport limit of 0 when it would pick the
+Lamport kernel nowhere (sweeps from before the Lamport kernel, which have no time for it,
+therefore fit it out). Worlds the sweep did not measure keep their entries from the
+current table. The sweep's automatic choice is not used: it only reports how the old table did.
 """
 
 from __future__ import annotations
@@ -29,24 +31,26 @@ sys.path.insert(0, ROOT)
 
 from opfuse.families.residual_norm import crossovers  # noqa: E402
 
-ONESHOT, TWOSHOT, NCCL = "cuda_oneshot", "cuda_twoshot", "nccl+cuda"
+ONESHOT, LAMPORT, TWOSHOT, NCCL = "cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot", "nccl+cuda"
 MISSING_PENALTY = math.log(10.0)
 
 
-def choose(message: int, oneshot_max: int, twoshot_max: int) -> str:
+def choose(message: int, oneshot_max: int, twoshot_max: int, lamport_max: int = 0) -> str:
     """The implementation the backend picks for ``message`` under these limits."""
     if message <= oneshot_max:
         return ONESHOT
+    if message <= lamport_max:
+        return LAMPORT
     if message <= twoshot_max:
         return TWOSHOT
     return NCCL
 
 
-def loss(sizes: list[tuple[int, dict]], oneshot_max: int, twoshot_max: int) -> float:
+def loss(sizes: list[tuple[int, dict]], oneshot_max: int, twoshot_max: int, lamport_max: int = 0) -> float:
     total = 0.0
     for message, times in sizes:
         best = min(times.values())
-        got = times.get(choose(message, oneshot_max, twoshot_max))
+        got = times.get(choose(message, oneshot_max, twoshot_max, lamport_max))
         total += MISSING_PENALTY if got is None else math.log(got / best)
     return total
 
@@ -58,8 +62,9 @@ def candidates(messages: list[int]) -> list[int]:
     return [0] + between + [messages[-1]]
 
 
-def fit(sizes: list[tuple[int, dict]]) -> tuple[int, int, float]:
-    """``(oneshot_max, twoshot_max, worst ratio to the fastest)`` for one (world, row bytes).
+def fit(sizes: list[tuple[int, dict]]) -> tuple[int, int, float, int]:
+    """``(oneshot_max, twoshot_max, worst ratio to the fastest, lamport_max)`` for one (world, row
+    bytes).
 
     ``sizes``: ``(message bytes, {implementation: us})`` for the measured token counts; sizes
     with no time at all are ignored.
@@ -70,15 +75,20 @@ def fit(sizes: list[tuple[int, dict]]) -> tuple[int, int, float]:
     cands = candidates([m for m, _ in sizes])
     best = None
     for one in cands:
-        for two in reversed(cands):  # larger two-shot limits first: ties keep the larger
-            if two < one:
-                continue
-            value = loss(sizes, one, two)
-            if best is None or value < best[0] - 1e-12:
-                best = (value, one, two)
-    _, one, two = best
-    worst = max((t.get(choose(m, one, two), math.inf) / min(t.values()) for m, t in sizes), default=1.0)
-    return one, two, worst
+        # Lamport limits at or below the one-shot's never pick it: one candidate (0) stands for all.
+        lamports = [0] + [c for c in reversed(cands) if c > one]  # larger first: ties keep the larger
+        for lam in lamports:
+            for two in reversed(cands):  # larger two-shot limits first: ties keep the larger
+                if two < max(one, lam):
+                    continue
+                value = loss(sizes, one, two, lam)
+                if best is None or value < best[0] - 1e-12:
+                    best = (value, one, two, lam)
+    _, one, two, lam = best
+    if two <= 0:  # the table needs a positive two-shot limit; 1 byte: never (smaller messages go first)
+        two = 1
+    worst = max((t.get(choose(m, one, two, lam), math.inf) / min(t.values()) for m, t in sizes), default=1.0)
+    return one, two, worst, lam
 
 
 def build_table(rows: list[dict], previous: dict | None = None, source: str = "") -> tuple[dict, list[str]]:
@@ -91,11 +101,12 @@ def build_table(rows: list[dict], previous: dict | None = None, source: str = ""
     for (world, row_bytes), sizes in sorted(groups.items()):
         if not any(t for _, t in sizes):
             continue
-        one, two, worst = fit(sizes)
-        worlds.setdefault(str(world), []).append({"row_bytes": row_bytes, "oneshot_max": one, "twoshot_max": two,
-                                                  "worst_ratio": round(worst, 4)})
-        report.append(f"world {world}, {row_bytes}-byte rows: one-shot <= {one / 2**20:.3g} MiB, two-shot <= "
-                      f"{two / 2**20:.3g} MiB; worst measured size {worst:.3f}x the fastest")
+        one, two, worst, lam = fit(sizes)
+        worlds.setdefault(str(world), []).append({"row_bytes": row_bytes, "oneshot_max": one, "lamport_max": lam,
+                                                  "twoshot_max": two, "worst_ratio": round(worst, 4)})
+        report.append(f"world {world}, {row_bytes}-byte rows: one-shot <= {one / 2**20:.3g} MiB, Lamport two-shot "
+                      f"<= {lam / 2**20:.3g} MiB, two-shot <= {two / 2**20:.3g} MiB; worst measured size "
+                      f"{worst:.3f}x the fastest")
     for world, entries in (previous or {}).get("worlds", {}).items():
         if world not in worlds:
             worlds[world] = entries

@@ -43,6 +43,11 @@
 #   tools/gpu_session.sh fp8-allreduce # 1-2 GPUs (~3 min): the FP8 epilogue of the all-reduce + norm kernels
 #                                      # (simulated ranks), the world-2 block test and bench/fp8.py --quick
 #                                      # at world 2 (the last two need 2 GPUs)
+#   tools/gpu_session.sh ar-bandwidth  # 2 GPUs, one device call (<= ~8.5 min, build included; issue 30): the
+#                                      # pipelined Lamport two-shot and PDL tests (simulated ranks, then world 2
+#                                      # over NCCL), bench/allreduce_norm.py --quick (FlashInfer column when
+#                                      # .thirdparty/ is carried and its check passes), the Lamport kernel's
+#                                      # bounded-wait test; every step's time limit shrinks to fit a 520 s budget
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 #   DRY=1 tools/gpu_session.sh STAGE     # print the steps a stage would run, run none (no GPU needed)
 set -uo pipefail
@@ -265,6 +270,38 @@ case "$stage" in
     final_summary() {
       echo "=== flashinfer binding"; tail -3 "$OUT/flashinfer_build.log" "$OUT/flashinfer_check.log" 2>/dev/null
       show allreduce_bench crossover_sweep crossover_table
+    }
+    ;;
+  ar-bandwidth)
+    # Issue 30 in one device call. Budget: everything ends by END seconds after the script started
+    # (the build above included); each step gets min(its own limit, what is left after the reserves
+    # of the steps that come later), at least 30 s. Most valuable first: the protocol tests catch a
+    # broken kernel (bounded waits: a failure, not a hang), then the benchmark.
+    END=${AR_BUDGET_S:-520}
+    fits() {  # fits LIMIT RESERVE: min(LIMIT, END - RESERVE - now), at least 30
+      local left=$((END - $2 - SECONDS)); [ "$left" -lt 30 ] && left=30
+      echo $(( $1 < left ? $1 : left ))
+    }
+    tests lamport_kernels "$(fits 150 330)" -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
+    tests lamport_dist "$(fits 150 270)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
+    fi_flag=--no-flashinfer
+    if [ -d .thirdparty/flashinfer ]; then
+      step flashinfer_build "$(fits 90 250)" python3 bench/flashinfer_ar/build.py
+      step flashinfer_check "$(fits 60 240)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
+      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
+    else
+      fi_flag=  # the bench's FlashInfer column then says why it is empty (no headers)
+    fi
+    step allreduce_quick "$(fits 280 30)" python3 bench/allreduce_norm.py --quick --json "$OUT/allreduce_quick.json" $fi_flag
+    tests lamport_timeout "$(fits 60 0)" -x -q tests/gpu/test_peer_timeout.py -k lamport
+    final_summary() {
+      echo "=== flashinfer"; tail -2 "$OUT/flashinfer_build.log" "$OUT/flashinfer_check.log" 2>/dev/null
+      grep -E "^(measured ceilings|not measured)" "$OUT/allreduce_quick.log" 2>/dev/null | sort -u | cut -c1-400
+      if grep -q "^summary" "$OUT/allreduce_quick.log" 2>/dev/null; then
+        show allreduce_quick
+      else  # cut before its tables: the per-size progress lines hold the times
+        echo "=== allreduce_quick (no summary: cut or failed)"; grep "tokens done" "$OUT/allreduce_quick.log" | tail -16
+      fi
     }
     ;;
   oneshot)

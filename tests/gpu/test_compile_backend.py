@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
                                 "examples"))
 
 BF16 = 3e-2  # the fused norm rounds once where the model's code rounds twice (weight after the cast)
-CUDA_IMPLS = {"cuda_oneshot", "cuda_twoshot", "nccl+cuda", "cuda"}
+CUDA_IMPLS = {"cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot", "nccl+cuda", "cuda"}
 
 
 def check(rank, world, tp, train, batch, **kwargs):

@@ -25,7 +25,7 @@ from .test_fp8_dist import randn, rel  # noqa: E402
 
 BF16 = torch.bfloat16
 OP = "allreduce_add_rmsnorm_quantize"
-IMPLS = ("cuda_oneshot", "cuda_twoshot", "allreduce+triton")
+IMPLS = ("cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot", "allreduce+triton")
 
 
 def make_block(world, hidden=1032, ffn=4096):

@@ -249,7 +249,7 @@ def check_tp_inference(rank, world):
             x, r = randn(gen, tokens, hidden, dtype=dtype), randn(gen, tokens, hidden, dtype=dtype)
             step = graphed(block, x, r)
             chosen = impls(block, x, r)
-        assert chosen["allreduce_add_rmsnorm"] in ("cuda_oneshot", "cuda_twoshot"), chosen
+        assert chosen["allreduce_add_rmsnorm"] in ("cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot"), chosen
         assert chosen["linear_bias_activation"] == "cublaslt_epilogue", chosen
         capture = step.captures[0]
         for i in range(REPLAYS):
@@ -332,7 +332,7 @@ def check_training(rank, world, *, sp, dtype, tokens, expect):
 def all_checks(rank, world):
     opfuse.config.peer_timeout_ms = 120_000  # a broken schedule traps with a message instead of hanging
     check_tp_inference(rank, world)
-    peer = ("cuda_oneshot", "cuda_twoshot")
+    peer = ("cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot")
     check_training(rank, world, sp=False, dtype=FP32, tokens=16, expect={"allreduce_add_rmsnorm": peer})
     check_training(rank, world, sp=False, dtype=BF16, tokens=512, expect={"allreduce_add_rmsnorm": peer})
     check_training(rank, world, sp=True, dtype=BF16, tokens=256 * world,

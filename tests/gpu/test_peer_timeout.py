@@ -48,6 +48,6 @@ def skipped_call(rank, world, impl):
         dist.barrier()
 
 
-@pytest.mark.parametrize("impl", ["cuda_oneshot", "cuda_twoshot"])
+@pytest.mark.parametrize("impl", ["cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot"])
 def test_a_rank_that_skips_a_call_fails_the_others_within_the_timeout(impl):
     run(skipped_call, 2, impl, backend="nccl", timeout=300)

@@ -15,6 +15,7 @@ from opfuse.families.residual_norm.cuda import oneshot_limit  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+PEER_IMPLS = ("cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot")
 
 
 def rel(a, b):
@@ -69,7 +70,7 @@ def assert_bitwise_across_ranks(t, what):
 def check_impls(rank, world):
     cases = [(1, 8192, torch.bfloat16), (7, 5120, torch.bfloat16), (64, 2880, torch.float16),
              (1000, 8192, torch.bfloat16), (33, 4096, torch.float32), (4096, 8192, torch.bfloat16)]
-    for impl in ("cuda_oneshot", "cuda_twoshot", "nccl+cuda", "reference"):
+    for impl in ("cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot", "nccl+cuda", "reference"):
         for tokens, hidden, dtype in cases:
             if impl == "cuda_oneshot" and tokens * hidden * dtype.itemsize > oneshot_limit(world):
                 continue
@@ -97,12 +98,12 @@ def check_auto_choice_and_plain_allreduce(rank, world):
         res = partials(2, 1, tokens, hidden, dtype)[0]
         y, h = model(xs[rank], res)
         impl = opfuse.compile(model, xs[rank], res).fusions[0].impl
-        assert impl in ("cuda_oneshot", "cuda_twoshot"), impl
+        assert impl in PEER_IMPLS, impl
         y_ref, _ = reference(model, xs, res)
         assert rel(y, y_ref) < TOL[dtype]
         plain = ops.Sequential(ops.AllReduce())
         out = plain(xs[rank])
-        assert opfuse.compile(plain, xs[rank]).fusions[0].impl in ("cuda_oneshot", "cuda_twoshot")
+        assert opfuse.compile(plain, xs[rank]).fusions[0].impl in PEER_IMPLS
         assert rel(out, sum(x.double() for x in xs)) < TOL[dtype]
         assert_bitwise_across_ranks(out, "plain all-reduce")
     # Plain all-reduce past the peer kernels' limits (e.g. a large message of short rows): NCCL alone.
@@ -116,7 +117,7 @@ def check_auto_choice_and_plain_allreduce(rank, world):
 
 
 def check_gradients(rank, world):
-    for impl in ("cuda_oneshot", "cuda_twoshot"):
+    for impl in PEER_IMPLS:
         hidden, tokens, dtype = 4096, 24, torch.float32
         model = block(hidden, dtype)
         xs = partials(5, world, tokens, hidden, dtype)
@@ -139,7 +140,7 @@ def check_gradients(rank, world):
 
 
 def check_graph_replays(rank, world):
-    for impl, tokens in (("cuda_oneshot", 4), ("cuda_twoshot", 512)):
+    for impl, tokens in (("cuda_oneshot", 4), ("cuda_twoshot", 512), ("cuda_twoshot_lamport", 512)):
         hidden, dtype = 8192, torch.bfloat16
         model = block(hidden, dtype)
         static_x = torch.empty(tokens, hidden, device="cuda", dtype=dtype)

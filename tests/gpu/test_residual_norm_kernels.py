@@ -71,11 +71,15 @@ def ptr(t):
 
 
 class SimulatedRanks:
-    """W ranks on one GPU: W peer regions in plain device memory, one stream per rank."""
+    """W ranks on one GPU: W peer regions in plain device memory, one stream per rank.
 
-    def __init__(self, ext, kind, world, dtype, capacity):
-        self.ext, self.kind, self.world = ext, kind, world
-        size = (ext.oneshot_region_bytes if kind == "oneshot" else ext.twoshot_region_bytes)(world, capacity)
+    ``kind``: ``"oneshot"``, ``"twoshot"`` or ``"lamport"`` (the pipelined Lamport two-shot).
+    ``pdl``: launch with programmatic dependent launch; a rank's next call can then be resident
+    (waiting) while its current one runs, so every rank gets half the grid."""
+
+    def __init__(self, ext, kind, world, dtype, capacity, pdl=False):
+        self.ext, self.kind, self.world, self.pdl = ext, kind, world, pdl
+        size = getattr(ext, f"{kind}_region_bytes")(world, capacity)
         self.buffers = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(world)]
         self.peers = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device="cuda")
         self.regions = [ext.PeerRegion(self.peers.data_ptr(), b.data_ptr(), r, world, size, capacity)
@@ -83,13 +87,14 @@ class SimulatedRanks:
         self.streams = [torch.cuda.Stream() for _ in range(world)]
         stream = torch.cuda.current_stream().cuda_stream
         for region in self.regions:
-            if kind == "oneshot":
-                ext.oneshot_init(region, code(dtype), stream)
-            else:
+            if kind == "twoshot":
                 ext.twoshot_init(region, stream)
+            else:
+                getattr(ext, f"{kind}_init")(region, code(dtype), stream)
         torch.cuda.synchronize()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.blocks = max(1, (sms - 4) // world)  # every rank's grid must be resident at once
+        # Every rank's grid must be resident at once (with PDL: two grids per rank).
+        self.blocks = max(1, (sms - 4) // (world * (2 if pdl else 1)))
         self.watches = [ext.PeerWatch() for _ in range(world)]
 
     def launch(self, r, x, bias, residual, weight, norm_bias, y, h, norm, eps=1e-6, timeout_ns=0, epilogue=None):
@@ -100,16 +105,17 @@ class SimulatedRanks:
         args = (ptr(x), ptr(bias), ptr(residual), ptr(weight), ptr(norm_bias), y.data_ptr(), ptr(h),
                 tokens, hidden, eps, norm_code(norm), code(x.dtype), self.regions[r], watch.flag,
                 watch.record, timeout_ns, 7)
-        if self.kind == "oneshot":
-            launch, fp8_launch, grid = self.ext.allreduce_oneshot, self.ext.allreduce_oneshot_fp8, self.blocks
-        else:
-            launch, fp8_launch = self.ext.allreduce_twoshot, self.ext.allreduce_twoshot_fp8
+        launch = getattr(self.ext, f"allreduce_{self.kind}")
+        fp8_launch = getattr(self.ext, f"allreduce_{self.kind}_fp8")
+        if self.kind == "twoshot":
             grid = max(1, min(self.blocks, math.ceil(tokens / self.world)))
+        else:  # one-shot, Lamport: a bound on the grid
+            grid = self.blocks
         with torch.cuda.stream(self.streams[r]):
             if epilogue is None:
-                launch(*args, grid, self.streams[r].cuda_stream)
+                launch(*args, grid, self.streams[r].cuda_stream, pdl=self.pdl)
             else:
-                fp8_launch(epilogue, *args, grid, self.streams[r].cuda_stream)
+                fp8_launch(epilogue, *args, grid, self.streams[r].cuda_stream, pdl=self.pdl)
 
     def fork(self):
         for stream in self.streams:

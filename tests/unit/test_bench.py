@@ -95,3 +95,32 @@ def test_block_cpu_dry_run_spawns_ranks_and_reports(tmp_path):
     assert again.returncode == 0, again.stderr
     table = [line for line in run.stdout.splitlines() if line.startswith("| 4 |")]  # decode, 4 tokens
     assert table and all(line in again.stdout for line in table)
+
+
+def test_allreduce_quick_rows_print_bandwidth_and_issue_30_targets(tmp_path):
+    """A ``--quick`` run's rows (no compiled / eager / symm / plain columns, a column that failed)
+    print without those columns, with GB/s per direction and issue 30's summary last."""
+    rows = []
+    for tokens in (1, 1024, 8192):
+        message = tokens * 8192 * 2
+        rows.append({"hidden": 8192, "tokens": tokens, "bytes": message, "err": {"ours_y": 2e-3}, "quick": True,
+                     "floor": None, "nccl_ar": 10 + message / 260e3, "ours": 5 + message / 350e3,
+                     "ours_impl": "cuda_oneshot" if tokens == 1 else "cuda_twoshot_lamport",
+                     "ours_1shot": None, "ours_1shot_why": "ImplementationError: over the cap",
+                     "ours_2shotL": 6 + message / 350e3, "ours_2shot": 12 + message / 210e3, "ours_nccl": None,
+                     "fi": None, "fi_why": "no FlashInfer headers"})
+    data = tmp_path / "quick.json"
+    data.write_text(json.dumps({"2": {"rows": rows, "quick": True, "flashinfer": "no FlashInfer headers",
+                                      "ceilings": {"peer_egress_gbs": {"nccl": 330.0, "copy_engine": 370.0,
+                                                                       "best": 370.0}, "hbm_copy_gbs": 2900.0}}}))
+    run = bench("bench/allreduce_norm.py", "--from-json", str(data))
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "NCCL+compiled" not in out.split("summary")[0] and "| ours 2shotL |" in out
+    assert "GB/s ours" in out and "peer copy GB/s" in out
+    assert "not measured (tokens column: why): 1 ours_1shot: ImplementationError: over the cap" in out
+    summary = out[out.index("\nsummary"):]
+    # 8192 tokens: 134217728 B / (5 + 134217728 / 350e3) us = ~345 GB/s per direction at W = 2
+    last = [line for line in summary.splitlines() if line.startswith("| 2 | 8192 | 8192 |")][0]
+    assert "| 345 |" in last and "| 370 |" in last and last.endswith("| yes |")
+    assert summary.strip().splitlines()[-1] == "targets met at 2 of 3 sizes"  # 1 token: 5.1 us > 4.5

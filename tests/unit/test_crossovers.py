@@ -21,15 +21,18 @@ crossover_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(crossover_table)
 
 MiB = 1 << 20
-ONE, TWO, NCCL = "cuda_oneshot", "cuda_twoshot", "nccl+cuda"
+ONE, TWO, NCCL, LAMPORT = "cuda_oneshot", "cuda_twoshot", "nccl+cuda", "cuda_twoshot_lamport"
 
 
 def make(worlds):
     return CrossoverTable.from_dict({"worlds": {str(w): points for w, points in worlds.items()}}, source="test")
 
 
-def point(row, one, two):
-    return {"row_bytes": row, "oneshot_max": one, "twoshot_max": two}
+def point(row, one, two, lamport=None, with_lamport=False):
+    entry = {"row_bytes": row, "oneshot_max": one, "twoshot_max": two}
+    if with_lamport:
+        entry["lamport_max"] = lamport
+    return entry
 
 
 # The packaged table --------------------------------------------------------------------------------
@@ -38,10 +41,11 @@ def point(row, one, two):
 def test_packaged_table_keeps_the_limits_measured_before_the_sweep():
     table = crossovers.table()
     assert sorted(table.worlds) == [2, 3, 4, 8]
-    # hidden 8192 bf16 (16 KiB rows) and hidden 4096 (8 KiB rows), as docs/PERF_NOTES.md v3 measured them
-    assert table.limits(2, 16384) == Limits(8 * MiB, 256 * MiB)
-    assert table.limits(4, 16384) == Limits(1 * MiB, 256 * MiB)
-    assert table.limits(3, 8192) == Limits(2 * MiB, 16 * MiB)
+    # hidden 8192 bf16 (16 KiB rows) and hidden 4096 (8 KiB rows), as docs/PERF_NOTES.md v3 measured them;
+    # the Lamport two-shot (issue 30) has not run on a GPU: dispatch never chooses it until measured
+    assert table.limits(2, 16384) == Limits(8 * MiB, 256 * MiB, 0)
+    assert table.limits(4, 16384) == Limits(1 * MiB, 256 * MiB, 0)
+    assert table.limits(3, 8192) == Limits(2 * MiB, 16 * MiB, 0)
     assert table.limits(2, 4096).twoshot_max == 16 * MiB     # shorter rows: the 8 KiB point
     assert table.limits(4, 32768).twoshot_max == 256 * MiB   # longer rows: the 16 KiB point
     # unlisted worlds take the next larger listed one (the old default for worlds 5-7 and 9+: 512 KiB)
@@ -134,7 +138,7 @@ def sweep_sizes(messages, a, b, noise=()):
 def test_a_limit_between_neighbours_one_byte_apart_stays_below_the_larger():
     messages = [(1 << 28) - 1, 1 << 28, (1 << 28) + 1]
     assert crossover_table.candidates(messages) == [0, (1 << 28) - 1, 1 << 28, (1 << 28) + 1]
-    one, two, worst = crossover_table.fit(sweep_sizes(messages, 0, 1))
+    one, two, worst, _ = crossover_table.fit(sweep_sizes(messages, 0, 1))
     assert (one, two, worst) == ((1 << 28) - 1, 1 << 28, 1.0)
 
 
@@ -145,7 +149,8 @@ def test_fit_picks_the_fastest_at_every_measured_size_when_the_crossovers_are_cl
     a = data.draw(st.integers(-1, n - 1))
     b = data.draw(st.integers(a, n - 1))
     sizes = sweep_sizes(messages, a, b)
-    one, two, worst = crossover_table.fit(sizes)
+    one, two, worst, lamport = crossover_table.fit(sizes)
+    assert lamport == 0  # not timed: never picked
     for m, times in sizes:
         assert crossover_table.choose(m, one, two) == min(times, key=times.get), (m, one, two)
     assert worst == pytest.approx(1.0)
@@ -158,7 +163,7 @@ def test_fit_never_picks_an_untimed_implementation_and_stops_one_shot_at_the_cap
     messages = [1 << k for k in range(14, 29, 2)]  # 16 KiB .. 256 MiB
     sizes = sweep_sizes(messages, a=len(messages) - 1, b=len(messages) - 1)
     capped = [(m, {k: v for k, v in t.items() if k != ONE or m <= 32 * MiB}) for m, t in sizes]
-    one, two, _ = crossover_table.fit(capped)
+    one, two, _, _ = crossover_table.fit(capped)
     assert one < 64 * MiB  # one-shot was not timed above 32 MiB
     for m, times in capped:
         assert crossover_table.choose(m, one, two) in times
@@ -194,3 +199,65 @@ def test_fit_is_not_moved_by_a_near_tie():
     clean = crossover_table.fit(sweep_sizes(messages, 3, 5))
     noisy = crossover_table.fit(sweep_sizes(messages, 3, 5, noise=(2, 3, 4)))
     assert clean[:2] == noisy[:2]
+
+
+# The pipelined Lamport two-shot (issue 30) ------------------------------------------------------------
+
+
+def test_lamport_limit_is_optional_parsed_checked_and_interpolated():
+    table = make({2: [point(4096, 1 * MiB, 16 * MiB), point(16384, 4 * MiB, 256 * MiB, 64 * MiB, True)]})
+    assert table.limits(2, 4096).lamport_max == 0         # absent: never (tables from before the kernel)
+    assert table.limits(2, 16384).lamport_max == 64 * MiB
+    assert table.limits(2, 6000).lamport_max == 0         # 0 is not interpolated: the nearer point
+    both = make({2: [point(4096, 1 * MiB, 16 * MiB, 16 * MiB, True), point(16384, 4 * MiB, 256 * MiB, 64 * MiB, True)]})
+    assert both.limits(2, 8192).lamport_max == 32 * MiB   # halfway in log(row bytes)
+    unlimited = make({2: [point(4096, 1 * MiB, 16 * MiB, None, True)]})
+    assert unlimited.limits(2, 4096).lamport_max is None
+    with pytest.raises(ValueError, match="lamport_max must be an integer >= 0 or null"):
+        make({2: [point(4096, 1, 2, -1, True)]})
+
+
+def test_backend_lamport_limit_follows_the_table_and_the_two_shot_setting(monkeypatch):
+    from opfuse.families.residual_norm import cuda
+
+    assert cuda.lamport_limit(2, 16384) == crossovers.table().limits(2, 16384).lamport_max
+    with opfuse.config.override(twoshot_max_bytes=67890):  # a setting never turns on a kernel the table keeps off
+        assert cuda.lamport_limit(2, 16384) == 0
+    for limit, bounded in ((None, 67890), (1 << 30, 67890), (1000, 1000)):
+        table = crossovers.CrossoverTable.from_dict(
+            {"worlds": {"2": [{"row_bytes": 16384, "oneshot_max": 0, "twoshot_max": None, "lamport_max": limit}]}})
+        monkeypatch.setattr(cuda.crossovers, "table", lambda table=table: table)
+        assert cuda.lamport_limit(2, 16384) == limit
+        with opfuse.config.override(twoshot_max_bytes=67890):
+            assert cuda.lamport_limit(2, 16384) == bounded
+
+
+def lamport_sweep(messages, a, b, c):
+    """One-shot fastest up to messages[a], Lamport up to messages[b], the flag two-shot up to
+    messages[c], NCCL above."""
+    sizes = []
+    for i, m in enumerate(messages):
+        base = 10.0 + m / 1e5
+        winner = ONE if i <= a else LAMPORT if i <= b else TWO if i <= c else NCCL
+        sizes.append((m, {impl: base * (1.0 if impl == winner else 1.2) for impl in (ONE, LAMPORT, TWO, NCCL)}))
+    return sizes
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(3, 8), st.data())
+def test_fit_places_the_lamport_kernel_between_one_shot_and_two_shot(n, data):
+    messages = sorted(data.draw(st.sets(st.integers(1 << 10, 1 << 28), min_size=n, max_size=n)))
+    a = data.draw(st.integers(-1, n - 1))
+    b = data.draw(st.integers(a, n - 1))
+    c = data.draw(st.integers(b, n - 1))
+    sizes = lamport_sweep(messages, a, b, c)
+    one, two, worst, lamport = crossover_table.fit(sizes)
+    for m, times in sizes:
+        assert crossover_table.choose(m, one, two, lamport) == min(times, key=times.get), (m, one, lamport, two)
+    assert worst == pytest.approx(1.0)
+    if b == a:
+        assert lamport == 0  # never the fastest: fitted out
+    table, _ = crossover_table.build_table(
+        [{"world": 2, "row_bytes": 16384, "bytes": m, "times": t} for m, t in sizes], None, source="sweep.json")
+    limits = CrossoverTable.from_dict(table).limits(2, 16384)
+    assert (limits.oneshot_max, limits.lamport_max, limits.twoshot_max) == (one, lamport, two)

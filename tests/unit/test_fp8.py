@@ -291,7 +291,7 @@ def test_allreduce_norm_emitting_fp8_fires_and_matches_the_unfused_block(world1,
     from opfuse.core import dispatch as implementations
 
     assert implementations.names()["allreduce_add_rmsnorm_quantize"] == [
-        "cuda_oneshot", "cuda_twoshot", "allreduce+triton", "reference"]
+        "cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot", "allreduce+triton", "reference"]
     block = ops.Sequential(ops.Linear(48, 32, parallel="row"), ops.AddExtraInput(), ops.MakeExtraOutput(),
                            ops.RMSNorm(32), ops.Linear(32, 48, parallel="column"))
     x, r = torch.randn(7, 48, generator=rng), torch.randn(7, 32, generator=rng)

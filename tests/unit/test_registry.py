@@ -91,6 +91,10 @@ class _FakeExtension:
     def twoshot_region_bytes(world, capacity):
         return 2 * world * capacity
 
+    @staticmethod
+    def lamport_region_bytes(world, capacity):
+        return 4 * capacity
+
 
 class _Pool:
     """A pool that fails loudly if a check reserves anything."""
@@ -114,8 +118,13 @@ def test_peer_kernel_checks_are_pure(monkeypatch):
     monkeypatch.setattr(norm_cuda.dist, "all_gather_object", lambda *a, **k: pytest.fail("a check ran a collective"))
     pool = _Pool(fits=True)
     monkeypatch.setattr(symm_pool, "lookup", lambda group, device=None: (pool, None))
+    # a table in which every peer kernel takes this message (the shipped one keeps the Lamport kernel off)
+    table = norm_cuda.crossovers.CrossoverTable.from_dict(
+        {"worlds": {"2": [{"row_bytes": 128, "oneshot_max": 1 << 20, "twoshot_max": None, "lamport_max": None}]}})
+    monkeypatch.setattr(norm_cuda.crossovers, "table", lambda: table)
     assert norm_cuda.check_oneshot(_spec()) is None
     assert norm_cuda.check_twoshot(_spec()) is None
+    assert norm_cuda.check_lamport(_spec()) is None
     assert pool.asked and all(name.startswith("residual_norm/") for name, _ in pool.asked)
     pool.fits = False
     assert "symmetric pool cannot hold" in norm_cuda.check_oneshot(_spec())

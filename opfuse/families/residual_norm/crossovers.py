@@ -1,13 +1,15 @@
 """Where the all-reduce + add + norm kernels hand over to each other, by world size and row size.
 
-The implementations are tried in the order one-shot, two-shot, NCCL + the local kernel; a message
-(bytes per rank) goes to the first whose limit it does not exceed. The limits come from
+The implementations are tried in the order one-shot, pipelined Lamport two-shot, flag-based two-shot,
+NCCL + the local kernel; a message (bytes per rank) goes to the first whose limit it does not
+exceed. The limits come from
 ``crossovers.json`` next to this module, written by ``tools/crossover_table.py`` from a sweep of
 ``bench/allreduce_crossover.py`` (docs/PERF_NOTES.md). ``OPFUSE_ONESHOT_MAX_BYTES`` /
 ``OPFUSE_TWOSHOT_MAX_BYTES`` override them when non-zero (:mod:`.cuda`).
 
 The table holds, per world size, points keyed by row bytes (hidden x element size), each with
-``oneshot_max`` (bytes; 0: never one-shot) and ``twoshot_max`` (bytes; null: no limit). Lookup:
+``oneshot_max`` (bytes; 0: never one-shot), ``lamport_max`` (bytes; 0 or absent: never the Lamport
+two-shot; null: no limit) and ``twoshot_max`` (bytes; null: no limit). Lookup:
 
 - world: the smallest listed world >= the group's, else the largest listed (a larger world has
   the smaller one-shot limit, so an unmeasured world gets the more conservative neighbour);
@@ -31,10 +33,12 @@ TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crossover
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Largest messages (bytes per rank) for the one-shot (0: never) and two-shot (None: no limit) kernels."""
+    """Largest messages (bytes per rank) for the one-shot (0: never), the flag-based two-shot (None:
+    no limit) and the pipelined Lamport two-shot (0: never, None: no limit) kernels."""
 
     oneshot_max: int
     twoshot_max: int | None
+    lamport_max: int | None = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,7 @@ class CrossoverTable:
             points = []
             for i, entry in enumerate(entries):
                 row, one, two = entry.get("row_bytes"), entry.get("oneshot_max"), entry.get("twoshot_max", None)
+                lamport = entry.get("lamport_max", 0)
                 at = f"{where}: world {key} point {i}"
                 if not isinstance(row, int) or row <= 0:
                     raise ValueError(f"{at}: row_bytes must be a positive integer, got {row!r}")
@@ -83,7 +88,9 @@ class CrossoverTable:
                     raise ValueError(f"{at}: oneshot_max must be an integer >= 0, got {one!r}")
                 if two is not None and (not isinstance(two, int) or two <= 0):
                     raise ValueError(f"{at}: twoshot_max must be a positive integer or null (no limit), got {two!r}")
-                points.append(_Point(row, Limits(one, two)))
+                if lamport is not None and (not isinstance(lamport, int) or lamport < 0):
+                    raise ValueError(f"{at}: lamport_max must be an integer >= 0 or null (no limit), got {lamport!r}")
+                points.append(_Point(row, Limits(one, two, lamport)))
             rows = [p.row_bytes for p in points]
             if len(set(rows)) != len(rows):
                 raise ValueError(f"{where}: world {key} lists a row size twice: {sorted(rows)}")
@@ -112,7 +119,8 @@ class CrossoverTable:
         if lo.row_bytes == row_bytes:
             return lo.limits
         return Limits(_between(lo, points[hi], row_bytes, lambda lim: lim.oneshot_max),
-                      _between(lo, points[hi], row_bytes, lambda lim: lim.twoshot_max))
+                      _between(lo, points[hi], row_bytes, lambda lim: lim.twoshot_max),
+                      _between(lo, points[hi], row_bytes, lambda lim: lim.lamport_max))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,14 +1,23 @@
 """CUDA implementations of the residual-norm fused ops (module ``_opfuse_residual_norm``, sources
 in ``csrc/``).
 
-================  =================================================================  ==================
-implementation    what runs                                                          when capable
-================  =================================================================  ==================
-``cuda_oneshot``  one kernel: Lamport push of x to every peer, reduce, add, norm     message <= OPFUSE_ONESHOT_MAX_BYTES
-``cuda_twoshot``  one kernel: reduce-scatter rows, all-gather sums, add, norm        message <= OPFUSE_TWOSHOT_MAX_BYTES
-``nccl+cuda``     NCCL all-reduce, then the fused single-GPU add+norm kernel         any CUDA group
-``cuda``          single GPU: the fused add+norm kernel (``add_*norm`` ops)          CUDA
-================  =================================================================  ==================
+========================  =========================================================  ==================
+implementation            what runs                                                  when capable
+========================  =========================================================  ==================
+``cuda_oneshot``          one kernel: Lamport push of x to every peer, reduce, add,  message <= OPFUSE_ONESHOT_MAX_BYTES
+                          norm
+``cuda_twoshot_lamport``  one kernel: pipelined two-shot over Lamport buffers (rows  message <= OPFUSE_TWOSHOT_MAX_BYTES
+                          pushed a step ahead of their reduction, sums pushed as
+                          they are rounded, no flags or fences), add, norm
+``cuda_twoshot``          one kernel: reduce-scatter rows, all-gather sums (flags    message <= OPFUSE_TWOSHOT_MAX_BYTES
+                          per block and stage), add, norm
+``nccl+cuda``             NCCL all-reduce, then the fused single-GPU add+norm kernel any CUDA group
+``cuda``                  single GPU: the fused add+norm kernel (``add_*norm`` ops)  CUDA
+========================  =========================================================  ==================
+
+With ``opfuse.config.pdl`` (``OPFUSE_PDL=1``) the peer kernels launch with programmatic dependent
+launch (PDL: their launch overlaps the tail of the kernel before them; they read nothing before the
+grid-dependency wait).
 
 Peer buffers are regions of the group's :class:`~opfuse.runtime.symm_pool.SymmetricPool`:
 the checks only ask whether a region would fit; ``prepare`` (the chosen implementation, every
@@ -31,9 +40,10 @@ from ...runtime import extension, peer_watch, symm_pool
 from ...runtime.device import current_stream, is_capturing, sm_count
 from . import crossovers, reference
 
-__all__ = ["check_oneshot", "check_twoshot", "check_nccl_then_kernel", "check_local", "prepare_oneshot",
-           "prepare_twoshot", "oneshot_forward", "twoshot_forward", "nccl_then_kernel_forward", "local_forward",
-           "norm_backward", "one_dtype_reason", "operands", "peer_launch", "ptr", "SUPPORTED_DTYPES", "FAMILY"]
+__all__ = ["check_oneshot", "check_twoshot", "check_lamport", "check_nccl_then_kernel", "check_local",
+           "prepare_oneshot", "prepare_twoshot", "prepare_lamport", "oneshot_forward", "twoshot_forward",
+           "lamport_forward", "nccl_then_kernel_forward", "local_forward", "norm_backward", "one_dtype_reason",
+           "operands", "peer_launch", "ptr", "SUPPORTED_DTYPES", "FAMILY", "KINDS"]
 
 FAMILY = "residual_norm"
 #: The fused ops the peer kernels run (a kernel records its op's index here on a timeout).
@@ -41,7 +51,9 @@ _PEER_OPS = ("allreduce", "allreduce_add_rmsnorm", "allreduce_add_layernorm", "a
 #: The fused op of each norm kind, without an FP8 epilogue.
 _NORM_OPS = {"none": "allreduce", "rms": "allreduce_add_rmsnorm", "layer": "allreduce_add_layernorm"}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20}
+#: The peer kernels: one-shot, pipelined Lamport two-shot, flag-based two-shot.
+KINDS = ("oneshot", "lamport", "twoshot")
+_MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20, "lamport": 1 << 20}
 
 
 def oneshot_limit(world: int, row_bytes: int = 0) -> int:
@@ -58,6 +70,16 @@ def twoshot_limit(world: int, row_bytes: int) -> int | None:
     if config.twoshot_max_bytes:
         return config.twoshot_max_bytes
     return crossovers.table().limits(world, row_bytes).twoshot_max
+
+
+def lamport_limit(world: int, row_bytes: int) -> int | None:
+    """Largest message the pipelined Lamport two-shot takes: the crossover table's ``lamport_max``
+    (0: never, None: no limit), bounded by ``OPFUSE_TWOSHOT_MAX_BYTES`` when that is set (a setting
+    never turns on a kernel the table keeps off: force it with ``OPFUSE_FORCE_IMPL``)."""
+    limit = crossovers.table().limits(world, row_bytes).lamport_max
+    if config.twoshot_max_bytes and limit != 0:
+        return config.twoshot_max_bytes if limit is None else min(limit, config.twoshot_max_bytes)
+    return limit
 
 
 # Capability checks (pure) ---------------------------------------------------------------------
@@ -115,7 +137,7 @@ def _region_name(kind: str, dtype: torch.dtype, capacity: int) -> str:
 
 def _region_bytes(kind: str, world: int, capacity: int) -> int:
     ext = extension.load(FAMILY)
-    return (ext.oneshot_region_bytes if kind == "oneshot" else ext.twoshot_region_bytes)(world, capacity)
+    return getattr(ext, f"{kind}_region_bytes")(world, capacity)
 
 
 def _check_peer(kind: str, limit):
@@ -128,6 +150,10 @@ def _check_peer(kind: str, limit):
         most = limit(spec.world_size, row_bytes)
         if most is not None and message > most:
             setting = "OPFUSE_ONESHOT_MAX_BYTES" if kind == "oneshot" else "OPFUSE_TWOSHOT_MAX_BYTES"
+            if most == 0:
+                override = f"{setting} overrides it" if kind != "lamport" else "OPFUSE_FORCE_IMPL forces it"
+                return (f"the {kind} kernel is not used at world {spec.world_size} with {row_bytes}-byte rows (limit 0 "
+                        f"in the crossover table; {override})")
             return (f"message of {message} bytes exceeds the {kind} limit of {most} bytes ({setting}; automatic "
                     f"when 0: by world size and row size, here world {spec.world_size}, {row_bytes}-byte rows)")
         if spec.world_size > extension.load(FAMILY).MAX_WORLD:
@@ -150,6 +176,7 @@ def _check_peer(kind: str, limit):
 
 check_oneshot = _check_peer("oneshot", oneshot_limit)
 check_twoshot = _check_peer("twoshot", twoshot_limit)
+check_lamport = _check_peer("lamport", lamport_limit)
 
 
 def check_nccl_then_kernel(spec) -> str | None:
@@ -196,10 +223,10 @@ def _prepare_peer(kind: str):
         peers = torch.tensor(region.peer_ptrs(), dtype=torch.int64, device=torch.device("cuda", device))
         peer_region = ext.PeerRegion(peers.data_ptr(), region.local_ptr(), pool.rank, pool.world_size, size, capacity)
         stream = current_stream()
-        if kind == "oneshot":
-            ext.oneshot_init(peer_region, ext.DTYPES[dtype_name(spec.dtype)], stream)
-        else:
+        if kind == "twoshot":
             ext.twoshot_init(peer_region, stream)
+        else:  # one-shot and Lamport two-shot: zeroed state, sentinel-filled buffers
+            getattr(ext, f"{kind}_init")(peer_region, ext.DTYPES[dtype_name(spec.dtype)], stream)
         with torch.cuda.device(device):
             record = ext.PeerWatch()
         watch = peer_watch.PeerWatch(record, _PEER_OPS, ext.PEER_WAIT_SITES,
@@ -215,6 +242,7 @@ def _prepare_peer(kind: str):
 
 prepare_oneshot = _prepare_peer("oneshot")
 prepare_twoshot = _prepare_peer("twoshot")
+prepare_lamport = _prepare_peer("lamport")
 
 
 # Forward ------------------------------------------------------------------------------------
@@ -265,7 +293,7 @@ def _outputs(x, norm, write_residual):
 
 
 def peer_launch(kind: str, x, bias, residual, weight, norm_bias, eps, group, y, h, *, norm, op, epilogue=None):
-    """Launch ``kind``'s (``"oneshot"`` / ``"twoshot"``) kernel on operands from :func:`operands`
+    """Launch ``kind``'s (:data:`KINDS`) kernel on operands from :func:`operands`
     into ``y`` and ``h`` (empty: not written) with the optional FP8 ``epilogue``
     (``Fp8Epilogue``; then ``y`` is ``None``); ``op`` names the fused op on a timeout."""
     plan = _plans.get((group, x.device.index, kind, x.dtype, _capacity(kind, x.numel() * x.element_size())))
@@ -283,15 +311,14 @@ def peer_launch(kind: str, x, bias, residual, weight, norm_bias, eps, group, y, 
             ptr(h if h.numel() else None), tokens, hidden, float(eps), ext.NORMS[norm],
             ext.DTYPES[dtype_name(x.dtype)], plan.peer_region, watch.flag, watch.address,
             peer_watch.timeout_ns(), _PEER_OPS.index(op))
-    if kind == "oneshot":
-        launch, grid = ext.allreduce_oneshot, sm_count()
-    else:
-        launch, grid = ext.allreduce_twoshot, max(1, min(ext.MAX_BLOCKS, -(-tokens // plan.peer_region.world)))
+    if kind == "twoshot":  # flag slots per block: the grid is the same on every rank
+        grid = max(1, min(ext.MAX_BLOCKS, -(-tokens // plan.peer_region.world)))
+    else:  # a bound on the grid (the same on every rank: same GPU kind)
+        grid = sm_count()
     if epilogue is None:
-        launch(*args, grid, current_stream())
+        getattr(ext, f"allreduce_{kind}")(*args, grid, current_stream(), config.pdl)
     else:
-        fp8_launch = ext.allreduce_oneshot_fp8 if kind == "oneshot" else ext.allreduce_twoshot_fp8
-        fp8_launch(epilogue, *args, grid, current_stream())
+        getattr(ext, f"allreduce_{kind}_fp8")(epilogue, *args, grid, current_stream(), config.pdl)
 
 
 def _peer_forward(kind: str):
@@ -306,6 +333,7 @@ def _peer_forward(kind: str):
 
 oneshot_forward = _peer_forward("oneshot")
 twoshot_forward = _peer_forward("twoshot")
+lamport_forward = _peer_forward("lamport")
 
 
 def _local(x, bias, residual, weight, norm_bias, *, norm, eps, write_residual):

@@ -38,6 +38,9 @@ def _residual_norm(norm: str, reduces: bool) -> list[Implementation]:
         Implementation("cuda_oneshot", norm_cuda.check_oneshot, bind(norm_cuda.oneshot_forward), backward,
                        norm_cuda.prepare_oneshot,
                        "one kernel: Lamport one-shot all-reduce over peer memory + add + norm"),
+        Implementation("cuda_twoshot_lamport", norm_cuda.check_lamport, bind(norm_cuda.lamport_forward), backward,
+                       norm_cuda.prepare_lamport,
+                       "one kernel: pipelined two-shot over Lamport peer buffers (no flags, no fences) + add + norm"),
         Implementation("cuda_twoshot", norm_cuda.check_twoshot, bind(norm_cuda.twoshot_forward), backward,
                        norm_cuda.prepare_twoshot,
                        "one kernel: two-shot (reduce-scatter rows, all-gather) over peer memory + add + norm"),
@@ -81,6 +84,10 @@ def _allreduce_norm_quantize(norm: str) -> list[Implementation]:
                        norm_cuda.prepare_oneshot,
                        "one kernel: Lamport one-shot all-reduce over peer memory + add + norm + FP8 cast (per tensor: "
                        "+ the amax reduction and a cast pass over h)"),
+        Implementation("cuda_twoshot_lamport", norm_cuda.check_lamport, bind(norm_quantize_cuda.lamport_forward),
+                       backward, norm_cuda.prepare_lamport,
+                       "one kernel: pipelined two-shot over Lamport peer buffers + add + norm + FP8 cast (per tensor: + "
+                       "the amax reduction and a cast pass over h)"),
         Implementation("cuda_twoshot", norm_cuda.check_twoshot, bind(norm_quantize_cuda.twoshot_forward), backward,
                        norm_cuda.prepare_twoshot,
                        "one kernel: two-shot all-reduce over peer memory + add + norm + FP8 cast (per tensor: + the "

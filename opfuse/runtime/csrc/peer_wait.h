@@ -19,6 +19,8 @@ enum class PeerWaitSite : int32_t {
   kOneShot = 1,               // one-shot: a peer's pushed values never arrived
   kTwoShotReduceScatter = 2,  // two-shot: a peer's partial rows never arrived
   kTwoShotAllGather = 3,      // two-shot: a peer's reduced rows never arrived
+  kLamportReduceScatter = 4,  // Lamport two-shot: a peer's partial rows never arrived
+  kLamportAllGather = 5,      // Lamport two-shot: a peer's reduced rows never arrived
 };
 
 // The first wait that timed out. Lives in host-mapped pinned memory; ``failed`` is written last.

@@ -73,6 +73,18 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
   const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
   const int64_t message_packs = a.tokens * nvec;  // packs per rank slot
 
+  // With PDL (launch_kernel) everything above pdl_wait overlaps the previous kernel's tail; the
+  // inputs and the region's state are read after it.
+  pdl_wait();
+  pdl_launch_dependents();
+  const uint4* x = static_cast<const uint4*>(a.x);
+  const int64_t per_block = (message_packs + gridDim.x - 1) / gridDim.x;
+  const int64_t push_begin = blockIdx.x * per_block + threadIdx.x;
+  const int64_t push_end = blockIdx.x * per_block + per_block < message_packs ? blockIdx.x * per_block + per_block
+                                                                              : message_packs;
+  // The first pack this thread pushes is requested before the call state, so the two loads'
+  // latencies overlap (the acquire below only orders the loads after it).
+  const uint4 first_pack = push_begin < push_end ? __ldg(x + push_begin) : make_uint4(0u, 0u, 0u, 0u);
   const uint32_t iteration = read_call_state(p.state);
   const int current = iteration % 3;
   const int previous = (iteration + 2) % 3;
@@ -82,13 +94,9 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
   //    split into equal pack ranges over *all* blocks (there may be more blocks than rows): one
   //    SM cannot keep enough remote stores in flight, so a single-token message spread over
   //    several SMs arrives sooner.
-  const uint4* x = static_cast<const uint4*>(a.x);
   {
-    const int64_t per_block = (message_packs + gridDim.x - 1) / gridDim.x;
-    const int64_t begin = blockIdx.x * per_block;
-    const int64_t end = begin + per_block < message_packs ? begin + per_block : message_packs;
-    for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-      const uint4 value = clear_negative_zero<T>(__ldg(x + i));
+    for (int64_t i = push_begin; i < push_end; i += blockDim.x) {
+      const uint4 value = clear_negative_zero<T>(i == push_begin ? first_pack : __ldg(x + i));
       for (int step = 1; step < p.world; ++step) {
         const int peer = (p.rank + step) % p.world;  // stagger so ranks do not all hit one peer
         uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(p.peers[peer]) + kStateBytes +
@@ -177,7 +185,7 @@ const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t strea
 }
 
 const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
-                              int max_blocks, cudaStream_t stream) {
+                              int max_blocks, bool pdl, cudaStream_t stream) {
   if (const char* bad = check_residual_norm_args(args)) return bad;
   if (region.world < 1 || region.world > kMaxWorld || region.rank < 0 || region.rank >= region.world)
     return "opfuse one-shot: rank/world out of range (world 1..8)";
@@ -196,8 +204,7 @@ const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& re
                        buffer_bytes(region.world, align256(region.capacity))};
   return dispatch_peer_row_kernel(args.dtype, layout.vpt, args.quant,
                                   [&]<typename T, int VPT, QuantMode Q>() -> const char* {
-    oneshot_kernel<T, VPT, Q><<<blocks, layout.threads, 0, stream>>>(launch);
-    return launch_status();
+    return launch_kernel(oneshot_kernel<T, VPT, Q>, blocks, layout.threads, stream, pdl, launch);
   });
 }
 

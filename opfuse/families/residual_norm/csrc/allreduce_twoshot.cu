@@ -90,6 +90,8 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
   // Stage s of this block covers chunk rows i = blockIdx.x + (s * R + r) * G, r < R.
   const int64_t R = p.rows_per_stage;
   const int stages = static_cast<int>((rows_per_rank + G * R - 1) / (G * R));
+  pdl_wait();  // with PDL (launch_kernel): the inputs and the state are read after the previous kernel
+  pdl_launch_dependents();
   const uint32_t seq0 = read_call_state(p.state);
   const uint4* x = static_cast<const uint4*>(a.x);
 
@@ -201,7 +203,7 @@ const char* twoshot_init(const PeerRegion& region, cudaStream_t stream) {
 }
 
 const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
-                              int blocks, cudaStream_t stream) {
+                              int blocks, bool pdl, cudaStream_t stream) {
   if (const char* bad = check_residual_norm_args(args)) return bad;
   if (region.world < 1 || region.world > kMaxWorld || region.rank < 0 || region.rank >= region.world)
     return "opfuse two-shot: rank/world out of range (world 1..8)";
@@ -223,8 +225,7 @@ const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& re
                        ag_offset(region.world, region.capacity), rows_per_stage};
   return dispatch_peer_row_kernel(args.dtype, layout.vpt, args.quant,
                                   [&]<typename T, int VPT, QuantMode Q>() -> const char* {
-    twoshot_kernel<T, VPT, Q><<<blocks, layout.threads, 0, stream>>>(launch);
-    return launch_status();
+    return launch_kernel(twoshot_kernel<T, VPT, Q>, blocks, layout.threads, stream, pdl, launch);
   });
 }
 

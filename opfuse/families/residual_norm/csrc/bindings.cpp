@@ -124,21 +124,36 @@ class PeerWatch {
   uintptr_t flag_ = 0;
 };
 
-// A peer kernel's launch (allreduce_oneshot / allreduce_twoshot, whose last int is the grid
-// argument: max_blocks / blocks).
+// A peer kernel's launch (allreduce_oneshot / allreduce_twoshot / allreduce_lamport, whose int is
+// the grid argument: max_blocks / blocks; then pdl).
 using PeerKernel = const char* (*)(const opfuse::ResidualNormArgs&, const opfuse::PeerRegion&, const opfuse::PeerWait&,
-                                   int, cudaStream_t);
+                                   int, bool, cudaStream_t);
+
+template <PeerKernel kernel>
+const char* peer_kernel_name() {
+  if (kernel == &opfuse::allreduce_oneshot) return "allreduce_oneshot";
+  if (kernel == &opfuse::allreduce_twoshot) return "allreduce_twoshot";
+  return "allreduce_lamport";
+}
 
 template <PeerKernel kernel>
 void launch_peer(const Fp8Epilogue& epilogue, uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
                  uintptr_t norm_bias, uintptr_t y, uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm,
                  int dtype, const opfuse::PeerRegion& region, uintptr_t flag, uintptr_t record, uint64_t timeout_ns,
-                 int op, int grid, uintptr_t stream) {
+                 int op, int grid, uintptr_t stream, bool pdl) {
   auto args = make_args(x, bias, residual, weight, norm_bias, y, h, tokens, hidden, eps, norm, dtype);
   epilogue.apply(args);
-  check(kernel(args, region, make_wait(flag, record, timeout_ns, op), grid, stream_of(stream)),
-        kernel == &opfuse::allreduce_oneshot ? "allreduce_oneshot" : "allreduce_twoshot");
+  check(kernel(args, region, make_wait(flag, record, timeout_ns, op), grid, pdl, stream_of(stream)),
+        peer_kernel_name<kernel>());
 }
+
+// The launchers' Python arguments (the *_fp8 variants take ``epilogue`` first); ``pdl`` defaults
+// to off, so positional callers of the earlier signature keep the plain launch.
+#define OPFUSE_PEER_ARGS                                                                                        \
+  py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("weight"), py::arg("norm_bias"), py::arg("y"),   \
+      py::arg("h"), py::arg("tokens"), py::arg("hidden"), py::arg("eps"), py::arg("norm"), py::arg("dtype"),     \
+      py::arg("region"), py::arg("flag"), py::arg("record"), py::arg("timeout_ns"), py::arg("op"), py::arg("grid"), \
+      py::arg("stream"), py::arg("pdl") = false
 
 void launch_add_norm(const Fp8Epilogue& epilogue, uintptr_t x, uintptr_t bias, uintptr_t residual, uintptr_t weight,
                      uintptr_t norm_bias, uintptr_t y, uintptr_t h, int64_t tokens, int64_t hidden, float eps, int norm,
@@ -187,18 +202,24 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
   sites["one-shot"] = static_cast<int>(opfuse::PeerWaitSite::kOneShot);
   sites["two-shot reduce-scatter"] = static_cast<int>(opfuse::PeerWaitSite::kTwoShotReduceScatter);
   sites["two-shot all-gather"] = static_cast<int>(opfuse::PeerWaitSite::kTwoShotAllGather);
+  sites["Lamport two-shot reduce-scatter"] = static_cast<int>(opfuse::PeerWaitSite::kLamportReduceScatter);
+  sites["Lamport two-shot all-gather"] = static_cast<int>(opfuse::PeerWaitSite::kLamportAllGather);
   m.attr("PEER_WAIT_SITES") = sites;
 
   m.attr("MAX_WORLD") = opfuse::kMaxWorld;
   m.attr("MAX_BLOCKS") = opfuse::kMaxBlocks;
   m.def("oneshot_region_bytes", &opfuse::oneshot_region_bytes, py::arg("world"), py::arg("capacity"));
   m.def("twoshot_region_bytes", &opfuse::twoshot_region_bytes, py::arg("world"), py::arg("capacity"));
+  m.def("lamport_region_bytes", &opfuse::lamport_region_bytes, py::arg("world"), py::arg("capacity"));
 
   m.def("oneshot_init", [](const opfuse::PeerRegion& region, int dtype, uintptr_t stream) {
     check(opfuse::oneshot_init(region, dtype, stream_of(stream)), "oneshot_init");
   });
   m.def("twoshot_init", [](const opfuse::PeerRegion& region, uintptr_t stream) {
     check(opfuse::twoshot_init(region, stream_of(stream)), "twoshot_init");
+  });
+  m.def("lamport_init", [](const opfuse::PeerRegion& region, int dtype, uintptr_t stream) {
+    check(opfuse::lamport_init(region, dtype, stream_of(stream)), "lamport_init");
   });
 
   // The launches take the region's PeerWatch as (flag, record) addresses, the timeout in ns and
@@ -219,10 +240,12 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
   fp8_formats["e4m3"] = static_cast<int>(opfuse::Fp8Format::kE4M3);
   fp8_formats["e5m2"] = static_cast<int>(opfuse::Fp8Format::kE5M2);
   m.attr("FP8_FORMATS") = fp8_formats;
-  m.def("allreduce_oneshot", without_epilogue(&launch_peer<&opfuse::allreduce_oneshot>));
-  m.def("allreduce_oneshot_fp8", &launch_peer<&opfuse::allreduce_oneshot>);
-  m.def("allreduce_twoshot", without_epilogue(&launch_peer<&opfuse::allreduce_twoshot>));
-  m.def("allreduce_twoshot_fp8", &launch_peer<&opfuse::allreduce_twoshot>);
+  m.def("allreduce_oneshot", without_epilogue(&launch_peer<&opfuse::allreduce_oneshot>), OPFUSE_PEER_ARGS);
+  m.def("allreduce_oneshot_fp8", &launch_peer<&opfuse::allreduce_oneshot>, py::arg("epilogue"), OPFUSE_PEER_ARGS);
+  m.def("allreduce_twoshot", without_epilogue(&launch_peer<&opfuse::allreduce_twoshot>), OPFUSE_PEER_ARGS);
+  m.def("allreduce_twoshot_fp8", &launch_peer<&opfuse::allreduce_twoshot>, py::arg("epilogue"), OPFUSE_PEER_ARGS);
+  m.def("allreduce_lamport", without_epilogue(&launch_peer<&opfuse::allreduce_lamport>), OPFUSE_PEER_ARGS);
+  m.def("allreduce_lamport_fp8", &launch_peer<&opfuse::allreduce_lamport>, py::arg("epilogue"), OPFUSE_PEER_ARGS);
   m.def("add_norm", without_epilogue(&launch_add_norm));
   m.def("add_norm_fp8", &launch_add_norm);
   m.def("rms_norm_backward",

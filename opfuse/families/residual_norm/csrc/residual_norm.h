@@ -67,11 +67,15 @@ constexpr int kMaxBlocks = 128;  // two-shot grid (identical on every rank; <= S
 int64_t oneshot_region_bytes(int world, int64_t capacity);
 int64_t twoshot_region_bytes(int world, int64_t capacity);
 
+// The peer kernels below take ``pdl``: launch with programmatic stream serialization (PDL), so the
+// kernel's launch and scheduling overlap the previous kernel on the stream; the kernels read
+// nothing before the grid-dependency wait (row.cuh, pdl_wait), so results are the same either way.
+
 // Lamport one-shot all-reduce (+ bias + residual + norm). Epilogues: kNone, kRowwise, kRowAmax. The region must start zeroed state and
 // sentinel-filled buffers (oneshot_init); ``max_blocks`` caps the grid. Waits on peers are
 // bounded by ``wait`` (peer_wait.h).
 const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
-                              int max_blocks, cudaStream_t stream);
+                              int max_blocks, bool pdl, cudaStream_t stream);
 // Writes the initial state of a one-shot region on this rank (zero state, sentinel buffers).
 const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t stream);
 
@@ -79,8 +83,20 @@ const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t strea
 // applies bias + residual + norm to all rows. Epilogues: kNone, kRowwise, kRowAmax. ``blocks`` must be the same on every rank. Waits on
 // peers are bounded by ``wait`` (peer_wait.h).
 const char* allreduce_twoshot(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
-                              int blocks, cudaStream_t stream);
+                              int blocks, bool pdl, cudaStream_t stream);
 const char* twoshot_init(const PeerRegion& region, cudaStream_t stream);
+
+// Pipelined two-shot with Lamport receive buffers (allreduce_lamport.cu): reduce-scatter by token
+// rows and all-gather of the rounded sums, every 16-byte store self-signalling (the -0.0 sentinel),
+// each block's pushes running a step ahead of its reductions and norms; no flags, no fences. Grid:
+// min(max_blocks, ceil(tokens / world)); results do not depend on it, but ``max_blocks`` should be
+// the same on every rank (then blocks only wait for the same-index blocks of peers, and the grid
+// needs no co-residency on one GPU). Epilogues: kNone, kRowwise, kRowAmax. The region must start with
+// zeroed state and sentinel-filled buffers (lamport_init).
+int64_t lamport_region_bytes(int world, int64_t capacity);
+const char* lamport_init(const PeerRegion& region, int dtype, cudaStream_t stream);
+const char* allreduce_lamport(const ResidualNormArgs& args, const PeerRegion& region, const PeerWait& wait,
+                              int max_blocks, bool pdl, cudaStream_t stream);
 
 // Single GPU: y = norm(x + bias + residual), h = the sum. Epilogues: kNone, kTensor.
 const char* add_norm(const ResidualNormArgs& args, int max_blocks, cudaStream_t stream);

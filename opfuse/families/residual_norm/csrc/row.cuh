@@ -8,6 +8,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdio>
+#include <utility>
 
 #include "common.cuh"
 #include "residual_norm.h"
@@ -31,6 +32,14 @@ struct RowRegs {
     p.raw = raw;
 #pragma unroll
     for (int e = 0; e < kElems; ++e) v[j][e] += Elem<T>::to_float(p.elems[e]);
+  }
+
+  // Pack j becomes the values of ``raw`` (what a peer that received ``raw`` holds).
+  __device__ __forceinline__ void set(int j, const uint4& raw) {
+    Pack<T> p;
+    p.raw = raw;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) v[j][e] = Elem<T>::to_float(p.elems[e]);
   }
 
   // Round every value to T (what storing and re-loading would give) and return the packed form.
@@ -231,6 +240,28 @@ __device__ __forceinline__ void publish_call(uint32_t* state, uint32_t next, OnL
   }
 }
 
+// --- Programmatic dependent launch (PDL) -----------------------------------------------------
+// A kernel launched with programmatic stream serialization (launch_kernel(..., pdl = true)) may
+// start while the kernel before it on the stream is still running. Everything up to pdl_wait()
+// overlaps that kernel's tail, so nothing before it may read memory a previous kernel writes (the
+// inputs, the parameters, the region's state): the peer kernels call it first. pdl_wait() returns
+// once every prerequisite grid has completed and its memory is visible; without PDL it returns at
+// once. pdl_launch_dependents() lets the next PDL kernel on the stream be scheduled: called right
+// after pdl_wait(), so at most two grids of a stream are resident (this one, running, and the next,
+// waiting in its pdl_wait); this grid is then fully resident (every block has run the trigger), so
+// blocks of the next grid never take SMs this grid still needs.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // --- Host side ------------------------------------------------------------------------------
 
 inline int dtype_size(int dtype) { return dtype == static_cast<int>(DType::kFloat32) ? 4 : 2; }
@@ -282,6 +313,30 @@ inline const char* check_residual_norm_args(const ResidualNormArgs& a) {
 inline const char* launch_status() {
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
+}
+
+// Launches ``kernel<<<grid, threads, 0, stream>>>(args...)``, with programmatic stream
+// serialization when ``pdl`` (the kernel must call pdl_wait() before touching memory that earlier
+// work writes). Returns nullptr or the CUDA error.
+template <typename... Params, typename... Args>
+const char* launch_kernel(void (*kernel)(Params...), int grid, int threads, cudaStream_t stream, bool pdl,
+                          Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = pdl ? attribute : nullptr;
+  config.numAttrs = pdl ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the launch error, as a failed <<<>>> launch would be cleared by launch_status
+    return cudaGetErrorString(err);
+  }
+  return launch_status();
 }
 
 // Calls ``fn.template operator()<T, VPT>()`` for the runtime dtype and the smallest VPT >= vpt.

@@ -1,5 +1,5 @@
-"""The peer-memory kernels of :mod:`.cuda` with their FP8 epilogue: ``cuda_oneshot`` and
-``cuda_twoshot`` of ``allreduce_add_rmsnorm_quantize``.
+"""The peer-memory kernels of :mod:`.cuda` with their FP8 epilogue: ``cuda_oneshot``,
+``cuda_twoshot_lamport`` and ``cuda_twoshot`` of ``allreduce_add_rmsnorm_quantize``.
 
 The all-reduce, the add and the norm are the kernels of ``allreduce_add_rmsnorm`` (same peer
 regions, same crossovers, same checks and preparation); only the row finish differs (``row.cuh``):
@@ -27,7 +27,7 @@ from ....runtime import extension
 from ....runtime.device import current_stream, sm_count
 from .. import cuda
 
-__all__ = ["oneshot_forward", "twoshot_forward", "OP"]
+__all__ = ["oneshot_forward", "twoshot_forward", "lamport_forward", "OP"]
 
 OP = "allreduce_add_rmsnorm_quantize"
 
@@ -71,3 +71,4 @@ def _forward(kind: str):
 
 oneshot_forward = _forward("oneshot")
 twoshot_forward = _forward("twoshot")
+lamport_forward = _forward("lamport")
