@@ -24,6 +24,8 @@ backend fall back on.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -131,8 +133,9 @@ def _raw_tokens_to_features(x: torch.Tensor, group) -> torch.Tensor:
     pg = groups.resolve(group)
     world = dist.get_world_size(pg)
     lead, width = x.shape[0], x.shape[-1] // world
+    middle = math.prod(x.shape[1:-1])  # not -1: a reshape cannot infer it when there are no tokens
     # Chunk j (sent to rank j) holds this rank's tokens, features of slice j.
-    parts = x.reshape(lead, -1, world, width).permute(2, 0, 1, 3).contiguous()
+    parts = x.reshape(lead, middle, world, width).permute(2, 0, 1, 3).contiguous()
     out = torch.empty_like(parts)
     dist.all_to_all_single(out, parts, group=pg)
     return out.reshape((world * lead,) + tuple(x.shape[1:-1]) + (width,))
@@ -144,7 +147,7 @@ def _raw_features_to_tokens(y: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(pg)
     lead, width = y.shape[0] // world, y.shape[-1]
     # Chunk j (sent to rank j) holds rank j's tokens of this rank's feature slice.
-    parts = y.reshape(world, lead, -1, width).contiguous()
+    parts = y.reshape(world, lead, math.prod(y.shape[1:-1]), width).contiguous()
     out = torch.empty_like(parts)
     dist.all_to_all_single(out, parts, group=pg)
     return out.permute(1, 2, 0, 3).reshape((lead,) + tuple(y.shape[1:-1]) + (world * width,))
@@ -281,6 +284,12 @@ class _CollectiveOp(BasicOp):
             raise OpInputError(f"{self.describe()}: input must have at least 1 dim")
         return x
 
+    def _require_token_dim(self, x: TensorMeta) -> None:
+        # Dim 0 of a 1-D value is its features: gathering or scattering it would split features.
+        if len(x.shape) < 2:
+            raise OpInputError(f"{self.describe()}: input has shape {list(x.shape)}; a token-sharded (sequence-"
+                               f"parallel) value needs a token dim before its features: [tokens, ..., features]")
+
 
 class AllReduce(_CollectiveOp):
     """Sum over the ranks of ``group`` (e.g. after a row-parallel GEMM). Backward: identity."""
@@ -332,6 +341,7 @@ class AllGather(_CollectiveOp):
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
+        self._require_token_dim(x)
         quantized = x.quantized
         if quantized is not None and self.world_size > 1:
             quantized = quantized.split("/")[0] + "/row"  # each rank's scale on its own rows
@@ -350,6 +360,7 @@ class ReduceScatter(_CollectiveOp):
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
+        self._require_token_dim(x)
         world = self.world_size
         if x.shape[0] % world:
             raise OpInputError(
@@ -399,6 +410,7 @@ class TokensToFeatures(_CollectiveOp):
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
+        self._require_token_dim(x)
         world = self.world_size
         if x.features % world:
             raise OpInputError(
