@@ -36,3 +36,30 @@ def test_gated_linear_on_a_1d_input_fuses_and_matches_the_formula(bias):
     torch.testing.assert_close(x.grad, xr.grad)
     torch.testing.assert_close(layer.gate_weight.grad, gr.grad)
     torch.testing.assert_close(layer.up_weight.grad, ur.grad)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_zero_tokens_through_the_token_to_feature_all_to_all(world1, grad):
+    # A row layer fed token shards re-shards them on features with one all-to-all; its reshape
+    # could not infer a dim of an empty tensor.
+    block = ops.Sequential(ops.Linear(2, 6, parallel="row", sequence_parallel=True, dtype=DT),
+                           ops.Linear(6, 4, parallel="row", dtype=DT))
+    x = torch.randn(0, 3, 2, dtype=DT, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        y = block(x)
+    assert y.shape == (0, 3, 4)
+    if grad:
+        y.sum().backward()
+        assert x.grad.shape == x.shape and block[0].weight.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("layer", [
+    lambda: ops.Linear(4, 4, parallel="column", sequence_parallel=True),
+    lambda: ops.GatedLinear(4, 4, parallel="column", sequence_parallel=True),
+    lambda: ops.Linear(4, 4, parallel="row", sequence_parallel=True),
+])
+def test_a_sequence_parallel_layer_refuses_a_value_without_a_token_dim(world1, layer):
+    # Dim 0 of a 1-D value is its features: gathering it gathered features.
+    with pytest.raises(ops.OpInputError, match=r"Sequential op 0: .*input has shape \[\d+\]; a token-sharded "
+                                               r"\(sequence-parallel\) value needs a token dim"):
+        ops.Sequential(layer())(torch.randn(4))
