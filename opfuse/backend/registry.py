@@ -29,14 +29,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import log
-from ..ops.base import Described, TensorMeta
+from ..ops.base import Described, ImplementationError, TensorMeta
 
 __all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "choose", "FusedOp", "FusedCall",
            "define_fused_op"]
-
-
-class ImplementationError(RuntimeError):
-    """No implementation can run a fused op, or a forced one cannot."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from torch import nn
 from .. import epoch
 from ..fp8.tensor import Float8Activation
 
-__all__ = ["BasicOp", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal", "dtype_name",
-           "output_meta"]
+__all__ = ["BasicOp", "ImplementationError", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal",
+           "dtype_name", "output_meta"]
 
 
 class OpInputError(ValueError):
@@ -29,6 +29,13 @@ class OpInputError(ValueError):
 
 class PartitionError(OpInputError):
     """A sharding combination the partition rules do not allow."""
+
+
+class ImplementationError(RuntimeError):
+    """No implementation can run a fused op, or a forced one cannot (``OPFUSE_FORCE_IMPL``).
+
+    Defined with the ops (``opfuse.backend.registry`` re-exports it): an op called directly runs
+    its reference math and refuses a forced implementation of its fused op with this error too."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,11 +1,10 @@
-"""Sequential front end (issue 29, items 4 and 5), one process: inputs without leading dims, and
-misuse that must raise an error naming the value and what is accepted."""
+"""Sequential front end (issue 29, item 4), one process: inputs without leading dims or without
+tokens, and sequence-parallel layers given a value without a token dim."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import opfuse
 from opfuse import ops
 
 DT = torch.float64
@@ -63,3 +62,4 @@ def test_a_sequence_parallel_layer_refuses_a_value_without_a_token_dim(world1, l
     with pytest.raises(ops.OpInputError, match=r"Sequential op 0: .*input has shape \[\d+\]; a token-sharded "
                                                r"\(sequence-parallel\) value needs a token dim"):
         ops.Sequential(layer())(torch.randn(4))
+
