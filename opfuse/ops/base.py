@@ -214,8 +214,9 @@ class BasicOp(Described, nn.Module):
         return []
 
     def natural_input_sharding(self, x: TensorMeta):
-        """The layout this op expects of a block input it consumes first, or ``None`` (no
-        preference). The block's input layout comes from the first op that states one."""
+        """The layout this op expects of ``x`` (the value it receives, after the ops before it) when
+        it is the first op of its block to state one, or ``None`` (no preference). The block's
+        input takes that layout when the ops before it hand it through unchanged."""
         return None
 
     # Helpers for subclasses -------------------------------------------------------------

@@ -102,7 +102,8 @@ def optimize(model, **compile_kwargs):
     shapes unless ``dynamic=`` says otherwise (opfuse chooses implementations per shape).
 
     Returns the compiled model; after a call, :func:`programs` lists what opfuse did to each of
-    its graphs.
+    its graphs. A model that is already a ``torch.compile`` result is refused (``TypeError``):
+    compiling it again would nest two compilers, the inner one never seeing a graph.
 
     Examples
     --------
