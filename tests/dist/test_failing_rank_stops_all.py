@@ -66,7 +66,8 @@ def test_a_rank_killed_without_a_traceback_is_named_first():
 
 
 SCRIPT = """
-import threading, time, torch, torch.distributed as dist
+import threading, time, torch
+from opfuse import ops
 from opfuse.cli.launch import run_here_or_spawn
 
 def fn(rank, world):
@@ -74,7 +75,9 @@ def fn(rank, world):
         threading.Thread(target=time.sleep, args=(600,), daemon=False).start()  # keeps the process alive
         time.sleep(0.5)
         raise ValueError("boom from rank 1 under torchrun")
-    dist.all_reduce(torch.ones(4))
+    # Compiling waits for rank 1's program signature in the store (OPFUSE_PEER_TIMEOUT_MS, 10 minutes):
+    # nothing that rank 1's teardown closes, unlike a gloo collective's connection.
+    ops.Sequential(ops.Linear(8, 8, parallel="column"))(torch.ones(2, 8))
 
 if __name__ == "__main__":
     run_here_or_spawn(fn, 2)
