@@ -86,9 +86,10 @@ class Config:
     log: str = "warning"
     #: Whether ranks check that a block's replicated inputs are the same tensor
     #: (``OPFUSE_CHECK_REPLICATED``): ``compile`` (when a block compiles for an input signature:
-    #: a digest joins the signature the ranks exchange anyway), ``always`` (also every call: a
-    #: collective and a host synchronisation per call, for debugging; token-sharded inputs equal
-    #: on every rank are refused too) or ``off``. See opfuse/fuser/replicated.py.
+    #: a digest joins the signature the ranks exchange anyway; token-sharded inputs equal on every
+    #: rank, the whole sequence given to each, draw a warning), ``always`` (also every call: a
+    #: collective and a host synchronisation per call, for debugging; equal token shards raise)
+    #: or ``off``. See opfuse/fuser/replicated.py.
     check_replicated: str = "compile"
 
     def __setattr__(self, name, value):

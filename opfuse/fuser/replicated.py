@@ -9,12 +9,12 @@ dropout whose RNG is not synchronised) compute a result that is silently wrong. 
 * ``"compile"`` (default): when a block compiles for an input signature, each rank adds a digest
   of its replicated inputs to the signature it already exchanges with its peers
   (:mod:`.agree`); a difference raises :class:`ReplicatedMismatchError` on every rank, naming
-  the input and the ranks. One digest per compile: no per-call cost, but calls after the first
-  are not checked.
+  the input and the ranks. A token-sharded (sequence-parallel) input that is bitwise the same on
+  every rank draws a warning: each rank was probably given the whole sequence instead of its
+  part (or a constant warm-up input). One digest per compile: no per-call cost, but calls after
+  the first are not checked.
 * ``"always"``: every call also exchanges the digests (``all_gather_object`` over each group: a
-  host synchronisation per call, for debugging), and a token-sharded (sequence-parallel) input
-  that is bitwise the same on every rank raises too: each rank was given the whole sequence
-  instead of its part.
+  host synchronisation per call, for debugging), and identical token shards raise.
 * ``"off"``: no check (for programs whose replicated values legitimately differ in their last
   bits, e.g. computed with non-deterministic kernels on each rank).
 
@@ -28,6 +28,7 @@ design: expert and FSDP parallelism) are not checked.
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -172,16 +173,19 @@ def compare(where: str, checked, payloads: list, members: list, me: int, every_c
                     f"(the same seed, or broadcast it); per-rank data must be sharded (sequence_parallel=True takes "
                     f"each rank's tokens). If the difference is rounding from non-deterministic kernels, {setting} "
                     f"turns this check off")
-        elif every_call and mine["hash"] != "empty" and all(p.get(name, {}).get("hash") == mine["hash"]
-                                                             for p in payloads):
+        elif mine["hash"] != "empty" and all(p.get(name, {}).get("hash") == mine["hash"] for p in payloads):
             tokens, world = mine["shape"][0], len(payloads)
             expected = (f"{tokens // world} tokens (x.chunk({world})[rank])" if tokens % world == 0
                         else f"1/{world} of them ({tokens} is not divisible by {world})")
-            raise ReplicatedMismatchError(
-                f"opfuse: {where}: input {name} is token-sharded (sequence parallel: each rank passes its own part "
-                f"of the sequence) but every rank passed the same {tokens} tokens ({_describe(mine)}): if these are "
-                f"the whole sequence, each rank passes {expected}. Identical shards on purpose: "
-                f"opfuse.config.check_replicated='compile' checks replicated inputs only")
+            text = (f"opfuse: {where}: input {name} is token-sharded (sequence parallel: each rank passes its own "
+                    f"part of the sequence) but every rank passed the same {tokens} tokens ({_describe(mine)}): if "
+                    f"these are the whole sequence, each rank passes {expected}")
+            if every_call:
+                raise ReplicatedMismatchError(f"{text}. Identical shards on purpose: opfuse.config.check_replicated="
+                                              f"'compile' only warns, once per compile")
+            # Identical shards can be legitimate (constant warm-up inputs), so the default warns.
+            warnings.warn(f"{text} ({env_name('check_replicated')}=always makes this an error)", UserWarning,
+                          stacklevel=2)
 
 
 def check_call(checked, pgs, inputs) -> None:

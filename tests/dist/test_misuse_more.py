@@ -38,17 +38,23 @@ def replicated_inputs(rank, world):
         ops.Sequential(ops.AllReduce(), ops.AddExtraInput(), ops.RMSNorm(h))(same, zeros + rank)
     experts = ops.Sequential(ops.GroupedLinear(world, h, h, parallel="expert"))
     experts(torch.randn(2 + rank, h), torch.tensor([1 + rank]))
+    # The whole sequence on every rank of a sequence-parallel block: a warning when it compiles.
+    sp = ops.Sequential(ops.RMSNorm(h), ops.Linear(h, h, parallel="column", sequence_parallel=True))
+    whole = torch.arange(2 * world * h, dtype=torch.float32).view(2 * world, h)
+    with pytest.warns(UserWarning, match=rf"input x is token-sharded .* but every rank passed the same {2 * world} "
+                                         rf"tokens .*each rank passes 2 tokens .*OPFUSE_CHECK_REPLICATED=always makes "
+                                         r"this an error"):
+        sp(whole)
     with opfuse.config.override(check_replicated="always"):
         block(same, zeros)  # compiles (equal inputs), then every call is checked
         with pytest.raises(ReplicatedMismatchError, match=r"\), a call: input x is replicated"):
             block(same * (1 + rank), zeros)
         # The whole sequence on every rank of a sequence-parallel block: the same tokens everywhere.
-        sp = ops.Sequential(ops.RMSNorm(h), ops.Linear(h, h, parallel="column", sequence_parallel=True))
         with pytest.raises(ReplicatedMismatchError, match=rf"input x is token-sharded \(sequence parallel: each rank "
                                                           rf"passes its own part of the sequence\) but every rank "
                                                           rf"passed the same {2 * world} tokens .*each rank passes 2 "
                                                           rf"tokens \(x.chunk\({world}\)\[rank\]\)"):
-            sp(torch.arange(2 * world * h, dtype=torch.float32).view(2 * world, h))
+            sp(whole)
         full = torch.randn(2 * world, h, generator=torch.Generator().manual_seed(0))
         sp(full.chunk(world)[rank])  # each rank's part: accepted
 
