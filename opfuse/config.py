@@ -147,7 +147,8 @@ def _integer(minimum: int) -> Callable[..., int]:
             except ValueError:
                 number = None
         if isinstance(number, bool) or not isinstance(number, int) or number < minimum:
-            hint = "" if text or not isinstance(value, str) else " (an int; text is read only from the environment variable)"
+            hint = "" if text or not isinstance(value, str) else \
+                " (an int; text is read only from the environment variable)"
             raise ValueError(f"{where}={value!r}: expected an integer >= {minimum}{hint}")
         return number
 

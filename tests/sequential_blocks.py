@@ -112,7 +112,8 @@ def generate(seed: int, world: int, max_ops: int = 5, bad_rate: float = 0.3) -> 
         # features placed there must be refused.
         if layout == "feat" and not before_parallel and rnd.random() < bad_rate:
             bad_at = index
-            options = ["rmsnorm", "layernorm", "linear", "gated", "col", "gcol"] + (["swiglu"] if width % 2 == 0 else [])
+            options = ["rmsnorm", "layernorm", "linear", "gated", "col", "gcol"]
+            options += ["swiglu"] if width % 2 == 0 else []
         pick = rnd.choice(options)
         op = _make(pick, rnd, width, layout, widths, start if before_parallel else None)
         if bad_at == index:
@@ -272,7 +273,8 @@ def param_shards(case: Case, built: list, params: list[dict], rank: int, world: 
             w = "rows" if op.parallel == "column" else "cols" if op.parallel == "row" else "full"
             found.append((f"op{index}.weight", module.weight, (index, "w"), w))
             if op.bias:
-                found.append((f"op{index}.bias", module.bias, (index, "b"), "rows" if op.parallel == "column" else "full"))
+                how = "rows" if op.parallel == "column" else "full"
+                found.append((f"op{index}.bias", module.bias, (index, "b"), how))
         elif op.kind == "gated":
             how = "rows" if op.parallel == "column" else "full"
             found += [(f"op{index}.gate_weight", module.gate_weight, (index, "wg"), how),

@@ -312,8 +312,8 @@ class Linear(BasicOp):
                                f"its shard)")
         if not sharding.features and x.features != full:
             raise OpInputError(f"{self.describe()}: input is {sharding.describe()} with {x.features} features (last "
-                               f"dim of shape {list(x.shape)}); expected {full}, the full width of a replicated "
-                               f"value (a shard of {shard} features is what a column-parallel layer outputs)")
+                               f"dim of shape {list(x.shape)}); expected all {full} (a shard of {shard} features is "
+                               f"what a column-parallel layer outputs)")
 
     def expand(self, sharding: Sharding) -> tuple[list[BasicOp], Sharding]:
         """Basic ops equivalent to this layer for an input laid out as ``sharding`` (collectives

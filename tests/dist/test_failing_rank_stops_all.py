@@ -7,7 +7,6 @@ timeout (30 minutes for gloo)."""
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 

@@ -59,8 +59,8 @@ def layouts_follow_widths(rank, world):
     # a replicated value must have.
     block = ops.Sequential(ops.Linear(world, world), ops.Linear(2 * world, 3, parallel="row"))
     with pytest.raises(OpInputError, match=rf"Sequential op 1: Linear\(in_features={2 * world}, .*parallel='row'.*\): "
-                                           rf"input is replicated with {world} features .*expected {2 * world}, the "
-                                           r"full width of a replicated value"):
+                                           rf"input is replicated with {world} features .*expected all {2 * world} "
+                                           rf"\(a shard of {2} features is what a column-parallel layer outputs\)"):
         block(torch.randn(3, world))
     # SwiGLU on a column layer's output is still refused by SwiGLU, not by a layer before it.
     block = ops.Sequential(ops.Linear(4, 4 * world, parallel="column"), ops.SwiGLU())

@@ -61,7 +61,8 @@ def replicated_inputs(rank, world):
 
 def row_widths(rank, world):
     layer = ops.Linear(256, 64, parallel="row")
-    with pytest.raises(OpInputError, match=rf"Sequential op 0: Linear\(in_features=256, .*parallel='row'.*\): input has "
+    with pytest.raises(OpInputError, match=rf"Sequential op 0: Linear\(in_features=256, .*parallel='row'.*\): "
+                                           rf"input has "
                                            rf"100 features \(last dim of shape \[3, 100\]\); expected {256 // world} "
                                            rf"\(this rank's shard of in_features=256, e.g. a column-parallel layer's "
                                            rf"output\) or 256 \(a replicated value: the layer keeps its shard\)"):

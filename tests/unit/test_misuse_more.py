@@ -68,7 +68,8 @@ def test_a_forced_grouped_implementation_is_refused_alike_called_directly_or_in_
     x, sizes = torch.randn(5, 8), torch.tensor([2, 3])
     with opfuse.config.override(force_impl="grouped_linear=triton"):
         for call in (lambda: layer(x, sizes), lambda: ops.Sequential(layer)(x, sizes)):
-            with pytest.raises(ImplementationError, match=r"^grouped_linear: forced implementation 'triton' cannot run: "):
+            with pytest.raises(ImplementationError, match=r"^grouped_linear: forced implementation 'triton' cannot "
+                                                          r"run: "):
                 call()
         with pytest.raises(ImplementationError, match=r"called directly runs its reference math .* "
                                                       r"ops.Sequential\(layer\)\(x, group_sizes\)"):
