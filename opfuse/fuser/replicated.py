@@ -143,7 +143,10 @@ def digests(checked, inputs) -> dict | None:
             return None
     except ImportError:  # pragma: no cover - older torch
         pass
-    return {name: _digest(t) for name, t in tensors}
+    try:
+        return {name: _digest(t) for name, t in tensors}
+    except (RuntimeError, TypeError, NotImplementedError):  # a tensor subclass without a bit view: unchecked
+        return None
 
 
 def _describe(digest: dict) -> str:
