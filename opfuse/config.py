@@ -9,7 +9,11 @@ module is imported and again by ``opfuse.config.reload_from_env()``. Settings ca
 
 Each setting has one validator, used both for its environment variable and for assignments in
 code: a value it does not accept raises ``ValueError`` naming the variable (or the attribute) and
-the accepted values. Names that only exist once the package is loaded (rule names, fused-op and
+the accepted values. Text is what environment variables hold: ``OPFUSE_FUSE=no`` and
+``OPFUSE_SYMM_POOL_MB=64`` are read as ``False`` and ``64``, while code assigns the setting's own
+type (``opfuse.config.fuse = False``; ``"no"`` or ``0`` there is an error: a string is truthy, and
+taking it for its meaning in one place but not another is how a setting silently does the
+opposite). Names that only exist once the package is loaded (rule names, fused-op and
 implementation names) are checked where they are used, when a program is compiled.
 """
 
@@ -89,11 +93,18 @@ class Config:
     #: first-use nvcc build, pool growth, fallbacks to slower implementations, recompiles) or
     #: ``debug`` (also cache hits and every implementation choice); see opfuse/log.py.
     log: str = "warning"
+    #: Whether ranks check that a block's replicated inputs are the same tensor
+    #: (``OPFUSE_CHECK_REPLICATED``): ``compile`` (when a block compiles for an input signature:
+    #: a digest joins the signature the ranks exchange anyway; token-sharded inputs equal on every
+    #: rank, the whole sequence given to each, draw a warning), ``always`` (also every call: a
+    #: collective and a host synchronisation per call, for debugging; equal token shards raise)
+    #: or ``off``. See opfuse/sequential/replicated.py.
+    check_replicated: str = "compile"
 
     def __setattr__(self, name, value):
         if name not in _VALIDATORS:
             raise AttributeError(f"opfuse.config has no setting {name!r}; known: {sorted(_VALIDATORS)}")
-        value = _VALIDATORS[name](value, f"opfuse.config.{name}")
+        value = _VALIDATORS[name](value, f"opfuse.config.{name}", text=False)
         if name in self.__dict__ and _same(self.__dict__[name], value):
             return
         object.__setattr__(self, name, value)
@@ -121,33 +132,40 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.+-]*$")
 
 
-def _boolean(value, where: str) -> bool:
+# ``text``: the value is an environment variable's text (else it was assigned in code, where a
+# setting takes its own type).
+
+
+def _boolean(value, where: str, text: bool = True) -> bool:
     if isinstance(value, bool):
         return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+    if text and isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
-    raise ValueError(f"{where}={value!r}: expected True or False (as text: {'/'.join(_TRUE + _FALSE)})")
+    if text:
+        raise ValueError(f"{where}={value!r}: expected True or False (as text: {'/'.join(_TRUE + _FALSE)})")
+    raise ValueError(f"{where}={value!r}: expected True or False (a bool; text such as 'no' is read only from the "
+                     f"environment variable)")
 
 
-def _integer(minimum: int) -> Callable[[Any, str], int]:
-    def check(value, where: str) -> int:
+def _integer(minimum: int) -> Callable[..., int]:
+    def check(value, where: str, text: bool = True) -> int:
         number = value
-        if isinstance(value, str):
+        if isinstance(value, str) and text:
             try:
                 number = int(value.strip())
             except ValueError:
                 number = None
         if isinstance(number, bool) or not isinstance(number, int) or number < minimum:
-            raise ValueError(f"{where}={value!r}: expected an integer >= {minimum}")
+            hint = "" if text or not isinstance(value, str) else \
+                " (an int; text is read only from the environment variable)"
+            raise ValueError(f"{where}={value!r}: expected an integer >= {minimum}{hint}")
         return number
 
     return check
 
 
-def _text(allow_empty: bool) -> Callable[[Any, str], str]:
-    def check(value, where: str) -> str:
+def _text(allow_empty: bool) -> Callable[..., str]:
+    def check(value, where: str, text: bool = True) -> str:
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
         if not isinstance(value, str) or (not allow_empty and not value.strip()):
@@ -157,8 +175,8 @@ def _text(allow_empty: bool) -> Callable[[Any, str], str]:
     return check
 
 
-def _choice(*accepted: str) -> Callable[[Any, str], str]:
-    def check(value, where: str) -> str:
+def _choice(*accepted: str) -> Callable[..., str]:
+    def check(value, where: str, text: bool = True) -> str:
         if isinstance(value, str) and value.strip().lower() in accepted:
             return value.strip().lower()
         raise ValueError(f"{where}={value!r}: expected one of {', '.join(map(repr, accepted))}")
@@ -172,11 +190,11 @@ def _name(item, where: str, what: str) -> str:
     return item.strip()
 
 
-def _names(what: str) -> Callable[[Any, str], tuple[str, ...]]:
+def _names(what: str) -> Callable[..., tuple[str, ...]]:
     """Comma-separated text or a sequence of ``what`` names; which names exist is checked when a
     program is compiled (the rules and passes are registered by then)."""
 
-    def check(value, where: str) -> tuple[str, ...]:
+    def check(value, where: str, text: bool = True) -> tuple[str, ...]:
         source = f"{where}={value!r}"
         if isinstance(value, str):
             if ";" in value:
@@ -226,15 +244,16 @@ def parse_force_impl(value, where: str = "opfuse.config.force_impl") -> dict[str
     return forced
 
 
-def _force_impl(value, where: str) -> str:
+def _force_impl(value, where: str, text: bool = True) -> str:
     forced = parse_force_impl(value, where)
     if None in forced:
         return forced[None]
     return ",".join(f"{op}={impl}" for op, impl in forced.items())
 
 
-#: One validator per setting (the environment and assignments both go through it).
-_VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
+#: One validator per setting (the environment and assignments both go through it):
+#: ``validator(value, where, text=...)``.
+_VALIDATORS: dict[str, Callable[..., Any]] = {
     "fuse": _boolean,
     "disabled_rules": _names("rule"),
     "disabled_passes": _names("pass"),
@@ -253,6 +272,7 @@ _VALIDATORS: dict[str, Callable[[Any, str], Any]] = {
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
     "log": _choice("warning", "info", "debug"),
+    "check_replicated": _choice("compile", "always", "off"),
 }
 _ENV_PREFIX = "OPFUSE_"
 _ENV_NAMES = {
@@ -274,6 +294,7 @@ _ENV_NAMES = {
     "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",
+    "check_replicated": "CHECK_REPLICATED",
 }
 assert set(_VALIDATORS) == set(_ENV_NAMES) == {f.name for f in dataclasses.fields(Config)}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 
 import torch
@@ -165,6 +166,35 @@ def _dump_worker(rank: int, world: int, opts: DemoOptions) -> None:
     print(program.explain(), file=notes)
 
 
+def _unwritable(path: str | None) -> str | None:
+    """Why ``path`` cannot be written as a file (``None`` when it can, or when there is no path).
+    It is opened for appending (created, then removed again, when it did not exist): permission
+    bits do not tell everything (read-only mounts, /proc, a root user)."""
+    if path is None:
+        return None
+    if not path:
+        return "an empty path"
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        return f"its directory {parent!r} does not exist"
+    if not os.path.isdir(parent):
+        return f"{parent!r} is not a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        return f"cannot be written ({error.strerror or error})"
+    if not existed:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    return None
+
+
 def _parse(argv, prog: str) -> DemoOptions:
     joined = torchrun_world()
     if joined is not None:  # torchrun made the processes: its world and its devices
@@ -185,6 +215,11 @@ def _parse(argv, prog: str) -> DemoOptions:
         parser.add_argument("-o", "--output", default=None, metavar="FILE",
                             help="write the document to FILE instead of stdout")
     args = parser.parse_args(argv)
+    # Rank 0 writes the document (under torchrun every rank parses these arguments).
+    problem = _unwritable(getattr(args, "output", None)) if os.environ.get("RANK", "0") == "0" else None
+    if problem:
+        # Checked before any process starts: the document is written after the whole compile.
+        parser.error(f"-o/--output {args.output!r}: {problem}; expected a writable file path")
     if joined is not None and args.world != joined:
         parser.error(f"--world={args.world} but torchrun started {joined} processes (WORLD_SIZE={joined}); "
                      f"leave --world out under torchrun")

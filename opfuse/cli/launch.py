@@ -3,13 +3,20 @@
 ``run(fn, world, *args)`` starts ``world`` processes, each calling ``fn(rank, world, *args)``
 after ``init_process_group``; an exception in any rank fails the caller with the traceback of the
 rank that failed *first* (:class:`LaunchError`): a failing rank makes its peers fail too (gloo's
-"connection reset"), and those are consequences, listed after it. Once a rank failed, the others
-get a few seconds to finish, then are stopped (they may wait for the dead one forever). ``fn``
-must be importable (module level): processes are spawned. Used by ``python -m opfuse demo/dump``,
-the benchmarks and the distributed tests.
+"connection reset"), and those are consequences, listed after it. A rank fails when ``fn``
+raises, when one of its threads dies of an exception (the rank may keep running, waiting for
+that thread's work, while its peers wait for it in a collective), and when its process ends with
+a non-zero status without a traceback (a crash, a kill, ``os._exit``). Once a rank failed, the
+others get a few seconds (:data:`FAILURE_GRACE_S`) to finish, then are stopped (they may wait for
+the failed one forever: the process group's own timeout is minutes). ``fn`` must be importable
+(module level): processes are spawned. Used by ``python -m opfuse demo/dump``, the benchmarks and
+the distributed tests.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the processes already exist:
-:func:`run_here_or_spawn` joins torchrun's group in this process instead of spawning its own.
+:func:`run_here_or_spawn` joins torchrun's group in this process instead of spawning its own. A
+failing rank there prints its traceback and exits at once (no barrier, no teardown of the group,
+both of which wait for peers): its exit status is how torchrun learns to stop the others
+(docs/guide_errors.md says what torchrun users of their own scripts set).
 NCCL runs keep NVLink multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``)
 unless the caller's environment sets those variables.
 """
@@ -17,14 +24,17 @@ unless the caller's environment sets those variables.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait as wait_ready
 
 
 def free_port() -> int:
@@ -37,7 +47,24 @@ class LaunchError(AssertionError):
     """A spawned rank failed or hung."""
 
 
+def _report_thread_errors(rank, errors) -> None:
+    """An exception that ends a thread of this rank fails the rank (reported to the parent, which
+    stops every rank), after the default hook printed it: the main thread may be waiting for that
+    thread's work, and its peers for it, until the process group times out."""
+    default = threading.excepthook
+
+    def hook(exc):
+        default(exc)
+        if exc.exc_type is not SystemExit:
+            text = "".join(traceback.format_exception(exc.exc_type, exc.exc_value, exc.exc_traceback))
+            name = exc.thread.name if exc.thread is not None else "?"
+            errors.put((time.time(), rank, f"in thread {name!r}:\n{text}"))
+
+    threading.excepthook = hook
+
+
 def _worker(rank, world, port, backend, fn, args, errors):
+    _report_thread_errors(rank, errors)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -75,8 +102,49 @@ def default_backend() -> tuple[str, int]:
     return "gloo", 2
 
 
-#: Seconds the other ranks get to finish after one failed, before they are stopped.
-FAILURE_GRACE_S = 10.0
+#: Seconds the other ranks get to finish (or report what the failure did to them) after one
+#: failed, before they are stopped.
+FAILURE_GRACE_S = 3.0
+
+
+class _Watch:
+    """The parent's view of its ranks: ``failures``, ``(time, rank, text)``, from the ranks'
+    reports and from exits with an error status that no report explains."""
+
+    def __init__(self, procs, errors):
+        self.procs, self.errors = procs, errors
+        self.failures: list = []
+        self.silent: set = set()
+        self.seen_alive = time.time()  # the last look: when ranks found dead next were still alive
+
+    def look(self) -> None:
+        # Exits first, then reports: a rank reports before it exits, so the report of a rank seen
+        # dead here is already in the queue. A process's sentinel closes with its other files,
+        # sockets included, so no peer saw it gone before the last look that found it open: that
+        # look is a silent death's time, earlier than any failure it caused.
+        looked = time.time()
+        ended = set(wait_ready([p.sentinel for p in self.procs], timeout=0))
+        while not self.errors.empty():
+            self.failures.append(self.errors.get())
+        reported = {rank for _, rank, _ in self.failures}
+        for rank, proc in enumerate(self.procs):
+            if proc.sentinel in ended and rank not in reported and rank not in self.silent:
+                proc.join(timeout=5)  # reap it: its exit status
+                if proc.exitcode:
+                    self.silent.add(rank)
+                    self.failures.append((self.seen_alive, rank, _exit_text(proc.exitcode)))
+        self.seen_alive = looked
+
+
+def _exit_text(code: int) -> str:
+    """What a rank's exit status says when the rank reported no Python traceback."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the process was killed by {name} (no Python traceback: a crash, the OOM killer, a kill)"
+    return f"the process exited with status {code} without a Python traceback (os._exit, a crash in native code)"
 
 
 def _last_line(text: str) -> str:
@@ -95,19 +163,21 @@ def run(fn, world: int, *args, backend: str = "gloo", timeout: float = 300.0) ->
     procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, errors)) for r in range(world)]
     for proc in procs:
         proc.start()
-    failures = []
+    watch = _Watch(procs, errors)
     deadline = time.monotonic() + timeout
     stop_at = deadline
     while any(p.is_alive() for p in procs) and time.monotonic() < stop_at:
-        while not errors.empty():
-            failures.append(errors.get())
+        watch.look()
+        if watch.failures:
             stop_at = min(stop_at, time.monotonic() + FAILURE_GRACE_S)
         time.sleep(0.05)
+    watch.look()  # ranks that ended since the last look
     alive = [p for p in procs if p.is_alive()]
     for proc in alive:
         proc.kill()
     for proc in procs:
         proc.join()
+    failures = watch.failures
     while not errors.empty():
         failures.append(errors.get())
     if failures:
@@ -158,9 +228,24 @@ def run_in_torchrun(fn, *args, backend: str) -> None:
         dist.init_process_group("gloo")
     try:
         fn(rank, world, *args)
-        dist.barrier()  # nobody tears down while a peer still talks to it
-    finally:
-        dist.destroy_process_group()
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            _leave(done.code if isinstance(done.code, int) else 1)
+    except BaseException:  # noqa: BLE001 - printed, then this rank leaves
+        traceback.print_exc()
+        _leave(1)
+    dist.barrier()  # nobody tears down while a peer still talks to it
+    dist.destroy_process_group()
+
+
+def _leave(code: int) -> None:
+    """End this torchrun rank now: the barrier and the group's teardown would wait for peers that
+    may be blocked in a collective with it (NCCL's teardown waits for its pending work), and
+    threads still running would keep the process alive; its exit is what tells torchrun to stop
+    the others."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_here_or_spawn(fn, world: int, *args, backend: str = "gloo", timeout: float = 300.0) -> None:

@@ -41,6 +41,8 @@ class Program:
         single = getattr(module, "num_extra_outputs", 0) == 0
         #: The program as one Python function of the inputs (what a call runs).
         self.run = straight_line(graph_module, single)
+        #: A check of the inputs before each call (``opfuse.config.check_replicated="always"``), or None.
+        self.check_call = None
 
     def __call__(self, *inputs):
         return self.run(*inputs)

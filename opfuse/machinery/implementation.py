@@ -21,14 +21,10 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import log
-from ..ops.base import TensorMeta
+from ..ops.base import ImplementationError, TensorMeta
 
 __all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "choose", "always",
            "ImplementationTable"]
-
-
-class ImplementationError(RuntimeError):
-    """No implementation can run a fused op, or a forced one cannot."""
 
 
 @dataclasses.dataclass(frozen=True)

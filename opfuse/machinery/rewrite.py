@@ -8,7 +8,7 @@ import re
 from torch import fx
 
 from .pattern import PatternError
-from .rule import Match, Replacement
+from .rule import Match, Replacement, RuleError
 
 __all__ = ["replace_match", "snake_case", "add_submodule", "reorder_topologically"]
 
@@ -55,6 +55,31 @@ def reorder_topologically(graph: fx.Graph) -> None:
         anchor = node
 
 
+#: Constants a replacement module may take as arguments besides graph values (what a program's
+#: generated code writes as literals).
+_CONSTANTS = (type(None), bool, int, float)
+
+
+def _check_arg(gm: fx.GraphModule, match: Match, position: int, arg) -> None:
+    """Raise :class:`RuleError` naming the rule and where it was defined unless ``arg`` is a value
+    of this graph or a constant (a tuple or list of them included). A wrong argument would only
+    fail when the program runs, inside the replacement module, without naming the rule."""
+    if isinstance(arg, (tuple, list)):
+        for item in arg:
+            _check_arg(gm, match, position, item)
+        return
+    if isinstance(arg, fx.Node) and arg.graph is gm.graph:
+        return
+    if isinstance(arg, _CONSTANTS):
+        return
+    what = "a node of another graph" if isinstance(arg, fx.Node) else f"a {type(arg).__name__}"
+    hint = " (a node's name is not its value)" if isinstance(arg, str) else ""
+    raise RuleError(
+        f"rule {match.rule.name!r} ({match.rule.source}): Replacement.args[{position}] is {arg!r}, {what}{hint}; "
+        f"accepted: values of the matched graph (match.input(name, arg), match[name].node) and constants (None, "
+        f"bool, int, float); put anything else (strings, tensors, modules) in the replacement module")
+
+
 def replace_match(gm: fx.GraphModule, match: Match, replacement: Replacement, module_base: str) -> fx.Node:
     """Insert ``replacement`` for ``match``; returns the fused node. Each new value records the
     name of the matched value it replaces (``node.meta["opfuse_replaces"]``)."""
@@ -79,7 +104,8 @@ def replace_match(gm: fx.GraphModule, match: Match, replacement: Replacement, mo
             f"{missing}; it maps {sorted(outputs)}"
         )
     inside = set(match.nodes())
-    for arg in replacement.args:
+    for position, arg in enumerate(replacement.args):
+        _check_arg(gm, match, position, arg)
         if isinstance(arg, fx.Node) and arg in inside:
             raise PatternError(
                 f"rule {match.rule.name!r} ({match.rule.source}): Replacement.args uses {arg.name}, a value "

@@ -98,7 +98,10 @@ class Match:
 class Replacement:
     """What a rule's builder returns.
 
-    ``module`` replaces the matched ops and is called with ``args`` (graph values or constants).
+    ``module`` replaces the matched ops and is called with ``args``: values of the matched graph
+    (``match.input(name, arg)``, ``match[name].node``) or constants (``None``, ``bool``, ``int``,
+    ``float``, tuples and lists of these); anything else (strings, tensors, modules) belongs in the
+    module itself, and is refused with a :class:`RuleError` naming the rule.
     ``outputs`` maps each exported spec name to the index of its value in the module's output
     tuple; ``None`` means the module returns one tensor standing for the pattern's single output.
     """

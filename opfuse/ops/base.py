@@ -20,8 +20,8 @@ from .. import epoch
 from ..fp8.tensor import Float8Activation
 from ..runtime.device import dtype_name  # noqa: F401 - also the ops' name for it (opfuse.ops.base.dtype_name)
 
-__all__ = ["BasicOp", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal", "dtype_name",
-           "output_meta"]
+__all__ = ["BasicOp", "ImplementationError", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal",
+           "dtype_name", "output_meta"]
 
 
 class OpInputError(ValueError):
@@ -30,6 +30,13 @@ class OpInputError(ValueError):
 
 class PartitionError(OpInputError):
     """A sharding combination the partition rules do not allow."""
+
+
+class ImplementationError(RuntimeError):
+    """No implementation can run a fused op, or a forced one cannot (``OPFUSE_FORCE_IMPL``).
+
+    Defined with the ops (``opfuse.machinery.implementation`` re-exports it): an op called directly runs
+    its reference math and refuses a forced implementation of its fused op with this error too."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +211,9 @@ class BasicOp(Described, nn.Module):
         return []
 
     def natural_input_sharding(self, x: TensorMeta):
-        """The layout this op expects of a block input it consumes first, or ``None`` (no
-        preference). The block's input layout comes from the first op that states one."""
+        """The layout this op expects of ``x`` (the value it receives, after the ops before it) when
+        it is the first op of its block to state one, or ``None`` (no preference). The block's
+        input takes that layout when the ops before it hand it through unchanged."""
         return None
 
     # Helpers for subclasses -------------------------------------------------------------

@@ -24,6 +24,9 @@ backend fall back on.
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -131,8 +134,9 @@ def _raw_tokens_to_features(x: torch.Tensor, group) -> torch.Tensor:
     pg = groups.resolve(group)
     world = dist.get_world_size(pg)
     lead, width = x.shape[0], x.shape[-1] // world
+    middle = math.prod(x.shape[1:-1])  # not -1: a reshape cannot infer it when there are no tokens
     # Chunk j (sent to rank j) holds this rank's tokens, features of slice j.
-    parts = x.reshape(lead, -1, world, width).permute(2, 0, 1, 3).contiguous()
+    parts = x.reshape(lead, middle, world, width).permute(2, 0, 1, 3).contiguous()
     out = torch.empty_like(parts)
     dist.all_to_all_single(out, parts, group=pg)
     return out.reshape((world * lead,) + tuple(x.shape[1:-1]) + (width,))
@@ -144,7 +148,7 @@ def _raw_features_to_tokens(y: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(pg)
     lead, width = y.shape[0] // world, y.shape[-1]
     # Chunk j (sent to rank j) holds rank j's tokens of this rank's feature slice.
-    parts = y.reshape(world, lead, -1, width).contiguous()
+    parts = y.reshape(world, lead, math.prod(y.shape[1:-1]), width).contiguous()
     out = torch.empty_like(parts)
     dist.all_to_all_single(out, parts, group=pg)
     return out.permute(1, 2, 0, 3).reshape((lead,) + tuple(y.shape[1:-1]) + (world * width,))
@@ -281,6 +285,12 @@ class _CollectiveOp(BasicOp):
             raise OpInputError(f"{self.describe()}: input must have at least 1 dim")
         return x
 
+    def _require_token_dim(self, x: TensorMeta) -> None:
+        # Dim 0 of a 1-D value is its features: gathering or scattering it would split features.
+        if len(x.shape) < 2:
+            raise OpInputError(f"{self.describe()}: input has shape {list(x.shape)}; a token-sharded (sequence-"
+                               f"parallel) value needs a token dim before its features: [tokens, ..., features]")
+
 
 class AllReduce(_CollectiveOp):
     """Sum over the ranks of ``group`` (e.g. after a row-parallel GEMM). Backward: identity."""
@@ -332,6 +342,7 @@ class AllGather(_CollectiveOp):
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
+        self._require_token_dim(x)
         quantized = x.quantized
         if quantized is not None and self.world_size > 1:
             quantized = quantized.split("/")[0] + "/row"  # each rank's scale on its own rows
@@ -350,6 +361,7 @@ class ReduceScatter(_CollectiveOp):
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
+        self._require_token_dim(x)
         world = self.world_size
         if x.shape[0] % world:
             raise OpInputError(
@@ -399,6 +411,7 @@ class TokensToFeatures(_CollectiveOp):
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         super().infer_meta(x)
+        self._require_token_dim(x)
         world = self.world_size
         if x.features % world:
             raise OpInputError(
@@ -412,11 +425,44 @@ def sync_sequence_parallel_grads(module: torch.nn.Module) -> int:
     With ``sequence_parallel=True`` each rank sees only its tokens in the norm layers and the
     row-parallel bias, so their ``.grad`` is a partial sum; call this after ``backward()`` and
     before the optimizer step (the compile step marks such parameters with
-    ``param.sequence_parallel = True``). Returns the number of gradients reduced.
+    ``param.sequence_parallel = True``). With gradient accumulation, call it once, after the
+    last backward of the step. Returns the number of gradients reduced.
+
+    Misuse that would train on partial or over-counted gradients raises ``RuntimeError``: a call
+    before ``backward()`` (no marked trainable parameter has a gradient yet: the ones the
+    backward makes would stay partial sums) and a second call for the same backward (a gradient
+    reduced before and unchanged since: reducing it again multiplies it by the world size). A
+    module with no marked parameter (not sequence parallel, or not called yet: blocks mark their
+    parameters when they compile, on their first call) has nothing to reduce: a ``UserWarning``
+    says so and the call returns 0, so a training loop may call it whatever its parallelism.
+
+    Examples
+    --------
+    >>> loss.backward()                                   # doctest: +SKIP
+    >>> opfuse.sync_sequence_parallel_grads(model)        # doctest: +SKIP
+    >>> optimizer.step()                                  # doctest: +SKIP
     """
-    count = 0
-    for param in module.parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
-            dist.all_reduce(param.grad, group=groups.resolve(getattr(param, "sequence_parallel_group", None)))
-            count += 1
-    return count
+    marked = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    name = type(module).__name__
+    if not marked:
+        warnings.warn(f"opfuse.sync_sequence_parallel_grads: no parameter of this {name} acts on token-sharded "
+                      f"activations, nothing to reduce (blocks with sequence_parallel=True mark theirs when they "
+                      f"compile, on their first call)", UserWarning, stacklevel=2)
+        return 0
+    trainable = [p for p in marked if p.requires_grad]
+    ready = [p for p in trainable if p.grad is not None]
+    if trainable and not ready:
+        raise RuntimeError(f"opfuse.sync_sequence_parallel_grads: none of the {len(trainable)} sequence-parallel "
+                           f"parameters of this {name} has a gradient yet; call it after loss.backward() and before "
+                           f"optimizer.step()")
+    again = [p for p in ready if getattr(p.grad, "_opfuse_reduced_version", None) == p.grad._version]
+    if again:
+        raise RuntimeError(f"opfuse.sync_sequence_parallel_grads: {len(again)} of the gradients of this {name} were "
+                           f"already reduced and have not changed since (reducing them again multiplies them by the "
+                           f"world size); call it once after each backward")
+    for param in ready:
+        dist.all_reduce(param.grad, group=groups.resolve(getattr(param, "sequence_parallel_group", None)))
+        # The version after the reduction: a backward that accumulates into this tensor, or a
+        # zero_grad() that zeroes it in place, moves it on.
+        param.grad._opfuse_reduced_version = param.grad._version
+    return len(ready)

@@ -22,10 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import config, parse_force_impl
 from ..fp8.recipe import Recipe
 from . import collectives as coll
 from . import group as groups
-from .base import BasicOp, OpInputError, PartitionError, TensorMeta, dtype_name
+from .base import BasicOp, ImplementationError, OpInputError, PartitionError, TensorMeta, dtype_name
 from .grouped_fp8 import Fp8GroupedFn, fp8_grouped_weight
 from .sharding import REPLICATED, Sharding, reject_partial
 
@@ -33,6 +34,8 @@ __all__ = ["GroupedLinear", "BasicGroupedLinear", "grouped_linear_reference", "c
            "fp8_grouped_weight"]
 
 _PARALLEL_MODES = (None, "expert", "fsdp", "expert+fsdp")
+#: The fused op a compiled block runs for this layer (its key in ``OPFUSE_FORCE_IMPL``).
+_FUSED_OP = "grouped_linear"
 _SIZE_DTYPES = (torch.int32, torch.int64)
 
 
@@ -399,7 +402,22 @@ class GroupedLinear(BasicOp):
 
     def forward(self, x, group_sizes):
         self.infer_meta(TensorMeta.of(x), TensorMeta.of(group_sizes))  # errors that name this layer
+        self._refuse_forced_implementation()
         return self.basic_op()(x, group_sizes)
+
+    def _refuse_forced_implementation(self) -> None:
+        """A direct call runs the reference math, never the fused op ``grouped_linear``: a forced
+        implementation of that op (other than ``reference``) cannot run here, and a silent
+        reference run would benchmark or test the wrong thing. Raised as a compiled block raises
+        for a forced implementation that cannot run."""
+        forced = parse_force_impl(config.force_impl).get(_FUSED_OP)
+        if forced is None or forced == "reference":
+            return
+        raise ImplementationError(
+            f"{_FUSED_OP}: forced implementation {forced!r} cannot run: {self.describe()} called directly runs its "
+            f"reference math (torch ops, group sizes read on the host), not the fused op; call it inside a block, "
+            f"ops.Sequential(layer)(x, group_sizes) or opfuse.compile(layer, x, group_sizes), to run {forced!r}, "
+            f"or force 'reference' (OPFUSE_FORCE_IMPL / opfuse.config.force_impl={config.force_impl!r})")
 
     def infer_meta(self, x: TensorMeta, *extra: TensorMeta) -> TensorMeta:
         # Validate under this op's own name (the user's layer), with the local group count.

@@ -299,6 +299,22 @@ class Linear(BasicOp):
             return REPLICATED
         return Sharding(features=True, group=self.group)
 
+    def check_input(self, x: TensorMeta, sharding: Sharding) -> None:
+        """Raise :class:`OpInputError` when a row-parallel layer's input width does not fit its
+        layout, naming both widths the layer takes (its local GEMM would name only its shard)."""
+        if self.parallel != "row" or self.world_size == 1 or len(x.shape) < 1:
+            return  # the local GEMM's own message names the one accepted width
+        shard, full = self.local_in_features, self.in_features
+        if sharding.features and x.features != shard:
+            raise OpInputError(f"{self.describe()}: input has {x.features} features (last dim of shape "
+                               f"{list(x.shape)}); expected {shard} (this rank's shard of in_features={full}, e.g. "
+                               f"a column-parallel layer's output) or {full} (a replicated value: the layer keeps "
+                               f"its shard)")
+        if not sharding.features and x.features != full:
+            raise OpInputError(f"{self.describe()}: input is {sharding.describe()} with {x.features} features (last "
+                               f"dim of shape {list(x.shape)}); expected all {full} (a shard of {shard} features is "
+                               f"what a column-parallel layer outputs)")
+
     def expand(self, sharding: Sharding) -> tuple[list[BasicOp], Sharding]:
         """Basic ops equivalent to this layer for an input laid out as ``sharding`` (collectives
         from :func:`~opfuse.ops.sharding.plan_gemm`, the local GEMM, the bias), and the layout of

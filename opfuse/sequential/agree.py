@@ -31,12 +31,14 @@ from ..config import config
 from ..ops import group as groups
 from ..core.pipeline import get_pass_registry
 from ..core.rules import active_key
+from . import replicated
 
 __all__ = ["RankMismatchError", "groups_of", "signature_lines", "Agreement"]
 
 #: Settings that change what a compile produces (paths, dumps and timeouts do not).
 _COMPILE_SETTINGS = ("fuse", "disabled_rules", "disabled_passes", "force_impl", "cuda", "symm_pool_mb", "symm_pool_max_mb",
-                     "oneshot_max_bytes", "twoshot_max_bytes", "overlap_chunks", "overlap_alternate_streams")
+                     "oneshot_max_bytes", "twoshot_max_bytes", "overlap_chunks", "overlap_alternate_streams",
+                     "check_replicated")
 _compiles: collections.Counter = collections.Counter()
 
 
@@ -100,6 +102,7 @@ class Agreement:
 
     def __init__(self, pgs: list):
         self.pgs = pgs
+        self.checked: list = []  # the inputs whose digests are compared (.replicated)
         self.keys = {}
         for pg in pgs:
             _compiles[pg.group_name] += 1
@@ -108,13 +111,18 @@ class Agreement:
     def _store(self):
         return dist.distributed_c10d._get_default_store()
 
-    def publish(self, lines: list[str] | None = None, error: BaseException | None = None) -> None:
+    def publish(self, lines: list[str] | None = None, error: BaseException | None = None, checked=(),
+                values: dict | None = None) -> None:
+        """Publish this rank's signature ``lines`` (and the digests ``values`` of the ``checked``
+        replicated inputs, :mod:`.replicated`), or the ``error`` its compile raised."""
         if not self.pgs:
             return
         if error is not None:
             payload = {"error": f"{type(error).__name__}: {error}"}
         else:
-            payload = {"digest": hashlib.sha256("\n".join(lines).encode()).hexdigest(), "lines": lines}
+            self.checked = list(checked)
+            payload = {"digest": hashlib.sha256("\n".join(lines).encode()).hexdigest(), "lines": lines,
+                       "values": values}
         text = json.dumps(payload)
         store = self._store()
         for pg in self.pgs:
@@ -151,6 +159,7 @@ class Agreement:
         mine = payloads[me]
         others = [r for r, p in enumerate(payloads) if p["digest"] != mine["digest"]]
         if not others:
+            replicated.compare(where, self.checked, [p.get("values") for p in payloads], members, me, every_call=False)
             return
         # Every rank raises; each names the first line where a differing rank's program departs.
         other = payloads[others[0]]

@@ -207,6 +207,8 @@ class Sequential(nn.Sequential):
             self.check_inputs(inputs)
             program = self._lookup(inputs)
         try:
+            if program.check_call is not None:
+                program.check_call(inputs)
             return program.run(*inputs)
         except Exception as error:
             diagnose_failure(self, program, inputs, error)

@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from ..config import snapshot
+from ..config import config, snapshot
 from ..fp8.state import current_recipe
 from ..ops.base import TensorMeta
 from ..machinery import graph_pass as pass_registry
 from ..core import dispatch
 from ..core.pipeline import PassContext, run_pipeline
 from ..core.rules import active_key
+from . import replicated
 from .agree import Agreement, groups_of, signature_lines
 from .lower import lower
 from ..core.program import Program
@@ -68,15 +69,20 @@ def build_program(seq, inputs) -> Program:
     ctx = PassContext(recipe=current_recipe())
     recorder = PassRecorder(ctx, recorder_dir)
     published = False
+    call_checks: list = []
 
     def after_pass(name: str, module: fx.GraphModule) -> None:
         nonlocal published
         recorder(name, module)
         if name == "partition":
             # The partitioned graph has every collective; nothing has communicated yet.
-            agreement.publish(signature_lines(module))
+            checked = replicated.inputs_to_check(module) if agreement.pgs and config.check_replicated != "off" else []
+            values = replicated.digests(checked, inputs) if checked else None
+            agreement.publish(signature_lines(module), checked=checked, values=values)
             published = True
             agreement.verify()
+            if config.check_replicated == "always":
+                call_checks.extend(checked)
 
     try:
         gm = lower(seq, metas)
@@ -86,5 +92,8 @@ def build_program(seq, inputs) -> Program:
             agreement.publish(error=error)
         raise
     program = Program(seq, gm, ctx.unfused, ctx.fusions, metas, notes=ctx.notes)
+    if call_checks:
+        pgs = agreement.pgs
+        program.check_call = lambda call_inputs: replicated.check_call(call_checks, pgs, call_inputs)
     recorder.write_explanation(program)
     return program

@@ -27,13 +27,45 @@ class _Root(nn.Module):
     """The owner of a program's submodules (the user's ops, shared, plus fused ones)."""
 
 
-def block_input_sharding(ops, meta: TensorMeta):
-    """Layout of the block's main input: what the first op that states a preference expects."""
+def block_input_sharding(ops, meta: TensorMeta, extras=()):
+    """Layout of the block's main input: what the first op that states a preference expects of
+    the value it receives, when the ops before it hand that layout through unchanged.
+
+    The ops before it are followed as they transform the value (``Linear(4, 2)`` and ``SwiGLU``
+    change its width, which decides whether a row-parallel layer sees a full-width replicated
+    value or a feature shard). If they cannot take the preferred layout (a feature shard into an
+    unsharded ``Linear`` or a ``SwiGLU``), the block's input is replicated and lowering reports
+    the op that cannot take what it receives. ``extras``: the extra inputs' metadata, in order.
+    """
+    pending = iter(extras)
+    before = []
     for op in ops:
         natural = op.natural_input_sharding(meta)
         if natural is not None:
-            return natural
+            return natural if _hands_through(before, natural) else REPLICATED
+        try:
+            taken = [next(pending) for _ in range(op.num_extra_inputs)]
+            meta = output_meta(op, meta, *taken)
+        except (OpInputError, StopIteration):
+            return REPLICATED  # lowering names the op and its input (or the missing extra input)
+        before.append(op)
     return REPLICATED
+
+
+def _hands_through(ops, sharding) -> bool:
+    """``ops`` (the ones before the op that prefers ``sharding``) take a value laid out as
+    ``sharding`` (extra inputs laid out alike) and give it back laid out the same way."""
+    for op in ops:
+        try:
+            if getattr(op, "is_composite", False):
+                _, out = op.expand(sharding)
+            else:
+                out = op.propagate_sharding(sharding, *[sharding] * op.num_extra_inputs)
+        except OpInputError:
+            return False
+        if out != sharding:
+            return False
+    return True
 
 
 def _meta_and_sharding(op, args):
@@ -41,6 +73,9 @@ def _meta_and_sharding(op, args):
     shardings = [a.meta["opfuse_sharding"] for a in args]
     if getattr(op, "is_composite", False):
         basics, out = op.expand(shardings[0])
+        check = getattr(op, "check_input", None)  # a composite's own words for a bad input width
+        if check is not None:
+            check(metas[0], shardings[0])
         try:
             meta = evaluate(basics, metas[0], metas[1:], lambda step, args, taken: output_meta(step.op, *args, *taken))
         except OpInputError as error:
@@ -64,7 +99,7 @@ def lower(seq, inputs: tuple[torch.Tensor, ...]) -> fx.GraphModule:
     graph = fx.Graph()
     x = graph.placeholder("x")
     x.meta["opfuse_meta"] = metas[0]
-    x.meta["opfuse_sharding"] = block_input_sharding(list(seq), metas[0])
+    x.meta["opfuse_sharding"] = block_input_sharding(list(seq), metas[0], metas[1:])
     extra_nodes = []
     owners = [(index, op) for index, op in enumerate(seq) for _ in range(op.num_extra_inputs)]
     for position, (index, op) in enumerate(owners):

@@ -125,7 +125,8 @@ def optimize(model, **compile_kwargs):
     shapes unless ``dynamic=`` says otherwise (opfuse chooses implementations per shape).
 
     Returns the compiled model; after a call, :func:`programs` lists what opfuse did to each of
-    its graphs.
+    its graphs. A model that is already a ``torch.compile`` result is refused (``TypeError``):
+    compiling it again would nest two compilers, the inner one never seeing a graph.
 
     Examples
     --------
@@ -136,11 +137,24 @@ def optimize(model, **compile_kwargs):
     """
     if "backend" in compile_kwargs:
         raise TypeError("opfuse.optimize: backend= is opfuse's; call torch.compile for another backend")
+    if _is_compiled(model):
+        # torch.compile of a compiled model nests two compilers: the outer one traces through the
+        # inner one, whose backend never sees a graph (its programs stay empty).
+        raise TypeError(f"opfuse.optimize: the model is already compiled ({type(model).__name__}, from "
+                        f"opfuse.optimize or torch.compile); pass the original model (compiled._orig_mod for a "
+                        f"module) or use the compiled one as it is")
     compile_kwargs.setdefault("dynamic", False)
     backend = OpfuseBackend()
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
     _OPTIMIZED[compiled] = backend
     return compiled
+
+
+def _is_compiled(model) -> bool:
+    """``model`` is a ``torch.compile`` result (a module's ``OptimizedModule`` or a compiled function)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule) or getattr(model, "_torchdynamo_orig_callable", None) is not None
 
 
 def _find_backend(compiled) -> OpfuseBackend | None:
@@ -170,17 +184,27 @@ def programs(compiled=None) -> list:
 
     Models compiled with the backend name share it: their programs are listed together (use
     :func:`optimize` for one list per model).
+
+    Raises ``RuntimeError`` while nothing has been compiled: torch.compile compiles a graph on the
+    first call, so an empty list before it would read as "opfuse found nothing to do".
     """
     if compiled is None:
-        return list(DEFAULT_BACKEND.programs)
-    try:
-        backend = _OPTIMIZED.get(compiled)
-    except TypeError:  # not weakly referenceable
-        backend = None
-    backend = backend or _find_backend(compiled)
+        backend = DEFAULT_BACKEND
+        what = "with backend='opfuse' in this process (models from opfuse.optimize: opfuse.programs(model))"
+    else:
+        try:
+            backend = _OPTIMIZED.get(compiled)
+        except TypeError:  # not weakly referenceable
+            backend = None
+        backend = backend or _find_backend(compiled)
+        what = f"for this {type(compiled).__name__}"
     if backend is None:
         raise ValueError(f"opfuse.programs: {type(compiled).__name__} was not compiled by opfuse; use "
                          f"opfuse.optimize(model) or torch.compile(model, backend='opfuse')")
+    if not backend.programs:
+        raise RuntimeError(f"opfuse.programs: nothing compiled yet {what}: torch.compile compiles a graph when "
+                           f"the model is first called; call it, then ask (if it was called, torch.compile captured "
+                           f"no graph from it: see torch._dynamo.explain)")
     return list(backend.programs)
 
 

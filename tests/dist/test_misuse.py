@@ -91,7 +91,7 @@ def disagreements(rank, world):
     # Agreeing ranks compile and run as usual (the expert-parallel case, where ranks hold
     # different numbers of rows, runs in test_grouped.py).
     block = ops.Sequential(ops.Linear(h, h, parallel="column"), ops.GELU(), ops.Linear(h, h, parallel="row"))
-    block(torch.randn(2, h))
+    block(torch.randn(2, h, generator=torch.Generator().manual_seed(0)))  # replicated: the same on every rank
     # One rank compiles a program the others never compile. On a group of its own: that group's
     # compile count is out of step afterwards.
     sub = dist.new_group(list(range(world)))
@@ -117,7 +117,7 @@ def group_errors(rank, world, store_path):
         ops.Linear(8, 8, parallel="column", group=first)
     h = 4 * world
     block = ops.Sequential(ops.Linear(h, h, parallel="column"), ops.Linear(h, h, parallel="row"))
-    x = torch.randn(3, h)
+    x = torch.randn(3, h, generator=torch.Generator().manual_seed(0))  # replicated: the same on every rank
     block(x)
     # The default group is re-created with half the ranks: the block's layers no longer fit.
     dist.barrier()

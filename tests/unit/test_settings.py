@@ -19,13 +19,13 @@ def restore_settings():
 
 
 @pytest.mark.parametrize("name, value, accepted", [
-    ("fuse", "no", False), ("fuse", "On", True), ("fuse", 0, False), ("verify", "1", True),
+    ("fuse", False, False), ("verify", True, True),
     ("disabled_rules", "add_rmsnorm, allreduce", ("add_rmsnorm", "allreduce")),
     ("disabled_rules", ["add_rmsnorm"], ("add_rmsnorm",)), ("disabled_rules", "", ()),
-    ("symm_pool_mb", "64", 64), ("oneshot_max_bytes", 0, 0),
+    ("symm_pool_mb", 64, 64), ("oneshot_max_bytes", 0, 0),
     ("force_impl", " reference ", "reference"), ("force_impl", "add_rmsnorm = reference", "add_rmsnorm=reference"),
     ("force_impl", {"add_rmsnorm": "reference"}, "add_rmsnorm=reference"),
-    ("overlap_alternate_streams", "ON", "on"), ("peer_timeout_ms", "0", 0),
+    ("overlap_alternate_streams", "ON", "on"), ("peer_timeout_ms", 0, 0),
 ])
 def test_code_and_environment_accept_the_same_values(name, value, accepted):
     setattr(opfuse.config, name, value)
@@ -33,6 +33,17 @@ def test_code_and_environment_accept_the_same_values(name, value, accepted):
     if isinstance(value, str):
         reload_from_env({env_name(name): value})
         assert getattr(opfuse.config, name) == accepted
+
+
+@pytest.mark.parametrize("name, text, accepted", [
+    ("fuse", "no", False), ("fuse", "On", True), ("verify", "1", True), ("symm_pool_mb", "64", 64),
+    ("peer_timeout_ms", "0", 0),
+])
+def test_the_environment_gives_booleans_and_integers_as_text(name, text, accepted):
+    # Code assigns the setting's own type (tests/unit/test_misuse_more.py): text is the
+    # environment's.
+    reload_from_env({env_name(name): text})
+    assert getattr(opfuse.config, name) == accepted
 
 
 @pytest.mark.parametrize("name, value, message", [

@@ -36,8 +36,11 @@ def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: Optional[
 
 
 def _fake(x, weight, bias, group, impl):
-    rows = x.shape[0] * (groups.world_size(groups.from_name(group)) if group is not None else 1)
-    return x.new_empty((rows,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
+    # x's leading dims stay (none for a 1-D input); the gather multiplies the token dim (dim 0).
+    leading = list(x.shape[:-1])
+    if group is not None:
+        leading[0] *= groups.world_size(groups.from_name(group))
+    return x.new_empty(tuple(leading) + (weight.shape[0],))
 
 
 def _backward(dy: Tensor, x: Tensor, weight: Tensor, group: Optional[str], need_dx: bool, need_dw: bool,
