@@ -19,7 +19,7 @@ add_rmsnorm                     [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -
 add_layernorm                   same, LayerNorm                                                       20
 fp8_linear                      [Quantize] -> BasicLinear(fp8) -> [Bias]                              16
 linear_bias_activation          BasicLinear -> Bias -> GELU                                           15
-allreduce                       AllReduce -> [Bias]                                                   10
+allreduce                       AllReduce -> [Bias] -> [AddExtraInput]                                10
 grouped_linear_fp8              BasicGroupedLinear(fp8)                                                5
 grouped_linear                  BasicGroupedLinear                                                     5
 quantize                        Quantize                                                               1
@@ -68,6 +68,8 @@ def _residual_norm_parts(match: Match):
     if norm is not None:
         kwargs.update(weight=norm.op.weight, norm_bias=getattr(norm.op, "bias", None), eps=norm.op.eps,
                       has_residual=add is not None, export_residual=extra is not None)
+    elif add is not None:
+        kwargs["has_residual"] = True
     first = match.ordered()[0].name
     args = [match.input(first)] + ([match.input("add", 1)] if add is not None else [])
     outputs = {"norm": 0} if norm is not None else {match.ordered()[-1].name: 0}
@@ -226,11 +228,14 @@ BUILTIN_RULES = [
          Pattern.chain(OpSpec("linear", "BasicLinear", where=[not_fp8]), OpSpec("bias", "Bias", where=[bias_matches_input]),
                        OpSpec("act", "GELU")),
          build_linear_bias_activation, priority=15, description="GEMM with bias + GELU epilogue"),
+    # The residual add with no norm after it: the last add of a block that a graph ends with (FSDP2
+    # makes dynamo compile one graph per block), or an add whose norm no norm rule could take.
     Rule("allreduce",
          Pattern.chain(OpSpec("allreduce", "AllReduce"),
-                       OpSpec("bias", "Bias", optional=True, where=[bias_matches_input])),
+                       OpSpec("bias", "Bias", optional=True, where=[bias_matches_input]),
+                       OpSpec("add", "AddExtraInput", optional=True)),
          _residual_norm_builder(FusedAllReduce), priority=10,
-         description="all-reduce (+ bias) through the peer-memory kernels"),
+         description="all-reduce (+ bias) (+ residual add) through the peer-memory kernels"),
     Rule("fp8_linear",
          Pattern.chain(OpSpec("quantize", "Quantize", optional=True), OpSpec("linear", "BasicLinear", where=[is_fp8]),
                        OpSpec("bias", "Bias", optional=True, where=[bias_matches_input])),

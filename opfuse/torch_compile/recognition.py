@@ -17,6 +17,7 @@ def find_regions(graph: fx.Graph) -> list[Region]:
     most one region (the ``addmm`` pair shares its node)."""
     taken: set[fx.Node] = set()
     found: list[Region] = []
+    regions_by_value: dict[fx.Node, Region] = {}
 
     def claim(region: Region | None) -> None:
         if region is None or region.nodes & taken:
@@ -25,6 +26,8 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             return
         taken.update(region.nodes)
         found.append(region)
+        if region.value is not None:
+            regions_by_value[region.value] = region
 
     nodes = list(graph.nodes)
     for node in nodes:  # norms and activations first: they own muls and adds the others would take
@@ -37,8 +40,11 @@ def find_regions(graph: fx.Graph) -> list[Region]:
             for region in pair:
                 taken.update(region.nodes)
                 found.append(region)
-    kinds = {r.value: r.kind for r in found if r.value is not None}
+                if region.value is not None:
+                    regions_by_value[region.value] = region
+    # In graph order, each add sees the regions of the adds before it: a bias added after an
+    # all-reduce (``all_reduce(o) + b``) is known as a Bias when the residual add reads it.
     for node in nodes:
-        claim(add(node, lambda n: kinds.get(n)))
+        claim(add(node, regions_by_value.get))
     order = {node: i for i, node in enumerate(nodes)}
     return sorted(found, key=lambda r: (order[r.position], r.virtual_input))
