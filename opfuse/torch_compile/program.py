@@ -10,7 +10,6 @@ from torch import fx
 from ..core.explain import Explanation, explain_program, needs_fp8, uses_fp8
 from ..core.program import Program
 from ..core.rules import rules
-from ..machinery.aten import dtype
 from ..machinery.matcher import NearMiss, node_kind
 
 __all__ = ["GraphProgram"]
@@ -59,13 +58,15 @@ class GraphProgram(Program):
         return [f for f in self.fusions if self.phases.get(f.fused_node) == phase]
 
     def explanation(self, verbose: bool = False) -> Explanation:
-        """As for any program, plus, for every collective that no rule fused with a neighbour, the
-        reason in the terms of the plain rule that would have taken it (the longest partial match,
-        however short): in a compiled model the question is usually "why did this all-reduce not
-        fuse with the add after it?". Rules that cannot apply where the collective is are not
-        cited: FP8 rules in a program without FP8, rules made of forward-only ops (norms,
-        activations, weight GEMMs) for a backward collective. A collective left unfused by every
-        rule always gets a line."""
+        """As for any program, plus, for every collective that no rule fused with a neighbour, or
+        that a smaller rule fused where a larger one got as far (the all-reduce and its bias, the
+        add in the next graph), the reason in the terms of the plain rule that would have taken it
+        (the longest partial match, however short): in a compiled model the question is usually
+        "why did this all-reduce not fuse with the add after it?". A graph break, a dtype cast or
+        an add that took the value as its residual is named. Rules that cannot apply where the
+        collective is are not cited: FP8 rules in a program without FP8, rules made of
+        forward-only ops (norms, activations, weight GEMMs) for a backward collective. A
+        collective left unfused by every rule always gets a line."""
         result = explain_program(self, verbose)
         if verbose:
             return result
@@ -104,32 +105,34 @@ def _describe(node: fx.Node, kind: str) -> str:
     return f"{node.name} ({kind})"
 
 
-def _hints(gm: fx.GraphModule, node: fx.Node, kind_of, backward: bool, covered) -> list[str]:
-    """What the collective's users say about why it stayed apart, in words a model's author
-    acts on: a graph break, a dtype cast, an add that takes it as its residual."""
+def _dtype_name(node: fx.Node) -> str:
+    meta = node.meta.get("opfuse_meta")
+    return str(getattr(meta, "dtype", "?")).replace("torch.", "")
+
+
+def _hints(values: list[fx.Node], kind_of, backward: bool) -> list[str]:
+    """What the users of ``values`` (the collective, and the last op a partial match reached: the
+    bias after it) say about why the chain stopped, in words a model's author acts on: a graph
+    break, a dtype cast, an add that takes the value as its residual."""
     hints = []
-    users = list(node.users)
-    if not backward and any(u.op == "output" for u in users):
-        hints.append(f"{node.name} is an output of this graph: what reads it next runs in another graph (a graph "
-                     f"break between them, e.g. print() or .item(), or the end of the compiled function)")
-    for user in users:
-        if user.op == "call_function" and "convert_element_type" in str(user.target):
-            src, dst = dtype(node), user.meta.get("opfuse_meta")
-            dst = getattr(dst, "dtype", None)
-            if src is None:
-                src = getattr(node.meta.get("opfuse_meta"), "dtype", None)
-            name = lambda d: str(d).replace("torch.", "")  # noqa: E731
-            hints.append(f"{user.name} casts it from {name(src)} to {name(dst)} before it is used: the fused ops "
-                         f"keep one dtype from the collective through the add and the norm (reduce in "
-                         f"{name(dst)}, or keep the residual in {name(src)})")
-        elif kind_of(user) == "AddExtraInput" and user.args and user.args[0] is not node:
-            main = user.args[0]
-            why = ""
-            others = [u for u in users if u is not user]
-            if others:
-                why = f"; {node.name} is also used by {', '.join(_describe(u, kind_of(u)) for u in others)}"
-            hints.append(f"{_describe(user, 'AddExtraInput')} adds it as its residual (argument 1); its main input "
-                         f"is {_describe(main, kind_of(main))}{why}")
+    for node in dict.fromkeys(values):
+        users = list(node.users)
+        if not backward and any(u.op == "output" for u in users):
+            hints.append(f"{node.name} is an output of this graph: what reads it next runs in another graph (a "
+                         f"graph break between them, e.g. print() or .item(), or the end of the compiled function)")
+        for user in users:
+            if user.op == "call_function" and "convert_element_type" in str(user.target):
+                src, dst = _dtype_name(node), _dtype_name(user)
+                hints.append(f"{user.name} casts it from {src} to {dst} before it is used: the fused ops keep one "
+                             f"dtype from the collective through the add and the norm (reduce in {dst}, or keep "
+                             f"the residual in {src})")
+            elif kind_of(user) == "AddExtraInput" and user.args and user.args[0] is not node:
+                main = user.args[0]
+                others = [u for u in users if u is not user]
+                why = (f"; {node.name} is also used by {', '.join(_describe(u, kind_of(u)) for u in others)}"
+                       if others else "")
+                hints.append(f"{_describe(user, 'AddExtraInput')} adds it as its residual (argument 1); its main "
+                             f"input is {_describe(main, kind_of(main))}{why}")
     return hints
 
 
@@ -193,24 +196,26 @@ def _collective_misses(program) -> list[NearMiss]:
         for item in miss.matched:
             misses_at.setdefault(item.split(" ")[0], []).append(miss)
     found = []
+    by_name = {n.name: n for n in gm.graph.nodes}
     for node in gm.graph.nodes:
         kind = kinds[node]
         if kind not in _COLLECTIVES:
             continue
         record = covered_by.get(node.name)
-        if record is not None and len(record.nodes) > 1:
-            continue  # fused with its neighbours
         in_backward = node in backward
-        # Rules that could take this collective here: they have its kind, are not the rule that
-        # fused it alone, and, for a backward collective, every op they require occurs in the
-        # backward part of the graph (norms, activations and weight GEMMs are recognised in the
-        # forward only). A forward collective is measured against every rule with its kind: a
-        # graph break may have put the add or the norm into the next graph.
+        # Rules that could take this collective here: they have its kind; for one a rule fused,
+        # they were tried before that rule (a larger fusion: the all-reduce with the add and the
+        # norm, not with the add alone) and got at least as far; for a backward collective, every
+        # op they require occurs in the backward part of the graph (norms, activations and weight
+        # GEMMs are recognised in the forward only). A forward collective is measured against
+        # every such rule: a graph break may have put the add or the norm into the next graph.
+        fused_by = _rule(all_rules, record.rule) if record is not None and record.rule in order else None
         candidates = [r for r in all_rules if any(kind in spec.kinds for spec in r.pattern.specs)
-                      and (record is None or r.name != record.rule)
+                      and (record is None or (fused_by is not None and r.priority > fused_by.priority))
                       and (not in_backward or _applies(r, present_backward))]
         names = {r.name for r in candidates}
-        misses = [m for m in misses_at.get(node.name, ()) if m.rule in names]
+        least = len(record.nodes) if record is not None else 0
+        misses = [m for m in misses_at.get(node.name, ()) if m.rule in names and len(m.matched) >= least]
         if misses:
             # The longest partial match; among equals, a rule whose ops are all in this graph (its
             # LayerNorm form in a LayerNorm model), then the rules' order.
@@ -218,20 +223,17 @@ def _collective_misses(program) -> list[NearMiss]:
                                               order[m.rule]))
             best = NearMiss(best.rule, best.source, best.variant, list(best.matched), best.total, best.reason,
                             best.expected)
-        elif record is None:
-            best = _synthesised(gm, node, kind, candidates or [r for r in all_rules
-                                                              if any(kind in s.kinds for s in r.pattern.specs)],
-                                kind_of, covered)
+        elif record is None:  # left unfused: always say why
+            best = _synthesised(gm, node, kind, candidates, kind_of, covered) if candidates else None
             if best is None:
-                best = NearMiss("(none)", "", kind, [_describe(node, kind)], 1,
-                                "no rule takes this collective here")
-            if not candidates:
                 phase = "backward" if in_backward else "forward"
-                best.reason += (f" (no rule with a {kind} applies in the {phase} part of this graph: "
-                                f"the ops they need are not there)")
+                reason = (f"no rule with a {kind} applies in the {phase} part of this graph (the other ops they "
+                          f"need are not there)" if not candidates else "no rule takes this collective here")
+                best = NearMiss("(no rule)", "", kind, [_describe(node, kind)], 1, reason)
         else:
-            continue  # fused alone, and no larger rule could take it here
-        hints = _hints(gm, node, kind_of, in_backward, covered)
+            continue  # fused, and no larger rule got as far here
+        reached = by_name.get(best.matched[-1].split(" ")[0], node) if best.matched else node
+        hints = _hints([node, reached], kind_of, in_backward)
         if hints:
             best.reason = "; ".join([best.reason, *hints])
         found.append(best)
