@@ -8,7 +8,9 @@ same ops are reported as shadowed.
 
 Rules that need FP8 (a required ``Quantize``, or a GEMM that must be FP8) are left out of the
 near misses of programs without FP8 (no ``fp8.autocast`` recipe put FP8 into the graph): they
-would restate the plain rule's miss in terms that do not apply.
+would restate the plain rule's miss in terms that do not apply. So are partial matches that
+stopped before an op of a kind the program has nowhere (``BasicLinear -> Bias``, expected GELU, in
+a model without GELU): every biased projection of such a model would be listed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import config
-from ..machinery.matcher import NearMiss, near_misses, node_op
+from ..machinery.matcher import NearMiss, near_misses, node_kind, node_op
 from ..machinery.predicates import is_fp8
 from .rules import get_registry
 
@@ -63,6 +65,7 @@ def explain_program(program, verbose: bool = False) -> Explanation:
             covered_by[name] = record
     misses = []
     fp8 = verbose or uses_fp8(before)
+    present = {node_kind(before, node) for node in before.graph.nodes}
     for rule in registry.all():
         if not fp8 and needs_fp8(rule):
             continue
@@ -87,6 +90,8 @@ def explain_program(program, verbose: bool = False) -> Explanation:
                 # why the larger fusion did not happen.
                 if len(miss.matched) < 2:
                     continue
+                if miss.expected is not None and not set(miss.expected[0]) & present:
+                    continue  # it stopped before an op this program has nowhere: it cannot fire here
                 if records and not ("predicate failed" in miss.reason
                                     and all(_priority(registry, r.rule) < rule.priority for r in records.values())):
                     continue

@@ -249,3 +249,58 @@ def cases(rank, world):
 
 def test_hugging_face_shapes_fuse_and_match_eager():
     run(cases, 2, timeout=900)
+
+
+# transformers itself (optional: CI does not install it) -----------------------------------------------
+
+
+def transformers_case(rank, world, path, layers):
+    import os
+
+    import opfuse
+    from transformers import AutoModelForCausalLM
+
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world), ("LOCAL_RANK", rank)):
+        os.environ.setdefault(name, str(value))
+
+    def load():
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        model.config._attn_implementation = "sdpa"
+        return model
+
+    eager, mine = load(), load()
+    compiled = opfuse.optimize(mine, options={"inductor": False})
+    tokens = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = eager(tokens, use_cache=False).logits
+        got = compiled(tokens, use_cache=False).logits
+    torch.testing.assert_close(got, want, **F32)
+    programs = opfuse.programs(compiled)
+    text = "\n".join(p.explain() for p in programs)
+    # Every o_proj and down_proj all-reduce with its add and norm (layer 0's o_proj next to the
+    # vocabulary-sharded embedding's all-reduce included), and the embedding's with the first norm.
+    assert forward_rules(programs).count("allreduce_add_rmsnorm") == 2 * layers + 1, text
+    assert "_quantize" not in text, text
+
+
+def test_transformers_qwen2_with_tp_plan_auto(tmp_path):
+    """Qwen2 (biased q/k/v, one key/value head per rank) loaded with ``tp_plan="auto"``: the
+    embedding sharded by vocabulary, every projection as transformers shards it."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it for tp_plan
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    layers = 2
+    config = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+    model.save_pretrained(tmp_path)
+    run(transformers_case, 2, str(tmp_path), layers, timeout=900)
