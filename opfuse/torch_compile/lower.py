@@ -132,8 +132,11 @@ class _Lowering:
             raise LoweringError(f"opfuse: rule {rule}: the fused op returns {_describe(got)} for {old.name}, which "
                                 f"holds {_describe(want)}")
         if not same_shape(tuple(got.shape), tuple(want.shape)):  # [tokens, features] back to the model's shape
-            with self.graph.inserting_after(new):
-                view = self.graph.call_function(torch.ops.aten.view.default, (new, self.size_args(want.shape, new)))
+            sizes = self.size_args(want.shape, new)
+            order = {n: i for i, n in enumerate(self.graph.nodes)}
+            with self.graph.inserting_after(max([new, *[a for a in sizes if isinstance(a, fx.Node)]],
+                                                key=order.__getitem__)):
+                view = self.graph.call_function(torch.ops.aten.view.default, (new, sizes))
             with self.fake_mode:
                 view.meta["val"] = got.view(want.shape)
             new = view

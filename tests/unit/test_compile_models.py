@@ -469,3 +469,25 @@ def test_implementations_whose_checks_need_the_token_count_are_skipped_with_the_
     ((name, reason),) = choice.skipped
     assert name == "by_size" and "fixed size" in reason and "varies between calls" in reason
     assert not env.guards  # the question was refused, not answered with a guard
+
+
+def test_lowering_writes_symbolic_sizes_as_graph_values():
+    """A view back to ``[batch, seq, features]`` with both leading dims symbolic: the sizes come
+    from graph values (a ``Sym`` input, else a ``sym_size`` of a tensor holding them), never as
+    ``SymInt`` constants (which generated code cannot name)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from opfuse.torch_compile.lower import _Lowering
+
+    gm = make_fx(lambda x: x.reshape(-1, H) * 2, tracing_mode="symbolic")(torch.randn(2, 3, H))
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    flat = next(n for n in gm.graph.nodes if n.op == "call_function" and "mul" in str(n.target))
+    lowering = _Lowering(None, gm)
+    batch, seq, _ = x.meta["val"].shape
+    sizes = lowering.size_args((batch, seq, H), flat)
+    assert sizes[2] == H
+    for dim, size in enumerate(sizes[:2]):
+        assert isinstance(size, torch.fx.Node) and size.meta["val"].node.expr == x.meta["val"].shape[dim].node.expr
+        assert size.target is torch.ops.aten.sym_size.int or size.op == "placeholder"
+    (tokens, width) = lowering.size_args((batch * seq, H), flat)
+    assert width == H and (tokens == -1 or isinstance(tokens, torch.fx.Node))
