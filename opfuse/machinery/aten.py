@@ -13,7 +13,8 @@ import torch
 from torch import fx
 
 __all__ = ["aten", "c10d", "calls", "value", "shape", "dtype", "scalar", "is_tensor_node", "only_user",
-           "users_calling", "is_cast_to", "last_dim", "before_upcast"]
+           "users_calling", "is_cast_to", "last_dim", "before_upcast", "known_equal", "same_shape",
+           "is_static_size"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -39,8 +40,17 @@ def is_tensor_node(node) -> bool:
 
 
 def shape(node) -> tuple | None:
+    """``node``'s shape: ints, and ``torch.SymInt`` for sizes that vary between calls (dynamic
+    shapes; compare them with :func:`known_equal` / :func:`same_shape`)."""
     val = value(node)
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return tuple(_size(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _size(size):
+    if isinstance(size, torch.SymInt):
+        constant = size.node.maybe_as_int()
+        return size if constant is None else constant
+    return size
 
 
 def dtype(node):
@@ -48,7 +58,7 @@ def dtype(node):
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def last_dim(node) -> int | None:
+def last_dim(node):
     dims = shape(node)
     return dims[-1] if dims else None
 
@@ -84,3 +94,37 @@ def before_upcast(xf: fx.Node) -> fx.Node:
     if is_cast_to(xf, torch.float32) and dtype(xf.args[0]) in (torch.bfloat16, torch.float16):
         return xf.args[0]
     return xf
+
+
+# Sizes ---------------------------------------------------------------------------------------------
+#
+# Graphs compiled for several sequence lengths (dynamic shapes) hold ``torch.SymInt`` token counts.
+# Comparing two of them with ``==`` asks the shape environment, which answers by adding a guard
+# when the answer is not the same for every value the symbols may take: the graph would then be
+# specialised (recompiled for the next length) by a question opfuse asked. These helpers answer
+# without guards: "equal" only when equal for every value.
+
+
+def is_static_size(size) -> bool:
+    """``size`` is a plain integer (not a symbol that varies between calls)."""
+    return isinstance(size, int) and not isinstance(size, bool)
+
+
+def known_equal(a, b) -> bool:
+    """``a == b`` for sizes (ints or SymInts) when it holds for every value the symbols take;
+    never adds a guard."""
+    if is_static_size(a) and is_static_size(b):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # noqa: BLE001 - not sizes: not known to be equal
+        return False
+
+
+def same_shape(a, b) -> bool:
+    """Two shapes (tuples of ints or SymInts) known to be equal, without guards."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(known_equal(x, y) for x, y in zip(a, b))

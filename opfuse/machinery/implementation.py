@@ -23,8 +23,84 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .. import log
 from ..ops.base import ImplementationError, TensorMeta
 
-__all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "choose", "always",
-           "ImplementationTable"]
+__all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "VaryingSize", "VaryingSizeError",
+           "fixed_sizes", "choose", "always", "ImplementationTable"]
+
+
+class VaryingSizeError(ImplementationError):
+    """A check asked for a size that varies between calls of a graph compiled for dynamic shapes
+    (the token count of a model run at several sequence lengths)."""
+
+
+class VaryingSize:
+    """A size that differs from call to call (a ``torch.SymInt`` token count), as the checks see
+    it. Checks are decisions made once per compiled graph: a check whose answer depends on the
+    size (a message-size crossover, a peer buffer's capacity) cannot be answered for every call,
+    so any arithmetic or comparison raises :class:`VaryingSizeError` and the implementation is
+    skipped with that reason; the next one whose check does not depend on the size runs. Equal
+    only to a size of the same expression (two values with the same token count)."""
+
+    __slots__ = ("expr",)
+
+    def __init__(self, size):
+        self.expr = size.node.expr if isinstance(size, torch.SymInt) else size
+
+    def _refuse(self, *_):
+        raise VaryingSizeError(f"the token count ({self.expr}) varies between calls (a graph compiled for dynamic "
+                               f"shapes)")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __floordiv__ = __rfloordiv__ = __truediv__ = __rtruediv__ = __mod__ = __rmod__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __int__ = __index__ = __float__ = __bool__ = _refuse
+
+    def __eq__(self, other):
+        return isinstance(other, VaryingSize) and other.expr == self.expr
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(("VaryingSize", str(self.expr)))
+
+    def __repr__(self):
+        return f"{self.expr}"
+
+
+def _varying(value):
+    """``value`` with every ``torch.SymInt`` in it (tensor metadata, attributes) a :class:`VaryingSize`."""
+    if isinstance(value, torch.SymInt):
+        constant = value.node.maybe_as_int()
+        return VaryingSize(value) if constant is None else constant
+    if isinstance(value, TensorMeta):
+        if not any(isinstance(size, torch.SymInt) for size in value.shape):
+            return value
+        return dataclasses.replace(value, shape=tuple(_varying(size) for size in value.shape))
+    if isinstance(value, tuple):
+        return tuple(_varying(v) for v in value)
+    if isinstance(value, list):
+        return [_varying(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _varying(v) for k, v in value.items()}
+    return value
+
+
+def fixed_sizes(spec: "CallSpec") -> "CallSpec":
+    """``spec`` as the checks see it: sizes that vary between calls become :class:`VaryingSize`."""
+    if not _has_symbols(dict(spec.inputs)) and not _has_symbols(dict(spec.attrs)):
+        return spec
+    return dataclasses.replace(spec, inputs=_varying(dict(spec.inputs)), attrs=_varying(dict(spec.attrs)))
+
+
+def _has_symbols(value) -> bool:
+    if isinstance(value, torch.SymInt):
+        return value.node.maybe_as_int() is None
+    if isinstance(value, TensorMeta):
+        return _has_symbols(value.shape)
+    if isinstance(value, (tuple, list)):
+        return any(_has_symbols(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_has_symbols(v) for v in value.values())
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +175,7 @@ def choose(spec: CallSpec, impls: Sequence[Implementation], forced: str | None =
     # checks may ask a library about real buffers (cuDNN engine support), and prepare() allocates
     # peer memory and talks to the other ranks: both need real tensors.
     with unset_fake_temporarily():
-        return _first_capable(spec, impls, forced)
+        return _first_capable(fixed_sizes(spec), impls, forced)
 
 
 def _first_capable(spec: CallSpec, impls: Sequence[Implementation], forced: str | None) -> Choice:
@@ -107,9 +183,15 @@ def _first_capable(spec: CallSpec, impls: Sequence[Implementation], forced: str 
     for impl in impls:
         if forced is not None and impl.name != forced:
             continue
-        reason = impl.check(spec)
+        try:
+            reason = impl.check(spec)
+            if reason is None:
+                impl.prepare(spec)
+        except VaryingSizeError as error:
+            # Chosen once per graph, run at every length: an implementation whose capability
+            # depends on the size cannot be chosen here (a size-independent one is, below it).
+            reason = f"its check needs a fixed size: {error}"
         if reason is None:
-            impl.prepare(spec)
             log.fallback(spec.op, impl.name, skipped)
             return Choice(impl, tuple(skipped))
         if forced is not None:

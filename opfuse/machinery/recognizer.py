@@ -113,10 +113,17 @@ class Found:
         self.regions: list[Region] = []
         self.taken: set[fx.Node] = set()
         self._kinds: dict[fx.Node, str] = {}
+        self._by_value: dict[fx.Node, Region] = {}
 
     def kind_of(self, node) -> str | None:
         """The kind of the op whose value ``node`` holds, if a recognizer of an earlier phase claimed it."""
         return self._kinds.get(node)
+
+    def region_of(self, node) -> Region | None:
+        """The region whose value ``node`` holds, among every region claimed so far, this phase's
+        included: nodes are visited in graph order, so a value's producer is claimed before its
+        users look (a bias added after an all-reduce is a Bias when the residual add reads it)."""
+        return self._by_value.get(node)
 
     def _next_phase(self) -> None:
         self._kinds = {r.value: r.kind for r in self.regions if r.value is not None}
@@ -130,6 +137,8 @@ class Found:
         for region in regions:
             self.taken.update(region.nodes)
             self.regions.append(region)
+            if region.value is not None:
+                self._by_value[region.value] = region
 
 
 def find_regions(graph: fx.Graph, recognizers: Iterable[Recognizer], exclude=frozenset()) -> list[Region]:

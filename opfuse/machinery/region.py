@@ -23,7 +23,7 @@ import dataclasses
 import torch
 from torch import fx, nn
 
-from .aten import aten, c10d, calls, is_tensor_node, shape
+from .aten import aten, c10d, calls, is_tensor_node, known_equal, shape
 
 __all__ = ["ParamSource", "Region", "recompute_closure", "EXPENSIVE", "VIEWS", "is_input", "standin", "frozen",
            "is_vector_of", "other"]
@@ -88,7 +88,7 @@ def frozen(op: nn.Module) -> nn.Module:
 
 def is_vector_of(node, size) -> bool:
     dims = shape(node)
-    return dims is not None and len(dims) == 1 and dims[0] == size
+    return dims is not None and len(dims) == 1 and known_equal(dims[0], size)
 
 
 def other(node: fx.Node, known) -> fx.Node | None:

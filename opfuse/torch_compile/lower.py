@@ -20,7 +20,7 @@ from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..machinery.fused_op import FusedOp
-from ..machinery.aten import c10d, calls
+from ..machinery.aten import c10d, calls, is_static_size, known_equal, same_shape
 from ..machinery.aten import value as fake_value
 from .op_graph import OpGraph, param_source
 
@@ -128,16 +128,65 @@ class _Lowering:
             return  # an exported input (h = x when nothing is added): its users keep reading it
         got, want = fake_value(new), fake_value(old)
         if not (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.dtype == want.dtype
-                and got.numel() == want.numel()):
+                and known_equal(got.numel(), want.numel())):
             raise LoweringError(f"opfuse: rule {rule}: the fused op returns {_describe(got)} for {old.name}, which "
                                 f"holds {_describe(want)}")
-        if got.shape != want.shape:  # [tokens, features] back to the model's shape
-            with self.graph.inserting_after(new):
-                view = self.graph.call_function(torch.ops.aten.view.default, (new, list(want.shape)))
+        if not same_shape(tuple(got.shape), tuple(want.shape)):  # [tokens, features] back to the model's shape
+            sizes = self.size_args(want.shape, new)
+            order = {n: i for i, n in enumerate(self.graph.nodes)}
+            with self.graph.inserting_after(max([new, *[a for a in sizes if isinstance(a, fx.Node)]],
+                                                key=order.__getitem__)):
+                view = self.graph.call_function(torch.ops.aten.view.default, (new, sizes))
             with self.fake_mode:
                 view.meta["val"] = got.view(want.shape)
             new = view
         old.replace_all_uses_with(new)
+
+    def size_args(self, dims, before: fx.Node) -> list:
+        """``dims`` as arguments of an aten call inserted after ``before``: ints as they are; a
+        size that varies between calls (dynamic shapes) as the graph node that holds it (a
+        ``Sym(s0)`` input, a ``sym_size`` or arithmetic on them), else ``-1`` when it is the only
+        one, else a ``sym_size`` of a graph value of that size. A ``SymInt`` cannot be written
+        into a graph as a constant."""
+        holders = {}
+        for node in self.graph.nodes:
+            val = fake_value(node)
+            if isinstance(val, torch.SymInt):
+                holders.setdefault(val.node.expr, node)
+        varying = [d for d in dims if not is_static_size(d)]
+        args = []
+        for size in dims:
+            if is_static_size(size):
+                args.append(int(size))
+                continue
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            holder = holders.get(expr)
+            if holder is not None and self._before(holder, before):
+                args.append(holder)
+            elif len(varying) == 1:
+                args.append(-1)
+            else:
+                args.append(self._sym_size(expr, before))
+        return args
+
+    def _before(self, a: fx.Node, b: fx.Node) -> bool:
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        return order[a] <= order[b]
+
+    def _sym_size(self, expr, before: fx.Node) -> fx.Node:
+        """A ``sym_size`` node of a value computed before ``before`` whose dim has size ``expr``."""
+        for node in self.graph.nodes:
+            if node is before:
+                break
+            val = fake_value(node)
+            if isinstance(val, torch.Tensor):
+                for dim, size in enumerate(val.shape):
+                    if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                        with self.graph.inserting_after(before):
+                            found = self.graph.call_function(torch.ops.aten.sym_size.int, (node, dim))
+                        found.meta["val"] = size
+                        return found
+        raise LoweringError(f"opfuse: no value in the graph holds the size {expr} (dynamic shapes)")
 
     # Fusions ---------------------------------------------------------------------------------
 

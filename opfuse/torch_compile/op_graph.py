@@ -28,6 +28,7 @@ from ..ops.extra import MakeExtraOutput
 from ..ops.sharding import REPLICATED, Sharding
 from ..core.rules import get_registry
 from ..machinery.rewrite import add_submodule, snake_case
+from ..machinery.aten import is_static_size
 from ..machinery.aten import value as fake_value
 from .recognition import find_regions
 from ..machinery.region import ParamSource, Region, recompute_closure
@@ -77,9 +78,11 @@ class OpGraph:
 
 def tensor_meta(val) -> TensorMeta | tuple | None:
     """``TensorMeta`` of a fake tensor as opfuse's ops see it, ``[tokens, features]`` (leading
-    dims flattened; tuples of them for multi-output nodes)."""
+    dims flattened; tuples of them for multi-output nodes). A graph compiled for several sequence
+    lengths keeps its token count symbolic (a ``torch.SymInt``: never turned into an int, which
+    would specialise the graph to the length it was traced with)."""
     if isinstance(val, torch.Tensor):
-        dims = tuple(int(s) for s in val.shape)
+        dims = tuple(_size(s) for s in val.shape)
         if len(dims) > 2:
             dims = (_numel(dims[:-1]), dims[-1])
         return TensorMeta(dims, val.dtype, val.device)
@@ -95,11 +98,20 @@ def _numel(dims) -> int:
     return count
 
 
-def _is_static(val) -> bool:
+def _size(size):
+    if isinstance(size, torch.SymInt):
+        constant = size.node.maybe_as_int()
+        return size if constant is None else constant
+    return size
+
+
+def _static_features(val) -> bool:
+    """Whether ``val``'s feature (last) dim is a fixed size: the ops' parameters and the fused
+    kernels' row layouts depend on it; the leading (token) dims may vary between calls."""
     if isinstance(val, torch.Tensor):
-        return all(isinstance(s, int) for s in val.shape)
+        return val.dim() == 0 or is_static_size(_size(val.shape[-1]))
     if isinstance(val, (tuple, list)):
-        return all(_is_static(v) for v in val)
+        return all(_static_features(v) for v in val)
     return True
 
 
@@ -174,11 +186,12 @@ def build_op_graph(aten_gm: fx.GraphModule, exclude=frozenset()) -> OpGraph:
     regions = find_regions(aten_gm.graph, exclude)
     static = []
     for region in regions:
-        if all(_is_static(fake_value(n)) for n in (*region.inputs, region.value) if n is not None):
+        if all(_static_features(fake_value(n)) for n in (*region.inputs, region.value) if n is not None):
             static.append(region)
     if len(static) < len(regions):
-        notes.append(f"{len(regions) - len(static)} op(s) with symbolic shapes left unfused (opfuse chooses "
-                     f"implementations for static shapes; compile with dynamic=False)")
+        notes.append(f"{len(regions) - len(static)} op(s) with a symbolic feature (last) dim left unfused: "
+                     f"opfuse's ops take varying token counts, not varying feature sizes (mark only the "
+                     f"sequence dim dynamic, e.g. torch._dynamo.mark_dynamic(x, 1))")
     metas = _inferred_metas(static)
     regions = [r for r in static if id(r) in metas]
     at_position: dict[fx.Node, list[Region]] = {}

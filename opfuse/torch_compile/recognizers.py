@@ -23,7 +23,7 @@ import operator
 
 from torch import fx
 
-from ..machinery.aten import aten, c10d, calls, dtype, is_tensor_node, shape
+from ..machinery.aten import aten, c10d, calls, dtype, is_static_size, is_tensor_node, known_equal, same_shape, shape
 from ..machinery.recognizer import Found, Phase, Recognizer
 from ..machinery.region import VIEWS, ParamSource, Region, frozen, is_input, is_vector_of, standin
 from ..ops import group as groups
@@ -53,7 +53,7 @@ def _split_along_tokens(x: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
     dims = shape(y)
     if dims is None or any(p.args[0] is not split for p in parts) or [p.args[1] for p in parts] != list(range(len(parts))):
         return x, set()
-    if len(parts) != len(split.users) or any(size != 1 for size in dims[:dim % len(dims)]):
+    if len(parts) != len(split.users) or any(not known_equal(size, 1) for size in dims[:dim % len(dims)]):
         return x, set()
     return y, {x, split, *parts}
 
@@ -102,7 +102,7 @@ def _through_views(node) -> tuple[fx.Node, list[fx.Node]]:
     collectives on reshaped tensors leave such round trips): ``(source, views)``, or
     ``(node, [])`` when the views change the shape."""
     source, chain = _view_chain(node)
-    if chain and shape(source) == shape(node) and is_tensor_node(source):
+    if chain and same_shape(shape(source), shape(node)) and is_tensor_node(source):
         return source, chain
     return node, []
 
@@ -127,6 +127,8 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
     if a_shape is None or b_shape is None or len(a_shape) != 2 or len(b_shape) != 2:
         return []
     k, n = b_shape
+    if not (is_static_size(k) and is_static_size(n)):
+        return []  # a weight's sizes are fixed; only token counts vary between calls
     nodes = {mm}
     # The weight of ``mm(x, permute(W))`` is ``W``. Only weights that are graph inputs count
     # (parameters, or their local shards under DTensor): the GEMMs of backward graphs multiply
@@ -140,17 +142,24 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
     x, out = a, mm
     source, views_in = _view_chain(a)
     dims = shape(source)
-    if views_in and dims is not None and dims[-1] == k and _numel(dims[:-1]) == a_shape[0]:
+    if views_in and dims is not None and known_equal(dims[-1], k) and known_equal(_numel(dims[:-1]), a_shape[0]):
         x = source
         nodes.update(views_in)
+    # The result is the view that gives x's leading dims back; views after it are the model's own
+    # (a projection whose width equals head_dim, Qwen2's k_proj / v_proj at one head per rank, is
+    # viewed as [B, S, 1, head_dim] next: that view is not the linear's output). Without such a
+    # view, the last one of width n (the leading dims regrouped).
+    lead = shape(x)[:-1]
     cur, views_out = mm, []
     while len(cur.users) == 1 and calls(next(iter(cur.users)), *VIEWS):
         cur = next(iter(cur.users))
         views_out.append(cur)
-        if shape(cur)[-1] == n:
+        if known_equal(shape(cur)[-1], n):
             out = cur
-    if out is not mm:
-        nodes.update(views_out[:views_out.index(out) + 1])
+            if same_shape(shape(cur)[:-1], lead):
+                break
+    out_views = views_out[:views_out.index(out) + 1] if out is not mm else []
+    nodes.update(out_views)
     if dtype(x) != dtype(weight.node):
         return []
     weight_standin = standin((n, k), dtype(weight.node))
@@ -159,12 +168,13 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
         return [gemm]
     if not is_vector_of(bias, n) or dtype(bias) != dtype(mm) or not is_input(bias):
         return []
-    # addmm: the GEMM has no value of its own; the bias region's nodes compute from x and W.
+    # addmm: the GEMM has no value of its own; the bias region's nodes (the addmm and the views
+    # that restore x's leading dims) compute from x and W.
     gemm.value, gemm.anchor = None, mm
-    gemm.nodes = frozenset(nodes - {mm, out})
+    gemm.nodes = frozenset(nodes - {mm, *out_views})
     bias_standin = standin((n,), dtype(bias))
-    biased = Region(frozen(Bias(n, bias=bias_standin)), (), out, frozenset({mm, out}), {bias_standin: ParamSource(bias)},
-                    virtual_input=True)
+    biased = Region(frozen(Bias(n, bias=bias_standin)), (), out, frozenset({mm, *out_views}),
+                    {bias_standin: ParamSource(bias)}, virtual_input=True)
     return [gemm, biased]
 
 
@@ -172,28 +182,63 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
 
 #: Producers that make an operand the main input of a residual add (the chain the rules follow).
 _CHAIN_KINDS = {"AllReduce": 3, "ReduceScatter": 3, "Bias": 2, "BasicLinear": 2}
+#: Producers whose value is best reduced by a fused op (a row-parallel projection's partial sums).
+_GEMM_KINDS = ("BasicLinear", "Bias")
+
+
+def _feeds_only(source: fx.Node, views: list[fx.Node], node: fx.Node) -> bool:
+    """``source`` reaches ``node`` through ``views`` and is used nowhere else (a value a fused op
+    can keep inside: the rules refuse interior values that other nodes read)."""
+    chain = [source, *reversed(views)]
+    for value, user in zip(chain, [*chain[1:], node]):
+        if set(value.users) != {user}:
+            return False
+    return True
+
+
+def _main_input_rank(source: fx.Node, views: list[fx.Node], node: fx.Node, region_of) -> tuple:
+    """How well operand ``source`` of the add ``node`` serves as its main input, the one the
+    rules' chains (``AllReduce -> [Bias] -> AddExtraInput -> norm``) run through: first whether
+    such a chain can fuse at all (a producer of a chain kind that nothing else reads), then the
+    producer's kind, then for a collective whether it reduces a GEMM's partial sums. Two
+    all-reduced operands (a vocabulary-sharded embedding's output and a row-parallel projection's,
+    the first residual add of a Hugging Face model sharded with ``tp_plan="auto"``): the
+    projection's, whose all-reduce the embedding's residual does not keep alive."""
+    region = region_of(source)
+    kind = region.kind if region is not None else None
+    rank = _CHAIN_KINDS.get(kind, 0)
+    reduces_gemm = False
+    if kind in ("AllReduce", "ReduceScatter") and region.inputs:
+        producer = region_of(_view_chain(region.inputs[0])[0]) or region_of(region.inputs[0])
+        reduces_gemm = producer is not None and producer.kind in _GEMM_KINDS
+    return (rank > 0 and _feeds_only(source, views, node), rank, reduces_gemm)
 
 
 def add(node: fx.Node, found: Found) -> Region | None:
+    """A residual add (``AddExtraInput``) or a bias add (``Bias``) at ``node``; ``found.region_of``
+    maps a value to the region computing it (those found so far)."""
     if not calls(node, aten.add.Tensor) or len(node.args) != 2 or node.kwargs:
         return None
     a, b = node.args
-    if not (is_tensor_node(a) and is_tensor_node(b)) or shape(node) is None:
+    if not (is_tensor_node(a) and is_tensor_node(b)) or shape(node) is None or len(shape(node)) < 1:
         return None
+    if not is_static_size(shape(node)[-1]):
+        return None  # feature sizes are fixed (only token counts may vary between calls)
     (a, views_a), (b, views_b) = _through_views(a), _through_views(b)
     for y, vec in ((a, b), (b, a)):
-        if (shape(y) == shape(node) and is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
+        if (same_shape(shape(y), shape(node)) and is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
                 and is_input(vec)):
             if dtype(node) != dtype(y) and dtype(vec) == dtype(y):
                 return None
             bias_standin = standin((shape(node)[-1],), dtype(vec))
             return Region(frozen(Bias(shape(node)[-1], bias=bias_standin)), (y,), node,
                           frozenset({node, *views_a, *views_b}), {bias_standin: ParamSource(vec)})
-    if shape(a) != shape(node) or shape(b) != shape(node) or not (dtype(a) == dtype(b) == dtype(node)):
+    if not (same_shape(shape(a), shape(node)) and same_shape(shape(b), shape(node))) or not (
+            dtype(a) == dtype(b) == dtype(node)):
         return None
-    # The main input is the one the rules' chains come from (an all-reduce, a bias, a GEMM); the
+    # The add is commutative: the main input is the operand whose chain the rules can fuse, the
     # other one is the residual. Ties keep the written order.
-    if _CHAIN_KINDS.get(found.kind_of(b), 0) > _CHAIN_KINDS.get(found.kind_of(a), 0):
+    if _main_input_rank(b, views_b, node, found.region_of) > _main_input_rank(a, views_a, node, found.region_of):
         a, b = b, a
     return Region(frozen(AddExtraInput()), (a, b), node, frozenset({node, *views_a, *views_b}))
 

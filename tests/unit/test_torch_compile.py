@@ -259,16 +259,6 @@ def test_programs_of_the_backend_name_and_of_other_compiles(world1):
         opfuse.optimize(model, backend="inductor")
 
 
-def test_dynamic_shapes_are_left_to_inductor_with_a_note(world1):
-    model = ReduceAddNorm(HFNorm(torch.float32), world1)
-    compiled = opfuse.optimize(model, options=EAGER, dynamic=True)
-    with torch.no_grad():
-        compiled(torch.randn(5, H), torch.randn(5, H))
-    (program,) = opfuse.programs(compiled)
-    assert not program.fusions
-    assert "symbolic shapes" in program.explain()
-
-
 def test_inductor_compiles_the_fused_graph(world1):
     torch.manual_seed(4)
     model = ReduceAddNorm(HFNorm(torch.bfloat16), world1)

@@ -8,7 +8,7 @@ fused op (``name``)        computes                                        modul
 ``allreduce_add_layernorm``  same with LayerNorm                           :class:`AllReduceAddLayerNorm`
 ``add_rmsnorm``            ``h = x [+ b] + r``, ``y = rms(h)``             :class:`AddRMSNorm`
 ``add_layernorm``          same with LayerNorm                             :class:`AddLayerNorm`
-``allreduce``              ``y = sum_ranks(x) [+ b]``                      :class:`FusedAllReduce`
+``allreduce``              ``y = sum_ranks(x) [+ b] [+ r]``                :class:`FusedAllReduce`
 ``add_rmsnorm_quantize``   ``add_rmsnorm``, ``y`` emitted in FP8          :class:`AddRMSNormQuantize`
 ``add_layernorm_quantize``  same with LayerNorm                            :class:`AddLayerNormQuantize`
 ``allreduce_add_rmsnorm_quantize``  ``allreduce_add_rmsnorm``, ``y`` in FP8  :class:`AllReduceAddRMSNormQuantize`
@@ -309,11 +309,12 @@ class AllReduceAddRMSNormQuantize(_NormQuantize):
 
 
 class FusedAllReduce(_ResidualNorm):
-    """``y = allreduce(x) [+ bias]`` through the peer-memory kernels when capable."""
+    """``y = allreduce(x) [+ bias] [+ residual]`` through the peer-memory kernels when capable (the
+    kernels' epilogue without a norm: a block's last residual add fuses with its all-reduce)."""
 
     name = "allreduce"
     norm = "none"
     custom_op = _define(name, False)
 
-    def __init__(self, *, group=None, bias=None):
-        super().__init__(group=group, bias=bias, has_residual=False)
+    def __init__(self, *, group=None, bias=None, has_residual: bool = False):
+        super().__init__(group=group, bias=bias, has_residual=has_residual)

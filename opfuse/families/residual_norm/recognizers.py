@@ -15,9 +15,10 @@ op                 aten form
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
-from ...machinery.aten import aten, before_upcast, calls, dtype, is_cast_to, scalar, shape
+from ...machinery.aten import aten, before_upcast, calls, dtype, is_cast_to, is_static_size, same_shape, scalar, shape
 from ...machinery.recognizer import Found, Phase, Recognizer
 from ...machinery.region import ParamSource, Region, frozen, is_input, is_vector_of, other
 from ...ops.norm import LayerNorm, RMSNorm
@@ -32,6 +33,22 @@ def _is_last_dim(dims, ndim: int, keepdim) -> bool:
     return keepdim is True and list(dims) in ([-1], [ndim - 1])
 
 
+def _param_operand(user: fx.Node, cur: fx.Node, hidden: int) -> tuple[fx.Node | None, fx.Node | None]:
+    """The parameter ``user`` multiplies ``cur`` by: a graph input of shape ``[hidden]``, or a
+    half-precision one cast to float32 (``normed * weight.float()``, the weight applied before the
+    cast back). Returns ``(parameter, cast or None)``. The cast belongs to the region only when the
+    multiply is its one user (a joint graph's backward may read it too: then it stays)."""
+    operand = other(user, cur)
+    if operand is None or not is_vector_of(operand, hidden):
+        return None, None
+    if is_input(operand):
+        return operand, None
+    if (is_cast_to(operand, torch.float32) and is_input(operand.args[0])
+            and dtype(operand.args[0]) in (torch.bfloat16, torch.float16)):
+        return operand.args[0], (operand if len(operand.users) == 1 else None)
+    return None, None
+
+
 def _affine_tail(start: fx.Node, x: fx.Node, hidden: int, with_bias: bool):
     """Follow ``start`` through ``* weight``, ``+ bias`` (LayerNorm) and the cast back to ``x``'s
     dtype, in any order Inductor's decompositions or hand-written norms produce. Returns
@@ -43,13 +60,18 @@ def _affine_tail(start: fx.Node, x: fx.Node, hidden: int, with_bias: bool):
             if is_cast_to(user) and user.args[0] is cur and dtype(user) == dtype(x) and dtype(cur) != dtype(x):
                 step = ("cast", user, None)
             elif calls(user, aten.mul.Tensor) and weight is None and bias is None:
-                operand = other(user, cur)
-                if operand is not None and is_vector_of(operand, hidden) and is_input(operand):
+                operand, cast = _param_operand(user, cur, hidden)
+                if operand is not None:
                     step = ("weight", user, operand)
-            elif calls(user, aten.add.Tensor) and with_bias and bias is None and len(user.args) == 2:
-                operand = other(user, cur)
-                if operand is not None and is_vector_of(operand, hidden) and is_input(operand) and not user.kwargs:
+                    if cast is not None:
+                        nodes.append(cast)
+            elif (calls(user, aten.add.Tensor) and with_bias and bias is None and len(user.args) == 2
+                  and not user.kwargs):
+                operand, cast = _param_operand(user, cur, hidden)
+                if operand is not None:
                     step = ("bias", user, operand)
+                    if cast is not None:
+                        nodes.append(cast)
             if step is not None:
                 break
         if step is None:
@@ -64,8 +86,8 @@ def _affine_tail(start: fx.Node, x: fx.Node, hidden: int, with_bias: bool):
 
 def _norm_region(cls, x, xf, normed, out, nodes, weight, bias, eps) -> Region | None:
     hidden = shape(x)[-1]
-    if shape(out) != shape(x):
-        return None
+    if not is_static_size(hidden) or not same_shape(shape(out), shape(x)):
+        return None  # feature sizes are fixed (only token counts may vary between calls)
     param_dtype = dtype(weight) if weight is not None else dtype(x)
     if bias is not None and weight is not None and dtype(bias) != dtype(weight):
         return None

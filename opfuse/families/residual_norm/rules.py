@@ -10,7 +10,7 @@ add_rmsnorm_quantize            [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -
 add_layernorm_quantize          same, LayerNorm                                                       35
 add_rmsnorm                     [Bias] -> [AddExtraInput] -> [MakeExtraOutput] -> RMSNorm             20
 add_layernorm                   same, LayerNorm                                                       20
-allreduce                       AllReduce -> [Bias]                                                   10
+allreduce                       AllReduce -> [Bias] -> [AddExtraInput]                                10
 ==============================  ==================================================================  ====
 
 Each rule's replacement is the fused op of the same name. The norms that emit FP8 outrank the FP8
@@ -41,6 +41,8 @@ def _residual_norm_parts(match: Match):
     if norm is not None:
         kwargs.update(weight=norm.op.weight, norm_bias=getattr(norm.op, "bias", None), eps=norm.op.eps,
                       has_residual=add is not None, export_residual=extra is not None)
+    elif add is not None:
+        kwargs["has_residual"] = True
     first = match.ordered()[0].name
     args = [match.input(first)] + ([match.input("add", 1)] if add is not None else [])
     outputs = {"norm": 0} if norm is not None else {match.ordered()[-1].name: 0}
@@ -106,9 +108,12 @@ RULES = (
          description="(bias +) (residual add +) RMSNorm in one pass"),
     Rule("add_layernorm", _norm_chain("LayerNorm", reduce=False), _residual_norm_builder(AddLayerNorm),
          priority=20, description="(bias +) (residual add +) LayerNorm in one pass"),
+    # The residual add with no norm after it: the last add of a block that a graph ends with (FSDP2
+    # makes dynamo compile one graph per block), or an add whose norm no norm rule could take.
     Rule("allreduce",
          Pattern.chain(OpSpec("allreduce", "AllReduce"),
-                       OpSpec("bias", "Bias", optional=True, where=[bias_matches_input])),
+                       OpSpec("bias", "Bias", optional=True, where=[bias_matches_input]),
+                       OpSpec("add", "AddExtraInput", optional=True)),
          _residual_norm_builder(FusedAllReduce), priority=10,
-         description="all-reduce (+ bias) through the peer-memory kernels"),
+         description="all-reduce (+ bias) (+ residual add) through the peer-memory kernels"),
 )
