@@ -20,19 +20,41 @@ import torch
 __all__ = ["OpfuseBackend", "opfuse_backend", "optimize", "programs", "register"]
 
 #: Keys of ``options=`` that opfuse reads; the rest go to Inductor's config.
-OPFUSE_OPTIONS = ("inductor",)
+OPFUSE_OPTIONS = ("inductor", "fp8", "fp8_filter")
 
 
 class OpfuseBackend:
     """A torch.compile backend that applies opfuse's rules to each graph, then compiles it with
     Inductor. ``programs`` holds a :class:`~opfuse.torch_compile.program.GraphProgram` per graph
-    compiled (training graphs: forward and backward together; inference graphs)."""
+    compiled (training graphs: forward and backward together; inference graphs).
 
-    def __init__(self):
+    ``fp8`` / ``fp8_filter``: the FP8 recipe and layer filter (:mod:`.fp8`); ``model``: the module
+    being compiled, whose parameters name the graphs' inputs (found from Dynamo's frame when
+    ``None``)."""
+
+    def __init__(self, fp8=None, fp8_filter=None, model=None):
+        from .fp8 import check_filter, check_recipe
+
         self.programs: list = []
+        self.fp8 = check_recipe(fp8, "opfuse.optimize: fp8")
+        self.fp8_filter = check_filter(fp8_filter, self.fp8, "opfuse.optimize: fp8_filter")
+        self.model = model
 
     def _record(self, program) -> None:
         self.programs.append(program)
+
+    def _settings(self, gm, example_inputs, options: dict):
+        from .fp8 import CompileSettings, check_filter, check_recipe
+        from .inputs import describe_inputs
+
+        recipe, fp8_filter = self.fp8, self.fp8_filter
+        if "fp8" in options or "fp8_filter" in options:
+            if recipe is not None:
+                raise ValueError("opfuse backend: fp8 given both to opfuse.optimize and in options=; give it once")
+            recipe = check_recipe(options.pop("fp8", None))
+            fp8_filter = check_filter(options.pop("fp8_filter", None), recipe)
+        inputs = describe_inputs(gm, example_inputs, [self.model] if self.model is not None else ())
+        return CompileSettings(fp8=recipe, fp8_filter=fp8_filter, inputs=inputs)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
         from .graph_pass import FusionPass, PassChain
@@ -41,7 +63,7 @@ class OpfuseBackend:
         inductor = options.pop("inductor", True)
         if not isinstance(inductor, bool):
             raise TypeError(f"opfuse backend: options['inductor']={inductor!r}; expected True or False")
-        fusion = FusionPass(self._record)
+        fusion = FusionPass(self._record, self._settings(gm, example_inputs, options))
         if not inductor:
             if mode not in (None, "default"):
                 raise ValueError(f"opfuse backend: mode={mode!r} needs Inductor; drop options['inductor']=False")
@@ -97,12 +119,22 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     return DEFAULT_BACKEND(gm, example_inputs, **kwargs)
 
 
-def optimize(model, **compile_kwargs):
+def optimize(model, *, fp8=None, fp8_filter=None, **compile_kwargs):
     """``torch.compile(model, backend=<a new opfuse backend>, **compile_kwargs)``, with static
     shapes unless ``dynamic=`` says otherwise (opfuse chooses implementations per shape).
 
     Returns the compiled model; after a call, :func:`programs` lists what opfuse did to each of
     its graphs.
+
+    Parameters
+    ----------
+    fp8:
+        An :mod:`opfuse.fp8` recipe (``opfuse.fp8.TensorScaling()``, ``RowwiseScaling()``): every
+        recognised projection GEMM runs in FP8, forward and backward, with the quantization fused
+        into the op that produces its input where a rule does so (see the README's FP8 section).
+    fp8_filter:
+        ``fn(fqn, module) -> bool``: ``False`` keeps that linear (e.g. the output head,
+        ``lambda fqn, m: fqn != "output"``) in high precision.
 
     Examples
     --------
@@ -110,11 +142,13 @@ def optimize(model, **compile_kwargs):
     >>> loss = fast(tokens).sum(); loss.backward()                  # doctest: +SKIP
     >>> for program in opfuse.programs(fast):                       # doctest: +SKIP
     ...     print(program.explain())
+    >>> fp8 = opfuse.optimize(model, fp8=opfuse.fp8.TensorScaling(),
+    ...                       fp8_filter=lambda fqn, module: fqn != "output")  # doctest: +SKIP
     """
     if "backend" in compile_kwargs:
         raise TypeError("opfuse.optimize: backend= is opfuse's; call torch.compile for another backend")
     compile_kwargs.setdefault("dynamic", False)
-    backend = OpfuseBackend()
+    backend = OpfuseBackend(fp8=fp8, fp8_filter=fp8_filter, model=model if isinstance(model, torch.nn.Module) else None)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
     _OPTIMIZED[compiled] = backend
     return compiled

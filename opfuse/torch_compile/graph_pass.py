@@ -20,6 +20,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..sequential.cache import PassRecorder, new_dump_dir
 from ..core.pipeline import PassContext, run_pipeline
+from .fp8 import CompileSettings, plan_fp8
+from .fp8_lower import Fp8Lowering
 from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
 from .program import GraphProgram
@@ -46,18 +48,26 @@ def _write_aten(dump_dir: str | None, stem: str, gm: fx.GraphModule) -> None:
             handle.write(gm.print_readable(print_output=False, include_stride=False, include_device=True))
 
 
-def fuse_graph(gm: fx.GraphModule) -> GraphProgram:
-    """Fuse what the rules match in aten graph ``gm`` (edited in place); returns its program."""
+def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> GraphProgram:
+    """Fuse what the rules match in aten graph ``gm`` (edited in place); returns its program.
+    ``settings``: the FP8 recipe and filter, and the model parameter of each input."""
+    settings = settings or CompileSettings()
     index = next(_graph_ids)
     training = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
     dump_dir = new_dump_dir("graph")
     _write_aten(dump_dir, "aten_before", gm)
     op_graph = build_op_graph(gm)
     phases = _phases(op_graph.gm)
-    ctx = PassContext()
+    ctx = PassContext(recipe=settings.fp8)
+    lowering = None
+    if settings.fp8 is not None:
+        plan = plan_fp8(op_graph, gm, settings)
+        ctx.fp8_exempt = plan.exempt
+        ctx.notes.extend(("fp8", note) for note in plan.notes)
+        lowering = Fp8Lowering(op_graph, gm, plan.grads)
     recorder = PassRecorder(ctx, dump_dir, module_class=OpGraphModule)
     run_pipeline(op_graph.gm, ctx, recorder)
-    lower_fusions(op_graph, gm)
+    lower_fusions(op_graph, gm, lowering)
     _write_aten(dump_dir, "aten_after", gm)
     fused_phases = {}
     for record in ctx.fusions:
@@ -78,11 +88,12 @@ class FusionPass(CustomGraphPass):
     the chosen implementations (peer-memory reservations) that its custom-op calls rely on.
     """
 
-    def __init__(self, on_program: Callable[[GraphProgram], None]):
+    def __init__(self, on_program: Callable[[GraphProgram], None], settings: CompileSettings | None = None):
         self.on_program = on_program
+        self.settings = settings
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.on_program(fuse_graph(graph.owning_module))
+        self.on_program(fuse_graph(graph.owning_module, self.settings))
 
     def uuid(self):
         return None
