@@ -105,10 +105,10 @@ def _keep(settings: CompileSettings, name: str, module) -> bool:
 
 
 def _detach_weight_gradient(gm: fx.GraphModule, linear: fx.Node, grads: LinearGrads) -> None:
-    """In the op graph, let the weight-gradient GEMM read the linear instead of its
-    high-precision input: after lowering it reads the FP8 input the forward kept, so the input
-    (a norm's output) has no other reader and the norm may emit FP8 (the op graph decides what
-    may fuse from who reads what; it is not run)."""
+    """In the op graph, let the weight-gradient GEMM read a stand-in for the FP8 input the forward
+    keeps (a placeholder named ``<linear>_fp8_input``) instead of the high-precision input: after
+    lowering it reads that payload, so the input (a norm's output) has no other reader and its
+    producer may emit FP8 (the op graph decides what may fuse from who reads what; it is not run)."""
     if grads.wgrad is None:
         return
     copies = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
@@ -116,12 +116,15 @@ def _detach_weight_gradient(gm: fx.GraphModule, linear: fx.Node, grads: LinearGr
     if wgrad is None:
         return
     x_side = wgrad.args[1] if not grads.wgrad_transposed else wgrad.args[0]
-    wgrad.replace_input_with(x_side, linear)
+    with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+        saved = gm.graph.placeholder(f"{linear.name}_fp8_input")
+    saved.meta.update({k: v for k, v in x_side.meta.items() if k.startswith("opfuse_")})
+    wgrad.replace_input_with(x_side, saved)
     # Opaque views of the input that only the weight gradient read go too.
     stack = [x_side]
     while stack:
         node = stack.pop()
-        if node.op == "call_function" and not node.users and node is not linear:
+        if node.op == "call_function" and not node.users:
             inputs = node.all_input_nodes
             gm.graph.erase_node(node)
             stack.extend(inputs)

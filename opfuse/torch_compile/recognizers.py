@@ -95,6 +95,32 @@ def _view_chain(node) -> tuple[fx.Node, list[fx.Node]]:
     return node, chain
 
 
+def _private_view_chain(mm: fx.Node, a: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """:func:`_view_chain` of GEMM ``mm``'s input ``a``, stopping at a view other GEMMs' inputs
+    share (q, k and v flatten one all-gathered value through a shared view): each linear's region
+    keeps only its own views, so that every one of them is recognised."""
+    chain, node = [], a
+    while calls(node, *VIEWS):
+        if node is not a and len(node.users) > 1:
+            break
+        if node is a and any(u is not mm and _gemm_input(u) is a for u in a.users):
+            break
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _gemm_input(node) -> fx.Node | None:
+    """The activation operand of an ``mm`` / ``addmm`` whose other operand is a transposed weight."""
+    if calls(node, aten.mm.default):
+        x, b = node.args[:2]
+    elif calls(node, aten.addmm.default):
+        x, b = node.args[1:3]
+    else:
+        return None
+    return x if calls(b, aten.permute.default) and is_input(b.args[0]) else None
+
+
 def _through_views(node) -> tuple[fx.Node, list[fx.Node]]:
     """``node`` seen through views that give its source's shape back (functionalised in-place
     collectives on reshaped tensors leave such round trips): ``(source, views)``, or
@@ -136,7 +162,7 @@ def linear(mm: fx.Node) -> list[Region]:
     # x's leading dims flattened for the GEMM and restored on its result, through any views (the
     # grouping of the leading dims may differ: a dim-1 all-gather with batch 1 is viewed that way).
     x, out = a, mm
-    source, views_in = _view_chain(a)
+    source, views_in = _private_view_chain(mm, a)
     dims = shape(source)
     if views_in and dims is not None and dims[-1] == k and _numel(dims[:-1]) == a_shape[0]:
         x = source
