@@ -8,5 +8,8 @@ does all of it), :mod:`.program` (what it did, per graph), :mod:`.backend` (the 
 """
 
 from .backend import OpfuseBackend, opfuse_backend, optimize, programs, register
+from .layout_guard import LayoutChanged
+from .prepare import Prepared, prepare_model
 
-__all__ = ["OpfuseBackend", "opfuse_backend", "optimize", "programs", "register"]
+__all__ = ["OpfuseBackend", "opfuse_backend", "optimize", "programs", "register", "prepare_model", "Prepared",
+           "LayoutChanged"]

@@ -32,15 +32,18 @@ class OpfuseBackend:
     being compiled, whose parameters name the graphs' inputs (found from Dynamo's frame when
     ``None``)."""
 
-    def __init__(self, fp8=None, fp8_filter=None, model=None):
+    def __init__(self, fp8=None, fp8_filter=None, model=None, prepared=None):
         from .fp8 import check_filter, check_recipe
 
         self.programs: list = []
         self.fp8 = check_recipe(fp8, "opfuse.optimize: fp8")
         self.fp8_filter = check_filter(fp8_filter, self.fp8, "opfuse.optimize: fp8_filter")
         self.model = model
+        self.prepared = prepared
 
     def _record(self, program) -> None:
+        if self.prepared is not None:
+            program.notes.extend(("optimize", note) for note in self.prepared.notes)
         self.programs.append(program)
 
     def _settings(self, gm, example_inputs, options: dict):
@@ -54,7 +57,8 @@ class OpfuseBackend:
             recipe = check_recipe(options.pop("fp8", None))
             fp8_filter = check_filter(options.pop("fp8_filter", None), recipe)
         inputs = describe_inputs(gm, example_inputs, [self.model] if self.model is not None else ())
-        return CompileSettings(fp8=recipe, fp8_filter=fp8_filter, inputs=inputs)
+        routers = self.prepared.routers if self.prepared is not None else set()
+        return CompileSettings(fp8=recipe, fp8_filter=fp8_filter, inputs=inputs, routers=routers)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
         from .graph_pass import FusionPass, PassChain
@@ -63,14 +67,15 @@ class OpfuseBackend:
         inductor = options.pop("inductor", True)
         if not isinstance(inductor, bool):
             raise TypeError(f"opfuse backend: options['inductor']={inductor!r}; expected True or False")
-        fusion = FusionPass(self._record, self._settings(gm, example_inputs, options))
+        settings = self._settings(gm, example_inputs, options)
+        fusion = FusionPass(self._record, settings)
         if not inductor:
             if mode not in (None, "default"):
                 raise ValueError(f"opfuse backend: mode={mode!r} needs Inductor; drop options['inductor']=False")
             if options:
                 raise ValueError(f"opfuse backend: Inductor options {sorted(options)} given with "
                                  f"options['inductor']=False")
-            return _aot_eager(gm, example_inputs, fusion)
+            return _guarded(_aot_eager(gm, example_inputs, fusion), settings)
         from torch._inductor import config as inductor_config
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
@@ -79,7 +84,15 @@ class OpfuseBackend:
         patches.update(options)
         existing = patches.get("joint_custom_post_pass", inductor_config.joint_custom_post_pass)
         patches["joint_custom_post_pass"] = fusion if existing is None else PassChain(existing, fusion)
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return _guarded(compile_fx(gm, example_inputs, config_patches=patches), settings)
+
+
+def _guarded(compiled, settings):
+    """``compiled``, checking before each call that the inputs its graphs join still lie where
+    they did (:mod:`.layout_guard`)."""
+    from .layout_guard import guard_layouts
+
+    return guard_layouts(compiled, settings.joined, [i.name for i in settings.inputs])
 
 
 def _aot_eager(gm, example_inputs, fusion):
@@ -119,7 +132,8 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     return DEFAULT_BACKEND(gm, example_inputs, **kwargs)
 
 
-def optimize(model, *, fp8=None, fp8_filter=None, **compile_kwargs):
+def optimize(model, *, fp8=None, fp8_filter=None, merge_projections: bool = True, moe: bool = True,
+             **compile_kwargs):
     """``torch.compile(model, backend=<a new opfuse backend>, **compile_kwargs)``, with static
     shapes unless ``dynamic=`` says otherwise (opfuse chooses implementations per shape).
 
@@ -134,7 +148,19 @@ def optimize(model, *, fp8=None, fp8_filter=None, **compile_kwargs):
         into the op that produces its input where a rule does so (see the README's FP8 section).
     fp8_filter:
         ``fn(fqn, module) -> bool``: ``False`` keeps that linear (e.g. the output head,
-        ``lambda fqn, m: fqn != "output"``) in high precision.
+        ``lambda fqn, m: fqn != "output"``) in high precision. The routers of rewritten MoE
+        blocks stay in high precision whatever it says.
+    merge_projections:
+        Store sibling projections (q/k/v, gate/up) back to back so that one GEMM reads them
+        without a copy (:mod:`opfuse.torch_compile.merge_projections`: the parameters stay the
+        same objects, ``state_dict`` is unchanged).
+    moe:
+        Rewrite Hugging Face style mixture-of-experts blocks (a loop over experts) into grouped
+        GEMMs with the group sizes on the device (:mod:`opfuse.torch_compile.moe`).
+
+    ``model``'s rewrites (``merge_projections``, ``moe``) are made here, in place, and listed by
+    every program's ``explain()``; :func:`opfuse.torch_compile.prepare_model` makes them for
+    ``torch.compile(model, backend="opfuse")``.
 
     Examples
     --------
@@ -148,8 +174,17 @@ def optimize(model, *, fp8=None, fp8_filter=None, **compile_kwargs):
     if "backend" in compile_kwargs:
         raise TypeError("opfuse.optimize: backend= is opfuse's; call torch.compile for another backend")
     compile_kwargs.setdefault("dynamic", False)
-    backend = OpfuseBackend(fp8=fp8, fp8_filter=fp8_filter, model=model if isinstance(model, torch.nn.Module) else None)
+    module = model if isinstance(model, torch.nn.Module) else None
+    prepared = None
+    if module is not None:
+        from .prepare import prepare_model
+
+        prepared = prepare_model(module, merge_projections=merge_projections, moe=moe)
+    backend = OpfuseBackend(fp8=fp8, fp8_filter=fp8_filter, model=module, prepared=prepared)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
+    if prepared is not None and len(prepared.packed):
+        # Parameters moved after this call (model.to(...)) are packed again before the next one.
+        compiled.register_forward_pre_hook(prepared.packed.check_hook())
     _OPTIMIZED[compiled] = backend
     return compiled
 

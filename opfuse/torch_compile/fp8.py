@@ -33,6 +33,7 @@ from torch import fx
 from ..fp8.recipe import Recipe
 from ..ops.grouped import BasicGroupedLinear
 from ..ops.linear import BasicLinear
+from ..families.grouped_linear.recognizers import grouped_backward, weight_source
 from .fp8_backward import LinearGrads, linear_grads
 from .inputs import GraphInput, dynamo_index, output_keys
 
@@ -66,6 +67,10 @@ class CompileSettings:
     fp8: Recipe | None = None
     fp8_filter: Callable | None = None
     inputs: list[GraphInput] = dataclasses.field(default_factory=list)
+    #: Inputs the fused graphs read as one view of their storage (:mod:`.layout_guard`).
+    joined: list = dataclasses.field(default_factory=list)
+    #: ``id`` of the linears that route rewritten MoE blocks (kept in high precision).
+    routers: set = dataclasses.field(default_factory=set)
 
     def input_of(self, placeholder: fx.Node) -> GraphInput | None:
         """The Dynamo input a joint-graph placeholder stands for."""
@@ -86,8 +91,15 @@ class Fp8Plan:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
+def _is_router(settings: CompileSettings, weight: fx.Node) -> bool:
+    found = settings.input_of(weight)
+    return found is not None and found.module is not None and id(found.module) in settings.routers
+
+
 def _describe(settings: CompileSettings, weight: fx.Node) -> tuple[str, object]:
-    """``(module fqn, module)`` owning the weight graph input ``weight``."""
+    """``(module fqn, module)`` owning the weight graph input ``weight`` (for a view of inputs,
+    the stacked experts of an MoE block: the first input's)."""
+    weight = weight_source(weight) or weight
     found = settings.input_of(weight)
     if found is None or found.name is None:
         return weight.name, None
@@ -142,18 +154,19 @@ def plan_fp8(op_graph, aten_gm: fx.GraphModule, settings: CompileSettings) -> Fp
         if node.op != "call_module":
             continue
         op = gm.get_submodule(node.target)
-        if isinstance(op, BasicGroupedLinear):
-            plan.exempt[node.name] = "grouped GEMMs of compiled graphs run in FP8 through opfuse.optimize's MoE rewrite"
-            kept.append(f"{node.name} ({plan.exempt[node.name]})")
-            continue
-        if not isinstance(op, BasicLinear):
+        if not isinstance(op, (BasicLinear, BasicGroupedLinear)):
             continue
         region = op_graph.regions.get(node.name)
         weight = next(iter(region.params.values())).node
         name, module = _describe(settings, weight)
         reason = None
-        if not _keep(settings, name, module):
+        if _is_router(settings, weight):
+            reason = "MoE router: routing stays in high precision"
+        elif not _keep(settings, name, module):
             reason = "fp8_filter"
+        elif isinstance(op, BasicGroupedLinear):
+            if training and grouped_backward(region.value) is None:
+                reason = "backward not found: no grouped_linear_backward reads its operands"
         else:
             found = linear_grads(region, outputs, training)
             if isinstance(found, str):
@@ -161,6 +174,8 @@ def plan_fp8(op_graph, aten_gm: fx.GraphModule, settings: CompileSettings) -> Fp
             else:
                 plan.grads[node.name] = found
                 _detach_weight_gradient(gm, node, found)
+        if isinstance(op, BasicGroupedLinear):
+            name = f"{name.replace('.experts.0.', '.experts.*.')} (grouped)"
         if reason is None:
             plan.fp8.append(name)
         else:

@@ -23,6 +23,9 @@ from torch import fx, nn
 from ..core import dispatch as implementations
 from ..core.passes.select import forced_implementations
 from ..families.collective_linear.fp8.op import AllGatherLinearFp8, LinearReduceScatterFp8
+from ..families.grouped_linear.fp8.op import GroupedGemmFp8
+from ..families.grouped_linear.op import GroupedGemm
+from ..families.grouped_linear.recognizers import grouped_backward
 from ..families.linear.fp8.op import FP8_LINEAR, Fp8Linear
 from ..families.quantize.op import QuantizeActivation
 from ..families.residual_norm.op import _NormQuantize
@@ -35,7 +38,7 @@ from .fp8_backward import LinearGrads
 from .fp8_ops import compiled_fp8_gemm, compiled_norm_quantize, compiled_quantize
 from .lower import LoweringError, _Lowering
 
-__all__ = ["Fp8Lowering", "FP8_FUSED"]
+__all__ = ["JointLowering", "FP8_FUSED"]
 
 _GEMMS = (Fp8Linear, AllGatherLinearFp8, LinearReduceScatterFp8)
 #: Fused modules this lowering handles itself.
@@ -126,9 +129,12 @@ class _Backward(nn.Module):
         return dx, dw
 
 
-class Fp8Lowering(_Lowering):
-    """:class:`~.lower._Lowering` plus the FP8 fused ops (module docstring). ``grads``: op-graph
-    ``BasicLinear`` node name -> its :class:`~.fp8_backward.LinearGrads`."""
+class JointLowering(_Lowering):
+    """:class:`~.lower._Lowering` plus what joint graphs need beyond tracing a fused op's forward:
+    the FP8 fused ops (module docstring) and the backward of grouped GEMMs (the joint graph's
+    ``grouped_linear_backward`` is pointed at the implementation the pipeline chose, or replaced
+    by the FP8 one). ``grads``: op-graph ``BasicLinear`` node name -> its
+    :class:`~.fp8_backward.LinearGrads`."""
 
     def __init__(self, op_graph, aten_gm, grads: dict[str, LinearGrads] | None = None):
         super().__init__(op_graph, aten_gm)
@@ -136,6 +142,10 @@ class Fp8Lowering(_Lowering):
         self.payloads: dict[str, tuple[fx.Node, fx.Node]] = {}  # op-graph value -> (data, scale)
 
     def lower_fused(self, node: fx.Node, module) -> None:
+        if isinstance(module, GroupedGemm):
+            super().lower_fused(node, module)
+            self._lower_grouped_backward(node, module)
+            return
         if not isinstance(module, FP8_FUSED):
             return super().lower_fused(node, module)
         rule = node.meta.get("opfuse_rule", module.name)
@@ -231,6 +241,29 @@ class Fp8Lowering(_Lowering):
                                 f"holds {want.dtype}{list(want.shape)}")
         old.replace_all_uses_with(new)
         self.covered.add(old)
+
+    # Grouped GEMMs ------------------------------------------------------------------------------
+
+    def _lower_grouped_backward(self, node, module) -> None:
+        """Point the joint graph's grouped backward at the chosen implementation (the FP8 one for
+        ``grouped_linear_fp8``: dgrad on FP8 operands, as its forward)."""
+        region = next((self.op_graph.regions.get(name) for name, _ in node.meta.get("opfuse_covered", ())
+                       if name in self.op_graph.regions), None)
+        backward = grouped_backward(region.value) if region is not None else None
+        if backward is None:
+            return
+        dy, x, sizes, weight, bias, fsdp, _impl, need_dx, need_dw, need_db = backward.args
+        if not isinstance(module, GroupedGemmFp8):
+            backward.update_arg(6, module.impl)
+            return
+        with self.graph.inserting_before(backward):
+            new = self.graph.call_function(
+                torch.ops.opfuse.grouped_linear_fp8_backward.default,
+                (dy, x, sizes, weight, bias, fsdp, module.num_groups, module.recipe.key(), need_dx, need_dw, need_db,
+                 module.impl))
+        new.meta.update(backward.meta)
+        backward.replace_all_uses_with(new)
+        self.graph.erase_node(backward)
 
     def _backward_impl(self, module, grads: LinearGrads, data) -> str:
         """The ``fp8_linear`` implementation for the backward GEMMs (the forward's when it is one)."""

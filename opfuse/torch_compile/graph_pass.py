@@ -21,7 +21,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ..sequential.cache import PassRecorder, new_dump_dir
 from ..core.pipeline import PassContext, run_pipeline
 from .fp8 import CompileSettings, plan_fp8
-from .fp8_lower import Fp8Lowering
+from .fp8_lower import JointLowering
+from .joins import view_adjacent_concatenations
+from .layout_guard import joined_inputs
 from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
 from .program import GraphProgram
@@ -56,18 +58,23 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     training = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
     dump_dir = new_dump_dir("graph")
     _write_aten(dump_dir, "aten_before", gm)
+    joined = view_adjacent_concatenations(gm.graph)
     op_graph = build_op_graph(gm)
+    if joined:
+        op_graph.notes.append(f"{joined} concatenation(s) of parameters stored back to back read as views of "
+                              f"their storage (no copy)")
     phases = _phases(op_graph.gm)
     ctx = PassContext(recipe=settings.fp8)
-    lowering = None
+    grads = {}
     if settings.fp8 is not None:
         plan = plan_fp8(op_graph, gm, settings)
         ctx.fp8_exempt = plan.exempt
         ctx.notes.extend(("fp8", note) for note in plan.notes)
-        lowering = Fp8Lowering(op_graph, gm, plan.grads)
+        grads = plan.grads
     recorder = PassRecorder(ctx, dump_dir, module_class=OpGraphModule)
     run_pipeline(op_graph.gm, ctx, recorder)
-    lower_fusions(op_graph, gm, lowering)
+    lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads))
+    settings.joined.extend(joined_inputs(gm.graph))
     _write_aten(dump_dir, "aten_after", gm)
     fused_phases = {}
     for record in ctx.fusions:

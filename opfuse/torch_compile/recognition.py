@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from ..families.grouped_linear.recognizers import grouped_linear
 from ..families.residual_norm.recognizers import gelu, layer_norm, rms_norm
 from .recognizers import add, collective, linear
 from ..machinery.region import Region, recompute_closure
@@ -31,6 +32,8 @@ def find_regions(graph: fx.Graph) -> list[Region]:
         claim(rms_norm(node) or layer_norm(node) or gelu(node))
     for node in nodes:
         claim(collective(node))
+    for node in nodes:
+        claim(grouped_linear(node))
     for node in nodes:
         pair = linear(node)
         if pair and not any(r.nodes & taken for r in pair) and all(recompute_closure(r) is not None for r in pair):

@@ -121,12 +121,19 @@ def _gemm_input(node) -> fx.Node | None:
     return x if calls(b, aten.permute.default) and is_input(b.args[0]) else None
 
 
+def _rows(dims) -> tuple | None:
+    """``[tokens, features]`` of a shape (every leading dim is tokens, as opfuse's ops see it)."""
+    return None if not dims else (_numel(dims[:-1]), dims[-1])
+
+
 def _through_views(node) -> tuple[fx.Node, list[fx.Node]]:
-    """``node`` seen through views that give its source's shape back (functionalised in-place
-    collectives on reshaped tensors leave such round trips): ``(source, views)``, or
-    ``(node, [])`` when the views change the shape."""
+    """``node`` seen through views that keep its rows: round trips that give the source's shape
+    back (functionalised in-place collectives on reshaped tensors leave them) and regroupings of
+    the leading dims (an MoE block all-reduces its ``[tokens, hidden]`` combine, then reshapes it to
+    ``[batch, seq, hidden]`` for the residual add): ``(source, views)``, or ``(node, [])`` when
+    the views change the features."""
     source, chain = _view_chain(node)
-    if chain and shape(source) == shape(node) and is_tensor_node(source):
+    if chain and is_tensor_node(source) and _rows(shape(source)) == _rows(shape(node)):
         return source, chain
     return node, []
 
@@ -177,7 +184,7 @@ def linear(mm: fx.Node) -> list[Region]:
         nodes.update(views_out[:views_out.index(out) + 1])
     if dtype(x) != dtype(weight.node):
         return []
-    weight_standin = standin((n, k), dtype(weight.node))
+    weight_standin = standin((n, k), dtype(weight.node), weight.node)
     gemm = Region(frozen(BasicLinear(k, n, weight=weight_standin)), (x,), out, frozenset(nodes), {weight_standin: weight})
     if bias is None:
         return [gemm]
@@ -186,7 +193,7 @@ def linear(mm: fx.Node) -> list[Region]:
     # addmm: the GEMM has no value of its own; the bias region's nodes compute from x and W.
     gemm.value, gemm.anchor = None, mm
     gemm.nodes = frozenset(nodes - {mm, out})
-    bias_standin = standin((n,), dtype(bias))
+    bias_standin = standin((n,), dtype(bias), bias)
     biased = Region(frozen(Bias(n, bias=bias_standin)), (), out, frozenset({mm, out}), {bias_standin: ParamSource(bias)},
                     virtual_input=True)
     return [gemm, biased]
@@ -206,14 +213,15 @@ def add(node: fx.Node, kind_of) -> Region | None:
         return None
     (a, views_a), (b, views_b) = _through_views(a), _through_views(b)
     for y, vec in ((a, b), (b, a)):
-        if (shape(y) == shape(node) and is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
-                and is_input(vec)):
+        if (_rows(shape(y)) == _rows(shape(node)) and is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
+                and len(shape(y)) >= 2 and is_input(vec)):
             if dtype(node) != dtype(y) and dtype(vec) == dtype(y):
                 return None
             bias_standin = standin((shape(node)[-1],), dtype(vec))
             return Region(frozen(Bias(shape(node)[-1], bias=bias_standin)), (y,), node,
                           frozenset({node, *views_a, *views_b}), {bias_standin: ParamSource(vec)})
-    if shape(a) != shape(node) or shape(b) != shape(node) or not (dtype(a) == dtype(b) == dtype(node)):
+    rows = _rows(shape(node))
+    if _rows(shape(a)) != rows or _rows(shape(b)) != rows or not (dtype(a) == dtype(b) == dtype(node)):
         return None
     # The main input is the one the rules' chains come from (an all-reduce, a bias, a GEMM); the
     # other one is the residual. Ties keep the written order.
