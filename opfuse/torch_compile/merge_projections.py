@@ -26,8 +26,10 @@ What holds, exactly:
 * Tensors that share memory are refused by ``safetensors.torch.save_file``; save
   ``{k: v.clone() for k, v in model.state_dict().items()}`` there (``torch.save`` is fine).
 
-DTensor parameters (tensor parallelism through ``parallelize_module``) are merged through their
-local shards, for siblings with the same placements on the same mesh.
+DTensor parameters (tensor parallelism through ``parallelize_module``) are not merged: torch cannot
+make the fake tensors Dynamo traces with for a DTensor whose local shard is a view of a shared
+buffer. Tensor parallelism written with ``torch.distributed`` calls (each rank's shards are plain
+parameters) is merged like an unsharded model.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def _layout(t: torch.Tensor):
 
 def _key(linear: nn.Linear):
     weight, bias = linear.weight, linear.bias
+    if _layout(weight) is not None:
+        # DTensor: torch cannot make fake tensors of a DTensor whose local shard is a view of
+        # another tensor (Dynamo fails on it), so sharded parameters stay where they are.
+        return None
     local = _local(weight)
     if local.dim() != 2 or not local.is_contiguous() or local.device.type == "meta":
         return None
