@@ -26,7 +26,7 @@ from ..families.collective_linear.fp8.op import AllGatherLinearFp8, LinearReduce
 from ..families.grouped_linear.fp8.op import GroupedGemmFp8
 from ..families.grouped_linear.op import GroupedGemm
 from ..families.grouped_linear.recognizers import grouped_backward
-from ..families.linear.fp8.op import FP8_LINEAR, Fp8Linear
+from ..families.linear.fp8.op import Fp8Linear
 from ..families.quantize.op import QuantizeActivation
 from ..families.residual_norm.op import _NormQuantize
 from ..fp8.tensor import tag
@@ -35,7 +35,7 @@ from ..ops import group as groups
 from ..ops.base import TensorMeta
 from ..ops.linear import BasicLinear
 from .fp8_backward import LinearGrads
-from .fp8_ops import compiled_fp8_gemm, compiled_norm_quantize, compiled_quantize
+from .fp8_ops import compiled_fp8_gemm, compiled_fp8_gemm_quantizing, compiled_norm_quantize, compiled_quantize
 from .lower import LoweringError, _Lowering
 
 __all__ = ["JointLowering", "FP8_FUSED"]
@@ -84,15 +84,14 @@ class _GemmFromPayload(nn.Module):
 class _GemmQuantizing(nn.Module):
     """An FP8 GEMM fused op that quantizes its input itself: ``(y, x_data, x_scale, x_data_t)``."""
 
-    def __init__(self, fused):
+    def __init__(self, fused, want_t: bool):
         super().__init__()
-        self.fused = fused
+        self.fused, self.want_t = fused, want_t
 
     def forward(self, x):
         f = self.fused
-        if isinstance(f, Fp8Linear):
-            return FP8_LINEAR(x, None, None, f.weight, f.bias, f.recipe.key(), f._impl())
-        return f.custom_op(x, None, None, f.weight, f.bias, groups.group_name(f.group), f.recipe.key(), f._impl())
+        group = groups.group_name(f.group) if isinstance(f, (AllGatherLinearFp8, LinearReduceScatterFp8)) else ""
+        return compiled_fp8_gemm_quantizing(f.name, x, f.weight, f.bias, group, f.recipe.key(), self.want_t, f._impl())
 
 
 class _GatherPayload(nn.Module):
@@ -121,11 +120,9 @@ class _Backward(nn.Module):
     def forward(self, dy, data, scale, data_t=None):
         if data_t is None:
             data_t = torch.empty(0, dtype=data.dtype, device=data.device)
-        from ..families.linear.fp8.op import FP8_LINEAR as forward_op  # noqa: F401 - registers the ops
-
-        dx, dw, _ = torch.ops.opfuse.fp8_linear_backward(dy, data.reshape(-1, data.shape[-1]), scale, data_t,
-                                                         self.weight, self.recipe.key(), self.need_dx, self.need_dw,
-                                                         False, self.impl)
+        dx, dw, _ = torch.ops.opfuse.fp8_linear_backward(dy.contiguous(), data.reshape(-1, data.shape[-1]), scale,
+                                                         data_t, self.weight, self.recipe.key(), self.need_dx,
+                                                         self.need_dw, False, self.impl)
         return dx, dw
 
 
@@ -197,7 +194,14 @@ class JointLowering(_Lowering):
             inputs = [data, scale]
         else:
             x = self.value_of(source)
-            y, data, scale, data_t = self.emit(_GemmQuantizing(module), [x], where=node.name, tokens_first=True)
+            grads = self.grads.get(self._linear_node(node))
+            recipe = module.recipe
+            # The transposed bytes: for a weight gradient in FP8 with one scale per tensor, from a
+            # GPU implementation of fp8_linear (whose backward reads them).
+            want_t = (isinstance(module, Fp8Linear) and grads is not None and grads.wgrad is not None
+                      and recipe.fp8_wgrad and not recipe.rowwise and module.impl != "reference")
+            y, data, scale, data_t = self.emit(_GemmQuantizing(module, want_t), [x], where=node.name,
+                                               tokens_first=True)
             inputs = [x]
             if data.meta["val"].numel() == 0:  # not expected: a plain x is quantized by the op
                 raise LoweringError(f"opfuse: FP8 fusion {node.name} returned no quantized input")

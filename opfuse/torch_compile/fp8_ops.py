@@ -15,7 +15,14 @@ op                                             computes
                                                ``add_layernorm_quantize``, ``allreduce_add_rmsnorm_quantize``
 ``compiled_fp8_gemm(op, data, scale, ...)``    ``y`` of ``fp8_linear``, ``all_gather_linear_fp8``,
                                                ``linear_reduce_scatter_fp8`` for an input that came quantized
+``compiled_fp8_gemm_quantizing(op, x, ...)``   ``(y, x_data, x_scale, x_data_t)`` of the same ops for a
+                                               high-precision ``x`` they quantize themselves
 =============================================  ============================================================
+
+Whether a GEMM also writes ``x``'s transposed FP8 bytes for the weight gradient (``x_data_t``) is
+an argument here (``want_t``), decided when the graph is built: the fused ops decide it from
+``weight.requires_grad``, which a compiled graph's inputs do not carry the same way at trace time
+and at run time, and an output's shape must be what the graph was traced with.
 
 The backward GEMMs take plain tensors already (``opfuse::fp8_linear_backward`` and its collective
 twins): the graph calls them directly. None of these ops is differentiable: they appear in graphs
@@ -33,7 +40,8 @@ from ..core import dispatch as implementations
 from ..fp8.tensor import Float8Activation
 from ..ops import group as groups
 
-__all__ = ["NORM_QUANTIZE_OPS", "FP8_GEMM_OPS", "compiled_quantize", "compiled_norm_quantize", "compiled_fp8_gemm"]
+__all__ = ["NORM_QUANTIZE_OPS", "FP8_GEMM_OPS", "compiled_quantize", "compiled_norm_quantize", "compiled_fp8_gemm",
+           "compiled_fp8_gemm_quantizing"]
 
 #: Norms that emit FP8: ``name -> whether an all-reduce comes first``.
 NORM_QUANTIZE_OPS = {"add_rmsnorm_quantize": False, "add_layernorm_quantize": False,
@@ -110,3 +118,36 @@ def _(op, data, scale, weight, bias, group, out_dtype, recipe, impl):
         world = groups.world_size(groups.from_name(group))
         rows = rows * world if factor > 0 else rows // world
     return data.new_empty((rows,) + tuple(data.shape[1:-1]) + (weight.shape[0],), dtype=out_dtype)
+
+
+def _rows_out(op: str, rows: int, group: str) -> int:
+    factor = FP8_GEMM_OPS[op]
+    if factor:
+        world = groups.world_size(groups.from_name(group))
+        rows = rows * world if factor > 0 else rows // world
+    return rows
+
+
+@torch.library.custom_op("opfuse::compiled_fp8_gemm_quantizing", mutates_args=())
+def compiled_fp8_gemm_quantizing(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, recipe: str,
+                                 want_t: bool, impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y, x_data, x_scale, x_data_t)`` of FP8 GEMM fused op ``op`` quantizing its 2-D input ``x``
+    (``x_data_t``: the transposed bytes when ``want_t`` and the implementation writes them, else
+    empty)."""
+    forward = implementations.get(op, impl).forward
+    collective = (group,) if FP8_GEMM_OPS[op] else ()
+    # The fused ops write the transposed bytes for a weight that requires grad: say which here.
+    alias = weight.detach().requires_grad_(want_t) if weight.is_floating_point() else weight
+    y, data, scale, data_t = forward(x, None, None, alias, bias, *collective, recipe)
+    if not want_t and data_t.numel():
+        data_t = data_t.new_empty(0)
+    return y, data, scale, data_t
+
+
+@compiled_fp8_gemm_quantizing.register_fake
+def _(op, x, weight, bias, group, recipe, want_t, impl):
+    rows = x.shape[0]
+    rowwise = recipe.startswith("row")
+    y = x.new_empty((_rows_out(op, rows, group), weight.shape[0]))
+    data_t = x.new_empty((x.shape[1], rows) if want_t else (0,), dtype=torch.float8_e4m3fn)
+    return y, x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _scale_fake(x, rowwise), data_t
