@@ -7,6 +7,7 @@ applies) and eager, in one run.
     PYTHONPATH=. python3 bench/model.py --world 2 --quick    # hidden 1024, 2 layers: a smoke test
     PYTHONPATH=. python3 bench/model.py --world 2 --decode 1 64 --train 2048   # fewer compiles
     python3 bench/model.py --world 2 --cpu                    # gloo + CPU dry run of the code paths
+    PYTHONPATH=. python3 bench/model.py --world 2 --decode --fp8 tensor   # FP8 training (issue 27)
 
 The model is the example's (F.scaled_dot_product_attention, rotary, SwiGLU MLP, hand-written
 float32 RMSNorm), bf16, vocabulary 4096 (the decoder is what is measured), the same weights in
@@ -33,6 +34,11 @@ compile (14 per world, 10 with --no-train-8192): compiling is most of the run ti
 
 Targets (issue 14): decode opfuse <= 0.85x compile at world 2; train opfuse <= 1.0x compile with
 async TP (sp), and faster where the overlaps win; compile time opfuse <= 1.5x compile.
+
+FP8 (issue 27, ``--fp8 tensor|row``; bench/fp8_variants.py): the training cases' opfuse variant
+runs ``opfuse.optimize(fp8=recipe)`` (output head in bf16) and a ``torchao`` column (torchao float8
++ torch.compile, same recipe and filter; ``tp`` cases, when torchao imports) is added. Targets:
+train opfuse fp8 <= 0.75x compile (bf16) and <= 0.92x torchao.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import block  # noqa: E402  (bench/block.py: timing helpers and Inductor's async-TP switch)
 import common  # noqa: E402  (bench/common.py)
+import fp8_variants  # noqa: E402  (bench/fp8_variants.py: --fp8, issue 27)
 import llama_tp  # noqa: E402  (examples/llama_tp.py: the model)
 
 TARGETS = {"decode": 0.85, "train": 1.0, "compile_time": 1.5}
@@ -68,15 +75,17 @@ CPU = dict(model=dict(MODEL, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, voc
 VARIANTS = ("eager", "eager:graph", "compile", "opfuse")
 
 
-def _compilers(device: str, decode: bool):
-    """``(torch.compile variant, opfuse variant)`` as functions of a model."""
+def _compilers(device: str, decode: bool, fp8: str | None = None):
+    """``(torch.compile variant, opfuse variant)`` as functions of a model (``fp8``: the opfuse
+    variant's recipe, ``--fp8``; bench/fp8_variants.py)."""
     import opfuse
 
+    fp8_kw = dict(fp8=fp8_variants.recipe(fp8), fp8_filter=fp8_variants.keep_high_precision) if fp8 else {}
     if device != "cuda":
         return (lambda m: torch.compile(m, backend="aot_eager_decomp_partition", dynamic=False),
-                lambda m: opfuse.optimize(m, options={"inductor": False}))
+                lambda m: opfuse.optimize(m, options={"inductor": False}, **fp8_kw))
     mode = "reduce-overhead" if decode else None
-    return (lambda m: torch.compile(m, mode=mode, dynamic=False), lambda m: opfuse.optimize(m, mode=mode))
+    return (lambda m: torch.compile(m, mode=mode, dynamic=False), lambda m: opfuse.optimize(m, mode=mode, **fp8_kw))
 
 
 def _uncached():
@@ -173,7 +182,11 @@ def worker(rank, world, opts, out_path):
         finish(row)
 
     # Training: tp (torch.distributed all-reduces), sp (DTensor sequence parallel, async TP on).
-    compile_fn, opfuse_fn = _compilers(device, decode=False)
+    compile_fn, opfuse_fn = _compilers(device, decode=False, fp8=opts.get("fp8"))
+    torchao_fn, torchao_note = fp8_variants.torchao_compiler(opts.get("fp8"))  # --fp8: a torchao column
+    if opts.get("fp8"):
+        notes.append(f"--fp8 {opts['fp8']}: the training cases' opfuse variant runs FP8; torchao column: "
+                     f"{torchao_note}")
     async_tp = None
     for mode in ("tp", "sp"):
         if mode == "sp" and device == "cuda":
@@ -186,6 +199,10 @@ def worker(rank, world, opts, out_path):
             row = {"case": f"train-{mode}", "tokens": tokens}
             steps = {"eager": models["eager"], "compile": compile_fn(models["compile"]),
                      "opfuse": opfuse_fn(models["opfuse"])}
+            extra = ("torchao",) if torchao_fn is not None and mode == "tp" else ()  # --fp8 (issue 27)
+            for name in extra:
+                models[name] = llama_tp.build(tp, rank, world, cfg, dtype, device)
+                steps[name] = torchao_fn(models[name])
 
             def step(name):
                 params = [p for p in models[name].parameters() if p.requires_grad]
@@ -193,11 +210,11 @@ def worker(rank, world, opts, out_path):
 
             want = step("eager")()
             errors = {}
-            for name in ("compile", "opfuse"):
+            for name in ("compile", "opfuse") + extra:
                 got, row[f"{name} s"] = _first_call(step(name))
                 errors[name] = max(block.rel(a.float(), b.float()) for a, b in zip(_local(got), _local(want)))
             calls, reps = opts["calls_train"], opts["reps_train"]
-            for name in ("eager", "compile", "opfuse"):
+            for name in ("eager", "compile", "opfuse") + extra:
                 measured(row, name, lambda name=name: block.eager_us(step(name), calls, reps)[0])
             row["fusions"] = _fusions(steps["opfuse"])
             row["err"] = errors
@@ -241,12 +258,32 @@ def tables(world, result, opts) -> tuple[str, list]:
         summary.append((world, f"{r['case']} T={r['tokens']}", "opfuse s / compile s", compile_ratio,
                         f"<= {TARGETS['compile_time']}",
                         None if compile_ratio is None else compile_ratio <= TARGETS["compile_time"]))
+    summary += _fp8_summary(world, result, opts)  # --fp8 (issue 27)
     errs = "; ".join(f"{r['case']} T={r['tokens']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r.get("err", {}).items()
                                                                     if v is not None) for r in result["rows"])
     out += ["", f"relative error vs eager (outputs; train: max over gradients): {errs}"]
     out += [f"note: {n}" for n in result["notes"]]
     out.append(f"(world {world} took {result['seconds']:.0f} s in the ranks)")
     return "\n".join(out), summary
+
+
+def _fp8_summary(world, result, opts) -> list:
+    """--fp8 (issue 27): the torchao column's times and the FP8 targets of the training cases."""
+    if not opts.get("fp8"):
+        return []
+    ratio, rows = block.ratio, []
+    for r in result["rows"]:
+        if not r["case"].startswith("train"):
+            continue
+        vs_compile = ratio(r.get("opfuse"), r.get("compile"))
+        rows.append((world, f"{r['case']} T={r['tokens']} fp8 {opts['fp8']}", "opfuse fp8 / compile bf16", vs_compile,
+                     "<= 0.75", None if vs_compile is None else vs_compile <= 0.75))
+        if "torchao" in r:
+            vs_torchao = ratio(r.get("opfuse"), r.get("torchao"))
+            rows.append((world, f"{r['case']} T={r['tokens']} fp8 {opts['fp8']} (torchao {block.fmt(r['torchao'])} us)",
+                         "opfuse fp8 / torchao fp8", vs_torchao, "<= 0.92",
+                         None if vs_torchao is None else vs_torchao <= 0.92))
+    return rows
 
 
 def ratio_series(results) -> dict:
@@ -270,6 +307,8 @@ def main() -> int:
                         help="decode token counts (default 1 16 64; each is its own compile)")
     parser.add_argument("--train", type=int, nargs="*", default=None, metavar="T",
                         help="training token counts (default 2048 8192)")
+    parser.add_argument("--fp8", choices=["tensor", "row"], default=None,
+                        help="issue 27: the training cases' opfuse variant in FP8, and a torchao float8 column")
     args = parser.parse_args()
     results, summary, started = {}, [], time.perf_counter()
     if args.from_json:
@@ -281,6 +320,7 @@ def main() -> int:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda")
+        opts["fp8"] = args.fp8
         if args.no_train_8192:
             opts["train"] = [t for t in opts["train"] if t != 8192]
         if args.layers:

@@ -6,7 +6,7 @@
   emulation (outputs and every gradient): each row-parallel projection's all-reduce fuses with the
   residual add, the next norm and the quantization of the next GEMMs' input; with sequence
   parallelism each row projection's FP8 GEMM fuses with its reduce-scatter.
-* Mixtral- and Qwen2-MoE-style blocks (tests/hf_moe.py) with tensor-parallel experts: the
+* Mixtral- and Qwen2-MoE-style blocks (examples/hf_moe.py) with tensor-parallel experts: the
   rewritten blocks against Hugging Face's loop run eagerly, and the all-reduce after each MoE
   block fused with the residual add and the next norm.
 
@@ -80,7 +80,7 @@ def moe_case(rank, world, block):
     import torch.distributed as dist
 
     import opfuse
-    from tests.hf_moe import MoEDecoder, shard_experts_
+    from hf_moe import MoEDecoder, shard_experts_
 
     torch.manual_seed(0)
     full = shard_experts_(MoEDecoder(block), rank, world)
@@ -106,7 +106,7 @@ def moe_case(rank, world, block):
 
 def cases(rank, world):
     from opfuse import fp8
-    from tests.hf_moe import MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock
+    from hf_moe import MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock
 
     llama_case(rank, world, "dist", fp8.TensorScaling())
     llama_case(rank, world, "dist", fp8.RowwiseScaling())

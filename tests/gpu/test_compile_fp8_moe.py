@@ -6,6 +6,8 @@ optimizer steps; the rewritten Mixtral-style block against Hugging Face's loop; 
 gate/up. Skipped without CUDA (the FP8 cases also below sm90)."""
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from torch import nn
 
 import opfuse
 from opfuse import fp8
-from tests.hf_moe import MixtralSparseMoeBlock, MoEDecoder
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))
+from hf_moe import MixtralSparseMoeBlock, MoEDecoder  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers written as Hugging Face writes them (tests/hf_moe.py: Mixtral's and
+"""Mixture-of-experts layers written as Hugging Face writes them (examples/hf_moe.py: Mixtral's and
 Qwen2-MoE's blocks, 8 experts, top-2), through ``opfuse.optimize``: the per-expert loop becomes
 two grouped GEMMs with the group sizes on the device (one graph, no break, no host sync), outputs
 and gradients equal the Hugging Face code run eagerly, the parameters and ``state_dict`` stay the
@@ -8,6 +8,8 @@ after an MoE block's combine fuses with the residual add and the next norm throu
 """
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ import opfuse
 from opfuse import fp8
 from opfuse.ops.grouped import BasicGroupedLinear
 from opfuse.torch_compile import moe as moe_rewrite
-from tests.hf_moe import MixtralSparseMoeBlock, MoEDecoder, Qwen2MoeSparseMoeBlock
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "examples"))
+from hf_moe import MixtralSparseMoeBlock, MoEDecoder, Qwen2MoeSparseMoeBlock  # noqa: E402
 
 EAGER = {"inductor": False}
 BLOCKS = [MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock]
