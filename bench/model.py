@@ -35,6 +35,9 @@ compile (14 per world, 10 with --no-train-8192): compiling is most of the run ti
 Targets (issue 14): decode opfuse <= 0.85x compile at world 2; train opfuse <= 1.0x compile with
 async TP (sp), and faster where the overlaps win; compile time opfuse <= 1.5x compile.
 
+Merged projections (issue 27, ``--merge-ab``): decode also with ``opfuse.optimize(merge_projections=False)``;
+target: merged <= 0.97x unmerged.
+
 FP8 (issue 27, ``--fp8 tensor|row``; bench/fp8_variants.py): the training cases' opfuse variant
 runs ``opfuse.optimize(fp8=recipe)`` (output head in bf16) and a ``torchao`` column (torchao float8
 + torch.compile, same recipe and filter; ``tp`` cases, when torchao imports) is added. Targets:
@@ -86,6 +89,15 @@ def _compilers(device: str, decode: bool, fp8: str | None = None):
                 lambda m: opfuse.optimize(m, options={"inductor": False}, **fp8_kw))
     mode = "reduce-overhead" if decode else None
     return (lambda m: torch.compile(m, mode=mode, dynamic=False), lambda m: opfuse.optimize(m, mode=mode, **fp8_kw))
+
+
+def _unmerged(device: str):
+    """--merge-ab (issue 27): the decode opfuse variant with ``merge_projections=False``."""
+    import opfuse
+
+    if device != "cuda":
+        return lambda m: opfuse.optimize(m, merge_projections=False, options={"inductor": False})
+    return lambda m: opfuse.optimize(m, merge_projections=False, mode="reduce-overhead")
 
 
 def _uncached():
@@ -167,6 +179,9 @@ def worker(rank, world, opts, out_path):
         with torch.no_grad():
             want = models["eager"](ids)
             compiled = {"compile": compile_fn(models["compile"]), "opfuse": opfuse_fn(models["opfuse"])}
+            if opts.get("merge_ab"):  # issue 27: the same without merged projections
+                models["opfuse unmerged"] = llama_tp.build("dist", rank, world, cfg, dtype, device)
+                compiled["opfuse unmerged"] = _unmerged(device)(models["opfuse unmerged"])
             errors = {}
             for name, fn in compiled.items():
                 out, row[f"{name} s"] = _first_call(lambda fn=fn: fn(ids))
@@ -259,6 +274,11 @@ def tables(world, result, opts) -> tuple[str, list]:
                         f"<= {TARGETS['compile_time']}",
                         None if compile_ratio is None else compile_ratio <= TARGETS["compile_time"]))
     summary += _fp8_summary(world, result, opts)  # --fp8 (issue 27)
+    for r in result["rows"]:  # --merge-ab (issue 27): merged q/k/v and gate/up vs not, decode
+        merged = ratio(r.get("opfuse"), r.get("opfuse unmerged"))
+        if merged is not None:
+            summary.append((world, f"{r['case']} T={r['tokens']} (unmerged {block.fmt(r['opfuse unmerged'])} us)",
+                            "opfuse / opfuse unmerged", merged, "<= 0.97", merged <= 0.97))
     errs = "; ".join(f"{r['case']} T={r['tokens']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r.get("err", {}).items()
                                                                     if v is not None) for r in result["rows"])
     out += ["", f"relative error vs eager (outputs; train: max over gradients): {errs}"]
@@ -307,6 +327,8 @@ def main() -> int:
                         help="decode token counts (default 1 16 64; each is its own compile)")
     parser.add_argument("--train", type=int, nargs="*", default=None, metavar="T",
                         help="training token counts (default 2048 8192)")
+    parser.add_argument("--merge-ab", action="store_true",
+                        help="issue 27: also decode with opfuse.optimize(merge_projections=False)")
     parser.add_argument("--fp8", choices=["tensor", "row"], default=None,
                         help="issue 27: the training cases' opfuse variant in FP8, and a torchao float8 column")
     args = parser.parse_args()
@@ -320,7 +342,7 @@ def main() -> int:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda")
-        opts["fp8"] = args.fp8
+        opts["fp8"], opts["merge_ab"] = args.fp8, args.merge_ab
         if args.no_train_8192:
             opts["train"] = [t for t in opts["train"] if t != 8192]
         if args.layers:
