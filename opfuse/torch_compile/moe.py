@@ -267,15 +267,19 @@ def rewrite_moe_(model: nn.Module, packed: PackedParameters) -> list[str]:
         if isinstance(spec, str):
             notes.append(f"{label} not rewritten: {spec}")
             continue
-        if "forward" in block.__dict__:
+        forward = block.__dict__.get("forward")
+        again = getattr(forward, "__func__", None) is _grouped_forward
+        if forward is not None and not again:
             notes.append(f"{label} not rewritten: its forward was replaced on the instance already")
             continue
-        block._opfuse_moe = spec
-        ok, reason = _probe(block, spec)
-        if not ok:
-            del block._opfuse_moe
-            notes.append(f"{label} not rewritten: {reason}")
-            continue
+        if not again:
+            block._opfuse_moe = spec
+            ok, reason = _probe(block, spec)
+            if not ok:
+                del block._opfuse_moe
+                notes.append(f"{label} not rewritten: {reason}")
+                continue
+        spec = block._opfuse_moe
         gate, up, down = spec.names
         packed.add([(getattr(e, n), "weight") for e in block.experts for n in (gate, up)], f"{name}.experts gate+up")
         packed.add([(getattr(e, down), "weight") for e in block.experts], f"{name}.experts down")

@@ -63,6 +63,10 @@ def prepare_model(model: nn.Module, *, merge_projections: bool = True, moe: bool
         before = len(prepared.packed)
         merge_projections_(model, prepared.packed, groups)
         merged = prepared.packed.labels[before:]
+        sharded = sum(1 for m in model.modules() if isinstance(m, nn.Linear) and hasattr(m.weight, "_spec"))
+        if sharded:
+            prepared.notes.append(f"merge_projections: {sharded} linear(s) with DTensor weights left apart (torch "
+                                  f"cannot trace a DTensor whose shard is a view of a shared buffer)")
         if merged:
             prepared.notes.append(f"merge_projections: weights stored back to back (one GEMM reads each group "
                                   f"without a copy where the graph gives them one input): {', '.join(merged)}")
