@@ -33,7 +33,6 @@ from ..fp8.tensor import tag
 from ..machinery.fused_op import choose
 from ..ops import group as groups
 from ..ops.base import TensorMeta
-from ..ops.linear import BasicLinear
 from .fp8_backward import LinearGrads
 from .fp8_ops import compiled_fp8_gemm, compiled_fp8_gemm_quantizing, compiled_norm_quantize, compiled_quantize
 from .lower import LoweringError, _Lowering
@@ -284,7 +283,3 @@ class JointLowering(_Lowering):
         if want not in {i.name for i in impls}:
             want = None
         return choose(spec, impls, want).name
-
-
-def is_fp8_module(module) -> bool:
-    return isinstance(module, FP8_FUSED) or (isinstance(module, BasicLinear) and module.recipe is not None)
