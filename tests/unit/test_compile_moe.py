@@ -108,6 +108,9 @@ def test_blocks_the_rewrite_cannot_reproduce_are_left_alone():
     assert "other (RenormalisesBeforeTopK) not rewritten: its outputs differ from the grouped forward's" in text
     assert "plain (MixtralSparseMoeBlock) rewritten" in text
     assert "forward" not in model["other"].__dict__ and "forward" in model["plain"].__dict__
+    again = opfuse.torch_compile.prepare_model(model)  # a second optimize of the same model
+    assert "plain (MixtralSparseMoeBlock) rewritten" in "\n".join(again.notes)
+    assert "plain.experts gate+up" in again.packed.labels
     untouched = MixtralSparseMoeBlock()
     opfuse.torch_compile.prepare_model(untouched, moe=False)
     assert "forward" not in untouched.__dict__
