@@ -37,7 +37,7 @@ from ..families.grouped_linear.recognizers import grouped_backward, weight_sourc
 from .fp8_backward import LinearGrads, linear_grads
 from .inputs import GraphInput, dynamo_index, output_keys
 
-__all__ = ["CompileSettings", "check_recipe", "check_filter", "Fp8Plan", "plan_fp8"]
+__all__ = ["CompileSettings", "check_recipe", "check_filter", "Fp8Plan", "plan_fp8", "unfused_fp8"]
 
 
 def check_recipe(recipe, who: str = "opfuse backend: options['fp8']") -> Recipe | None:
@@ -191,3 +191,18 @@ def plan_fp8(op_graph, aten_gm: fx.GraphModule, settings: CompileSettings) -> Fp
     if kept:
         plan.notes.append(f"{recipe}: kept in high precision: {', '.join(kept)}")
     return plan
+
+
+def unfused_fp8(gm: fx.GraphModule) -> str | None:
+    """A note when GEMMs the FP8 pass marked stayed unfused (rules or fusion switched off): only
+    fused ops are lowered into a compiled graph, so those run in high precision there."""
+    left = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            op = gm.get_submodule(node.target)
+            if isinstance(op, (BasicLinear, BasicGroupedLinear)) and op.recipe is not None:
+                left.append(node.name)
+    if not left:
+        return None
+    return (f"{len(left)} GEMM(s) marked FP8 stayed unfused ({', '.join(left)}; a rule or fusion switched off): "
+            f"a compiled graph runs unfused ops as written, in high precision")

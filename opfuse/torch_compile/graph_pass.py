@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ..sequential.cache import PassRecorder, new_dump_dir
 from ..core.pipeline import PassContext, run_pipeline
-from .fp8 import CompileSettings, plan_fp8
+from .fp8 import CompileSettings, plan_fp8, unfused_fp8
 from .fp8_lower import JointLowering
 from .joins import view_adjacent_concatenations
 from .layout_guard import joined_inputs
@@ -73,6 +73,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         grads = plan.grads
     recorder = PassRecorder(ctx, dump_dir, module_class=OpGraphModule)
     run_pipeline(op_graph.gm, ctx, recorder)
+    if settings.fp8 is not None and unfused_fp8(op_graph.gm):
+        ctx.notes.append(("fp8", unfused_fp8(op_graph.gm)))
     lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads))
     settings.joined.extend(joined_inputs(gm.graph))
     _write_aten(dump_dir, "aten_after", gm)
