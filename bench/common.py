@@ -37,6 +37,7 @@ BENCHMARKS = {
     "block": (2, "the whole tensor-parallel MLP block vs torch.nn and torch.compile (--cpu: gloo dry run)"),
     "model": (2, "a Llama-style decoder under opfuse's torch.compile backend vs torch.compile and eager (--cpu)"),
     "grouped": (1, "MoE grouped GEMM vs torch._grouped_mm and a dense GEMM"),
+    "moe": (1, "Mixtral-style MoE as Hugging Face writes it: opfuse's grouped rewrite vs torch.compile (--fp8, --cpu)"),
     "grouped_tune": (1, "grouped GEMM implementations and persistent tiles per size class: this GPU's table entries"),
     "horizontal": (1, "gate and up as one GEMM over the joined weight (horizontal_gemm) vs two GEMMs"),
     "nvidia_libs": (1, "cuDNN frontend and cuBLASMp implementations vs opfuse's and torch (optional libraries)"),

@@ -36,6 +36,11 @@ Method: CUDA events; training: medians of REPS batches of CALLS back-to-back ste
 every batch after a barrier; decode: median of REPS loops of STEPS tokens; max over ranks.
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
+FP8 and merged projections (issue 27): ``--fp8 tensor|row`` adds ``opfuse fp8`` (opfuse.optimize(fp8=
+recipe), output head in bf16) and, where ``torchao`` imports, ``torchao fp8`` (torchao float8 +
+torch.compile, tp cases) to the training cases (targets: <= 0.75x compile bf16, <= 0.92x torchao);
+``--merge-ab`` adds ``opfuse unmerged`` (merge_projections=False) to decode (target: merged <= 0.97x).
+
 Targets (issue 26): train-tp <= 0.92x compile; train-sp <= 0.90x compile with async TP; decode
 <= 0.93x compile and <= 1.05x its weight-streaming floor; no case slower than compile; compile
 time <= 1.0x compile's.
@@ -45,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import sys
 import time
 import warnings
@@ -59,10 +63,13 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import block  # noqa: E402  (bench/block.py: timing helpers and Inductor's async-TP switch)
+import block_report  # noqa: E402  (bench/block_report.py: number formats)
 import common  # noqa: E402  (bench/common.py)
+import fp8_variants  # noqa: E402  (bench/fp8_variants.py: --fp8, issue 27)
 import llama_tp  # noqa: E402  (examples/llama_tp.py: the model)
+import model_timing  # noqa: E402  (bench/model_timing.py: decode loop, round-robin timing)
+from model_report import ratio_series, tables  # noqa: E402  (bench/model_report.py: the tables)
 
-TARGETS = {"decode": 0.93, "decode_floor": 1.05, "train-tp": 0.92, "train-sp": 0.90, "compile_time": 1.0}
 MODEL = dict(dim=8192, layers=2, heads=64, kv_heads=8, ffn=28672, vocab=4096, max_seq=8192)
 FULL = dict(model=MODEL, cases=["decode", "train-tp", "train-sp"], decode=[1, 8, 64], train=[2048, 8192],
             train_batch=[1, 4], decode_steps=32, decode_start=512, decode_cache=1024, calls_train=3, reps=5, reps_train=5)
@@ -76,15 +83,26 @@ CPU = dict(FULL, model=dict(MODEL, dim=64, layers=2, heads=4, kv_heads=2, ffn=12
 CASES = ("decode", "train-tp", "train-sp")
 
 
-def _compilers(device: str, decode: bool):
-    """``(torch.compile variant, opfuse variant)`` as functions of a model."""
+def _compilers(device: str, decode: bool, fp8: str | None = None):
+    """``(torch.compile variant, opfuse variant)`` as functions of a model (``fp8``: the opfuse
+    variant's recipe, ``--fp8``; bench/fp8_variants.py)."""
+    import opfuse
+
+    fp8_kw = dict(fp8=fp8_variants.recipe(fp8), fp8_filter=fp8_variants.keep_high_precision) if fp8 else {}
+    if device != "cuda":
+        return (lambda m: torch.compile(m, backend="aot_eager_decomp_partition", dynamic=False),
+                lambda m: opfuse.optimize(m, options={"inductor": False}, **fp8_kw))
+    mode = "reduce-overhead" if decode else None
+    return (lambda m: torch.compile(m, mode=mode, dynamic=False), lambda m: opfuse.optimize(m, mode=mode, **fp8_kw))
+
+
+def _unmerged(device: str):
+    """--merge-ab (issue 27): the decode opfuse variant with ``merge_projections=False``."""
     import opfuse
 
     if device != "cuda":
-        return (lambda m: torch.compile(m, backend="aot_eager_decomp_partition", dynamic=False),
-                lambda m: opfuse.optimize(m, options={"inductor": False}))
-    mode = "reduce-overhead" if decode else None
-    return (lambda m: torch.compile(m, mode=mode, dynamic=False), lambda m: opfuse.optimize(m, mode=mode))
+        return lambda m: opfuse.optimize(m, merge_projections=False, options={"inductor": False})
+    return lambda m: opfuse.optimize(m, merge_projections=False, mode="reduce-overhead")
 
 
 def _uncached():
@@ -129,54 +147,7 @@ def _fusions(compiled) -> tuple[str, float]:
     return ", ".join(f"{n}x {k}" for k, n in sorted(counts.items())), seconds
 
 
-def _weight_bytes(model) -> int:
-    """Bytes of the parameters one rank streams per decode step (the embedding table is only
-    gathered at the new tokens' rows)."""
-    total = 0
-    for name, param in model.named_parameters():
-        if "tok_embeddings" in name:
-            continue
-        local = param.to_local() if hasattr(param, "to_local") else param
-        total += local.numel() * local.element_size()
-    return total
 
-
-def _decode_loop(fn, batch, start, steps, device):
-    """gpt-fast's loop: ``steps`` tokens per call, the next token the argmax, positions on the device,
-    no host sync between tokens. Returns a function that runs the loop."""
-    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    first = torch.tensor([start], dtype=torch.long, device=device)
-
-    def loop():
-        tok, pos = token, first
-        for _ in range(steps):
-            logits = fn(tok, pos)
-            tok = logits[:, -1].argmax(-1, keepdim=True)
-            pos = pos + 1
-        return tok
-
-    return loop
-
-
-def _loop_us(loop, steps, reps, device):
-    """Per-token time of ``loop`` (``steps`` tokens), median of ``reps``."""
-    loop()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        block.sync()
-        if device != "cuda":
-            t0 = time.perf_counter()
-            loop()
-            times.append((time.perf_counter() - t0) * 1e6 / steps)
-            continue
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        loop()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) * 1000.0 / steps)
-    return statistics.median(times)
 
 
 #: Extra opfuse variants (``--variants``): the settings each compiles and runs under.
@@ -191,31 +162,6 @@ def opfuse_settings(**settings):
 
     return opfuse.config.override(**settings) if settings else contextlib.nullcontext()
 
-
-def _interleaved_us(fns: dict, calls: int, reps: int, device: str) -> dict:
-    """Per-call time of each function, median of ``reps`` rounds; each round times ``calls``
-    back-to-back calls of every function in turn (clock and power drift hit every variant alike)."""
-    for fn in fns.values():
-        fn()
-    times: dict = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            dist.barrier()
-            block.sync()
-            if device != "cuda":
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                times[name].append((time.perf_counter() - t0) * 1e6 / calls)
-                continue
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(begin.elapsed_time(end) * 1000.0 / calls)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def worker(rank, world, opts, out_path):
@@ -280,9 +226,9 @@ def worker(rank, world, opts, out_path):
         compile_fn, opfuse_fn = _compilers(device, decode=True)
         steps, start = opts["decode_steps"], opts["decode_start"]
         for batch in opts["decode"]:
+            names = ("eager", "compile", "opfuse") + (("opfuse unmerged",) if opts.get("merge_ab") else ())
             full = llama_tp.unsharded(cfg, dtype, device)
-            models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device, full=full)
-                      for v in ("eager", "compile", "opfuse")}
+            models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device, full=full) for v in names}
             full = None
             gen = torch.Generator().manual_seed(6)
             for model in models.values():
@@ -297,17 +243,20 @@ def worker(rank, world, opts, out_path):
                 pos = torch.tensor([start], device=device)
                 want = models["eager"](ids, pos)
                 compiled = {"compile": compile_fn(models["compile"]), "opfuse": opfuse_fn(models["opfuse"])}
+                if opts.get("merge_ab"):  # issue 27: the same without merged projections
+                    compiled["opfuse unmerged"] = _unmerged(device)(models["opfuse unmerged"])
                 errors = {}
                 for name, fn in compiled.items():
                     out, row[f"{name} s"] = _first_call(lambda fn=fn: fn(ids, pos))
                     errors[name] = block.rel(out.float(), want.float())
                     for _ in range(2):  # reduce-overhead: warm-up, then recording of the CUDA graph
                         fn(ids, pos)
-                loops = {name: _decode_loop(fn, batch, start, steps, device) for name, fn in compiled.items()}
+                loops = {name: model_timing.decode_loop(fn, batch, start, steps, device)
+                         for name, fn in compiled.items()}
                 for name, loop in loops.items():
-                    measured(row, name, lambda loop=loop: _loop_us(loop, steps, opts["reps"], device))
+                    measured(row, name, lambda loop=loop: model_timing.loop_us(loop, steps, opts["reps"], device))
                 if copy_gbs:
-                    row["floor"] = _weight_bytes(models["opfuse"]) / copy_gbs / 1e3
+                    row["floor"] = model_timing.weight_bytes(models["opfuse"]) / copy_gbs / 1e3
                 profiled(row, loops)
             row["fusions"], row["opfuse passes s"] = _fusions(compiled["opfuse"])
             row["err"] = errors
@@ -315,6 +264,11 @@ def worker(rank, world, opts, out_path):
             finish(row)
 
     compile_fn, opfuse_fn = _compilers(device, decode=False)
+    fp8_fn = _compilers(device, decode=False, fp8=opts.get("fp8"))[1] if opts.get("fp8") else None
+    torchao_fn, torchao_note = fp8_variants.torchao_compiler(opts.get("fp8"))
+    if opts.get("fp8"):
+        notes.append(f"--fp8 {opts['fp8']}: 'opfuse fp8' runs opfuse.optimize(fp8=...) (output head in bf16); "
+                     f"torchao column: {torchao_note}")
     async_tp = None
     for mode in ("tp", "sp"):
         if f"train-{mode}" not in opts["cases"]:
@@ -330,6 +284,10 @@ def worker(rank, world, opts, out_path):
                     continue
                 seq = tokens // batch
                 extra = list(opts.get("variants", ()))
+                if opts.get("fp8"):  # issue 27: FP8 opfuse, and torchao float8 where it imports (tp cases)
+                    extra.append("opfuse fp8")
+                    if torchao_fn is not None and mode == "tp":
+                        extra.append("torchao fp8")
                 names = ["eager", "compile", "opfuse", *extra]
                 full = llama_tp.unsharded(cfg, dtype, device)
                 models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device, full=full) for v in names}
@@ -339,7 +297,11 @@ def worker(rank, world, opts, out_path):
                 row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}
                 steps_ = {"eager": models["eager"], "compile": compile_fn(models["compile"]),
                           "opfuse": opfuse_fn(models["opfuse"])}
-                steps_.update({name: opfuse_fn(models[name]) for name in extra})
+                steps_.update({name: opfuse_fn(models[name]) for name in extra if name in EXTRA_VARIANTS})
+                if "opfuse fp8" in extra:
+                    steps_["opfuse fp8"] = fp8_fn(models["opfuse fp8"])
+                if "torchao fp8" in extra:
+                    steps_["torchao fp8"] = torchao_fn(models["torchao fp8"])
 
                 def step(name):
                     params = [p for p in models[name].parameters() if p.requires_grad]
@@ -357,8 +319,8 @@ def worker(rank, world, opts, out_path):
                     got, row[f"{name} s"] = _first_call(step(name))
                     errors[name] = max(block.rel(a.float(), b.float()) for a, b in zip(_local(got), _local(want)))
                 calls, reps = opts["calls_train"], opts["reps_train"]
-                measured(row, "interleaved", lambda: row.update(_interleaved_us({n: step(n) for n in names}, calls,
-                                                                                 reps, device)))
+                measured(row, "interleaved", lambda: row.update(
+                    model_timing.interleaved_us({n: step(n) for n in names}, calls, reps, device)))
                 row.pop("interleaved", None)
                 profiled(row, {name: step(name) for name in ("compile", "opfuse", *extra)})
                 row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])
@@ -385,72 +347,6 @@ def _local(tensors):
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
-# Tables ---------------------------------------------------------------------------------------------------
-
-
-def _target(case: str) -> float:
-    return TARGETS["decode"] if case == "decode" else TARGETS[case]
-
-
-def tables(world, result, opts) -> tuple[str, list]:
-    fmt, ratio = block.fmt, block.ratio
-    model = opts["model"]
-    out = [f"\nworld {world}: hidden {model['dim']}, {model['heads']} heads ({model['kv_heads']} kv), ffn "
-           f"{model['ffn']}, {model['layers']} layers, {'bf16' if opts['device'] == 'cuda' else 'float32'}; "
-           f"microseconds per step (decode: per token; max over ranks); compile: seconds of the first call"]
-    if result.get("copy_gbs"):
-        out.append(f"HBM copy rate (read + write) {result['copy_gbs']:.0f} GB/s: the decode floor is the weights one "
-                   f"rank streams per token over it")
-    out += ["| case | shape | eager | compile | opfuse | opfuse / compile | floor | opfuse / floor | compile s | "
-            "opfuse s | opfuse s / compile s | opfuse passes s | fusions |", "|" + "---|" * 13]
-    summary = []
-    for r in result["rows"]:
-        speed = ratio(r.get("opfuse"), r.get("compile"))
-        compile_ratio = ratio(r.get("opfuse s"), r.get("compile s"))
-        floor_ratio = ratio(r.get("opfuse"), r.get("floor"))
-        out.append(f"| {r['case']} | {r['shape']} | {fmt(r.get('eager'))} | {fmt(r.get('compile'))} | "
-                   f"{fmt(r.get('opfuse'))} | {fmt(speed, 2)} | {fmt(r.get('floor'))} | {fmt(floor_ratio, 2)} | "
-                   f"{fmt(r.get('compile s'))} | {fmt(r.get('opfuse s'))} | {fmt(compile_ratio, 2)} | "
-                   f"{fmt(r.get('opfuse passes s'), 2)} | {r.get('fusions', '')} |")
-        target = _target(r["case"])
-        case = f"{r['case']} {r['shape']}"
-        summary.append((world, case, "opfuse / compile", speed, f"<= {target}",
-                        None if speed is None else speed <= target))
-        if r.get("floor"):
-            summary.append((world, case, "opfuse / floor", floor_ratio, f"<= {TARGETS['decode_floor']}",
-                            None if floor_ratio is None else floor_ratio <= TARGETS["decode_floor"]))
-        summary.append((world, case, "opfuse s / compile s", compile_ratio, f"<= {TARGETS['compile_time']}",
-                        None if compile_ratio is None else compile_ratio <= TARGETS["compile_time"]))
-    extra = [(r, name) for r in result["rows"] for name in EXTRA_VARIANTS if r.get(name) is not None]
-    if extra:
-        out += ["", "| case | shape | variant | us | / compile | / opfuse | compile s |", "|" + "---|" * 7]
-        for r, name in extra:
-            out.append(f"| {r['case']} | {r['shape']} | {name} | {fmt(r[name])} | {fmt(ratio(r[name], r.get('compile')), 2)}"
-                       f" | {fmt(ratio(r[name], r.get('opfuse')), 2)} | {fmt(r.get(name + ' s'))} |")
-    errs = "; ".join(f"{r['case']} {r['shape']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r.get("err", {}).items()
-                                                                 if v is not None) for r in result["rows"])
-    out += ["", f"relative error vs eager (outputs; train: max over gradients): {errs}"]
-    out += [f"note: {n}" for n in result["notes"]]
-    if result.get("profiles"):
-        import kernel_table
-
-        for case, found in result["profiles"].items():
-            if found:
-                out.append(kernel_table.format_tables(found, f"world {world} {case}"))
-    out.append(f"(world {world} took {result['seconds']:.0f} s in the ranks)")
-    return "\n".join(out), summary
-
-
-def ratio_series(results) -> dict:
-    series: dict = {}
-    for world, result in results.items():
-        for r in result["rows"]:
-            value = block.ratio(r.get("opfuse"), r.get("compile"))
-            if value is not None:
-                series.setdefault(f"world {world} {r['case']}: opfuse / compile", []).append((r["shape"], value))
-    return series
-
-
 def main() -> int:
     parser = common.parser("model", __doc__)
     parser.add_argument("--world", type=int, nargs="+", default=[2])
@@ -466,6 +362,10 @@ def main() -> int:
     parser.add_argument("--train-batch", type=int, nargs="*", default=None, metavar="B",
                         help="sequences per training step (default 1 4)")
     parser.add_argument("--profile", action="store_true", help="a kernel table per variant and case")
+    parser.add_argument("--merge-ab", action="store_true",
+                        help="issue 27: also decode with opfuse.optimize(merge_projections=False)")
+    parser.add_argument("--fp8", choices=["tensor", "row"], default=None,
+                        help="issue 27: training cases also run opfuse in FP8, and torchao float8 where it imports")
     parser.add_argument("--variants", nargs="*", choices=sorted(EXTRA_VARIANTS), default=[],
                         help="extra opfuse variants in the training cases (settings in EXTRA_VARIANTS)")
     args = parser.parse_args()
@@ -479,7 +379,7 @@ def main() -> int:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda",
-                    profile=args.profile, variants=args.variants)
+                    profile=args.profile, variants=args.variants, fp8=args.fp8, merge_ab=args.merge_ab)
         if args.cases:
             opts["cases"] = args.cases
         if args.layers:
@@ -505,7 +405,7 @@ def main() -> int:
     print(f"\nsummary (targets of issue 26; ratios within one run; {time.perf_counter() - started:.0f} s in all)")
     print("| world | case | ratio | value | target | met |\n|---|---|---|---|---|---|")
     for world, case, what, value, target, met in summary:
-        print(f"| {world} | {case} | {what} | {block.fmt(value, 2)} | {target} | "
+        print(f"| {world} | {case} | {what} | {block_report.fmt(value, 2)} | {target} | "
               f"{'-' if met is None else ('yes' if met else 'NO')} |")
     common.finish(args, {"opts": opts, "results": results}, series=ratio_series(results), xlabel="case",
                   ylabel="time ratio (< 1: opfuse faster)", title="Llama-style decoder: opfuse backend / torch.compile")

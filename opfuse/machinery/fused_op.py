@@ -113,6 +113,26 @@ class FusedCall:
         return self.fn(*args)
 
 
+def _distinct(result, args):
+    """``result`` with no tensor returned twice or returned as it was given: a custom op's outputs
+    may not alias its inputs or each other (torch checks it when the op runs through the
+    dispatcher), and implementations share one empty placeholder for the gradients nobody asked
+    for."""
+    if isinstance(result, torch.Tensor):
+        return result.clone() if any(result is a for a in args) else result
+    if not isinstance(result, (tuple, list)):
+        return result
+    seen = {id(a) for a in args if isinstance(a, torch.Tensor)}
+    out = []
+    for item in result:
+        if isinstance(item, torch.Tensor):
+            if id(item) in seen:
+                item = item.new_empty(0) if item.numel() == 0 else item.clone()
+            seen.add(id(item))
+        out.append(item)
+    return type(result)(out)
+
+
 def _dispatching(qualname: str, prototype: Callable, lookup: Callable[[str], Implementation], which: str):
     """A function with ``prototype``'s signature (its last parameter is the implementation name)
     that runs ``lookup(impl).<which>`` on the other arguments."""
@@ -136,7 +156,7 @@ def _dispatching(qualname: str, prototype: Callable, lookup: Callable[[str], Imp
         fn = resolved.get(args[-1])
         if fn is None:
             fn = resolve(args[-1])
-        return fn(*args[:-1])
+        return _distinct(fn(*args[:-1]), args)
 
     run.__name__ = qualname.split("::")[-1]
     run.__qualname__ = run.__name__

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 from torch import fx, nn
 
-from .aten import aten, c10d, calls, is_tensor_node, known_equal, shape
+from .aten import aten, c10d, calls, is_tensor_node, known_equal, shape, value
 
 __all__ = ["ParamSource", "Region", "recompute_closure", "EXPENSIVE", "VIEWS", "is_input", "standin", "frozen",
            "is_vector_of", "other"]
@@ -77,8 +77,36 @@ def is_input(node) -> bool:
     return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr") and is_tensor_node(node)
 
 
-def standin(shape_, dtype_) -> nn.Parameter:
+def standin(shape_, dtype_, source: fx.Node | None = None) -> nn.Parameter:
+    """A meta-device parameter standing for a graph input. With ``source`` (the input's node),
+    it mirrors where that input lives: graph inputs that are views of one storage (weights packed
+    back to back, see :func:`opfuse.ops.packing.pack_rows_`) get stand-ins that are views of one
+    meta storage at the same offsets, so passes can tell adjacent weights apart from separate
+    ones (``horizontal_gemm`` merges the former without copying)."""
+    mirrored = _mirrored(shape_, dtype_, source)
+    if mirrored is not None:
+        return nn.Parameter(mirrored, requires_grad=False)
     return nn.Parameter(torch.empty(shape_, device="meta", dtype=dtype_), requires_grad=False)
+
+
+def _mirrored(shape_, dtype_, source) -> torch.Tensor | None:
+    val = value(source) if isinstance(source, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(shape_) or val.dtype != dtype_:
+        return None
+    try:
+        storage = val.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+    if nbytes <= val.numel() * val.element_size():
+        return None  # the input owns its storage: nothing to mirror
+    bases = source.graph.__dict__.setdefault("_opfuse_standin_storages", {})
+    base = bases.get(key)
+    if base is None or base.dtype != dtype_:
+        if nbytes % val.element_size():
+            return None
+        base = bases[key] = torch.empty(nbytes // val.element_size(), device="meta", dtype=dtype_)
+    return base.as_strided(tuple(val.shape), tuple(val.stride()), val.storage_offset())
 
 
 def frozen(op: nn.Module) -> nn.Module:

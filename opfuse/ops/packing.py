@@ -13,26 +13,57 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["adjacent", "join_rows", "pack_rows_"]
+__all__ = ["adjacent", "join_rows", "pack_rows_", "span_key"]
 
 
 def adjacent(tensors: Sequence[torch.Tensor]) -> bool:
     """True when ``tensors`` (contiguous, same dtype, device and trailing shape) follow one
-    another in one storage, in this order: their rows form one contiguous matrix."""
+    another in one storage, in this order: their rows form one contiguous matrix. Meta and fake
+    tensors (stand-ins, tracing) are compared by storage and offset."""
     first = tensors[0]
     if first.dim() == 0 or not first.is_contiguous():
         return False
-    try:
-        storage = first.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # fake / meta tensors without a storage pointer
-        return False
-    end = first.data_ptr() + first.numel() * first.element_size()
     for t in tensors[1:]:
         if (t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]
-                or not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != end):
+                or not t.is_contiguous()):
             return False
-        end += t.numel() * t.element_size()
+    span = _span(first)
+    if span is None:
+        return False
+    storage, end = span[0], span[1] + first.numel()
+    for t in tensors[1:]:
+        span = _span(t)
+        if span is None or span[0] != storage or span[1] != end:
+            return False
+        end += t.numel()
     return True
+
+
+def _span(t: torch.Tensor) -> tuple | None:
+    """``(storage identity, first element)`` of ``t``: its storage's address for tensors with
+    memory, the storage object for meta and fake ones."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if t.is_meta or _is_fake(t):
+        return ("storage", storage._cdata), t.storage_offset()
+    try:
+        return ("address", storage.data_ptr()), t.storage_offset()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def span_key(t: torch.Tensor):
+    """A sort key that orders tensors of one storage by where they start (``None`` if unknown)."""
+    span = _span(t)
+    return None if span is None else (span[0][1], span[1])
 
 
 def _tracing(tensors) -> bool:
@@ -71,7 +102,17 @@ def join_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     tensors = list(tensors)
     if len(tensors) == 1:
         return tensors[0]
-    if _tracing(tensors) or not adjacent(tensors):
+    if all(_is_fake(t) for t in tensors) and not torch.is_grad_enabled():
+        # Fake tensors with grad off: opfuse lowering a fused op into a graph autograd already
+        # differentiated (torch.compile). Adjacent inputs are joined as a view of their storage.
+        if adjacent(tensors):
+            first = tensors[0]
+            return first.as_strided((sum(t.shape[0] for t in tensors),) + tuple(first.shape[1:]), first.stride(),
+                                    first.storage_offset())
+        return torch.cat(tensors)
+    if _tracing(tensors):
+        return torch.cat(tensors)
+    if not adjacent(tensors):
         return torch.cat(tensors)
     return _JoinRows.apply(*tensors)
 

@@ -20,19 +20,45 @@ import torch
 __all__ = ["OpfuseBackend", "opfuse_backend", "optimize", "programs", "register"]
 
 #: Keys of ``options=`` that opfuse reads; the rest go to Inductor's config.
-OPFUSE_OPTIONS = ("inductor",)
+OPFUSE_OPTIONS = ("inductor", "fp8", "fp8_filter")
 
 
 class OpfuseBackend:
     """A torch.compile backend that applies opfuse's rules to each graph, then compiles it with
     Inductor. ``programs`` holds a :class:`~opfuse.torch_compile.program.GraphProgram` per graph
-    compiled (training graphs: forward and backward together; inference graphs)."""
+    compiled (training graphs: forward and backward together; inference graphs).
 
-    def __init__(self):
+    ``fp8`` / ``fp8_filter``: the FP8 recipe and layer filter (:mod:`.fp8`); ``model``: the module
+    being compiled, whose parameters name the graphs' inputs (found from Dynamo's frame when
+    ``None``)."""
+
+    def __init__(self, fp8=None, fp8_filter=None, model=None, prepared=None):
+        from .fp8 import check_filter, check_recipe
+
         self.programs: list = []
+        self.fp8 = check_recipe(fp8, "opfuse.optimize: fp8")
+        self.fp8_filter = check_filter(fp8_filter, self.fp8, "opfuse.optimize: fp8_filter")
+        self.model = model
+        self.prepared = prepared
 
     def _record(self, program) -> None:
+        if self.prepared is not None:
+            program.notes.extend(("optimize", note) for note in self.prepared.notes)
         self.programs.append(program)
+
+    def _settings(self, gm, example_inputs, options: dict):
+        from .fp8 import CompileSettings, check_filter, check_recipe
+        from .inputs import describe_inputs
+
+        recipe, fp8_filter = self.fp8, self.fp8_filter
+        if "fp8" in options or "fp8_filter" in options:
+            if recipe is not None:
+                raise ValueError("opfuse backend: fp8 given both to opfuse.optimize and in options=; give it once")
+            recipe = check_recipe(options.pop("fp8", None))
+            fp8_filter = check_filter(options.pop("fp8_filter", None), recipe)
+        inputs = describe_inputs(gm, example_inputs, [self.model] if self.model is not None else ())
+        routers = self.prepared.routers if self.prepared is not None else set()
+        return CompileSettings(fp8=recipe, fp8_filter=fp8_filter, inputs=inputs, routers=routers)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
         from .graph_pass import FusionPass, PassChain
@@ -41,14 +67,15 @@ class OpfuseBackend:
         inductor = options.pop("inductor", True)
         if not isinstance(inductor, bool):
             raise TypeError(f"opfuse backend: options['inductor']={inductor!r}; expected True or False")
-        fusion = FusionPass(self._record)
+        settings = self._settings(gm, example_inputs, options)
+        fusion = FusionPass(self._record, settings)
         if not inductor:
             if mode not in (None, "default"):
                 raise ValueError(f"opfuse backend: mode={mode!r} needs Inductor; drop options['inductor']=False")
             if options:
                 raise ValueError(f"opfuse backend: Inductor options {sorted(options)} given with "
                                  f"options['inductor']=False")
-            return _aot_eager(gm, example_inputs, fusion)
+            return _guarded(_aot_eager(gm, example_inputs, fusion), settings)
         from torch._inductor import config as inductor_config
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
@@ -61,7 +88,15 @@ class OpfuseBackend:
             patches["reorder_for_peak_memory"] = False
         existing = patches.get("joint_custom_post_pass", inductor_config.joint_custom_post_pass)
         patches["joint_custom_post_pass"] = fusion if existing is None else PassChain(existing, fusion)
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return _guarded(compile_fx(gm, example_inputs, config_patches=patches), settings)
+
+
+def _guarded(compiled, settings):
+    """``compiled``, checking before each call that the inputs its graphs join still lie where
+    they did (:mod:`.layout_guard`)."""
+    from .layout_guard import guard_layouts
+
+    return guard_layouts(compiled, settings.joined, [i.name for i in settings.inputs])
 
 
 def _keeps_collective_order(gm: torch.fx.GraphModule) -> bool:
@@ -120,7 +155,8 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     return DEFAULT_BACKEND(gm, example_inputs, **kwargs)
 
 
-def optimize(model, **compile_kwargs):
+def optimize(model, *, fp8=None, fp8_filter=None, merge_projections: bool = True, moe: bool = True,
+             **compile_kwargs):
     """``torch.compile(model, backend=<a new opfuse backend>, **compile_kwargs)``, with static
     shapes unless ``dynamic=`` says otherwise (opfuse chooses implementations per shape).
 
@@ -128,12 +164,36 @@ def optimize(model, **compile_kwargs):
     its graphs. A model that is already a ``torch.compile`` result is refused (``TypeError``):
     compiling it again would nest two compilers, the inner one never seeing a graph.
 
+    Parameters
+    ----------
+    fp8:
+        An :mod:`opfuse.fp8` recipe (``opfuse.fp8.TensorScaling()``, ``RowwiseScaling()``): every
+        recognised projection GEMM runs in FP8, forward and backward, with the quantization fused
+        into the op that produces its input where a rule does so (see the README's FP8 section).
+    fp8_filter:
+        ``fn(fqn, module) -> bool``: ``False`` keeps that linear (e.g. the output head,
+        ``lambda fqn, m: fqn != "output"``) in high precision. The routers of rewritten MoE
+        blocks stay in high precision whatever it says.
+    merge_projections:
+        Store sibling projections (q/k/v, gate/up) back to back so that one GEMM reads them
+        without a copy (:mod:`opfuse.torch_compile.merge_projections`: the parameters stay the
+        same objects, ``state_dict`` is unchanged).
+    moe:
+        Rewrite Hugging Face style mixture-of-experts blocks (a loop over experts) into grouped
+        GEMMs with the group sizes on the device (:mod:`opfuse.torch_compile.moe`).
+
+    ``model``'s rewrites (``merge_projections``, ``moe``) are made here, in place, and listed by
+    every program's ``explain()``; :func:`opfuse.torch_compile.prepare_model` makes them for
+    ``torch.compile(model, backend="opfuse")``.
+
     Examples
     --------
     >>> fast = opfuse.optimize(model, mode="reduce-overhead")       # doctest: +SKIP
     >>> loss = fast(tokens).sum(); loss.backward()                  # doctest: +SKIP
     >>> for program in opfuse.programs(fast):                       # doctest: +SKIP
     ...     print(program.explain())
+    >>> fp8 = opfuse.optimize(model, fp8=opfuse.fp8.TensorScaling(),
+    ...                       fp8_filter=lambda fqn, module: fqn != "output")  # doctest: +SKIP
     """
     if "backend" in compile_kwargs:
         raise TypeError("opfuse.optimize: backend= is opfuse's; call torch.compile for another backend")
@@ -144,8 +204,17 @@ def optimize(model, **compile_kwargs):
                         f"opfuse.optimize or torch.compile); pass the original model (compiled._orig_mod for a "
                         f"module) or use the compiled one as it is")
     compile_kwargs.setdefault("dynamic", False)
-    backend = OpfuseBackend()
+    module = model if isinstance(model, torch.nn.Module) else None
+    prepared = None
+    if module is not None:
+        from .prepare import prepare_model
+
+        prepared = prepare_model(module, merge_projections=merge_projections, moe=moe)
+    backend = OpfuseBackend(fp8=fp8, fp8_filter=fp8_filter, model=module, prepared=prepared)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
+    if prepared is not None and len(prepared.packed):
+        # Parameters moved after this call (model.to(...)) are packed again before the next one.
+        compiled.register_forward_pre_hook(prepared.packed.check_hook())
     _OPTIMIZED[compiled] = backend
     return compiled
 

@@ -22,6 +22,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ..config import config
 from ..core.pipeline import PassContext, run_pipeline
 from ..core.recorder import PassRecorder, new_dump_dir
+from .fp8 import CompileSettings, plan_fp8, unfused_fp8
+from .fp8_lower import JointLowering
+from .joins import view_adjacent_concatenations
+from .layout_guard import joined_inputs
 from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
 from .overlap import plan_overlaps, schedule_overlaps
@@ -49,22 +53,37 @@ def _write_aten(dump_dir: str | None, stem: str, gm: fx.GraphModule) -> None:
             handle.write(gm.print_readable(print_output=False, include_stride=False, include_device=True))
 
 
-def fuse_graph(gm: fx.GraphModule) -> GraphProgram:
-    """Fuse what the rules match in aten graph ``gm`` (edited in place); returns its program."""
+def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> GraphProgram:
+    """Fuse what the rules match in aten graph ``gm`` (edited in place); returns its program.
+    ``settings``: the FP8 recipe and filter, and the model parameter of each input."""
     started = time.perf_counter()
+    settings = settings or CompileSettings()
     index = next(_graph_ids)
     training = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
     dump_dir = new_dump_dir("graph")
     _write_aten(dump_dir, "aten_before", gm)
+    joined = view_adjacent_concatenations(gm.graph)
     overlaps = plan_overlaps(gm.graph) if config.overlap_collectives == "auto" else []
     op_graph = build_op_graph(gm, exclude={node for o in overlaps for node in (o.issue, o.wait)})
+    if joined:
+        op_graph.notes.append(f"{joined} concatenation(s) of parameters stored back to back read as views of "
+                              f"their storage (no copy)")
     phases = _phases(op_graph.gm)
-    ctx = PassContext()
+    ctx = PassContext(recipe=settings.fp8)
+    grads = {}
+    if settings.fp8 is not None:
+        plan = plan_fp8(op_graph, gm, settings)
+        ctx.fp8_exempt = plan.exempt
+        ctx.notes.extend(("fp8", note) for note in plan.notes)
+        grads = plan.grads
     recorder = PassRecorder(ctx, dump_dir, module_class=OpGraphModule)
     run_pipeline(op_graph.gm, ctx, recorder)
-    lower_fusions(op_graph, gm)
+    if settings.fp8 is not None and unfused_fp8(op_graph.gm):
+        ctx.notes.append(("fp8", unfused_fp8(op_graph.gm)))
+    lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads))
     schedule_overlaps(gm.graph, overlaps)
     gm.recompile()
+    settings.joined.extend(joined_inputs(gm.graph))
     _write_aten(dump_dir, "aten_after", gm)
     fused_phases = {}
     for record in ctx.fusions:
@@ -87,11 +106,12 @@ class FusionPass(CustomGraphPass):
     the chosen implementations (peer-memory reservations) that its custom-op calls rely on.
     """
 
-    def __init__(self, on_program: Callable[[GraphProgram], None]):
+    def __init__(self, on_program: Callable[[GraphProgram], None], settings: CompileSettings | None = None):
         self.on_program = on_program
+        self.settings = settings
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.on_program(fuse_graph(graph.owning_module))
+        self.on_program(fuse_graph(graph.owning_module, self.settings))
 
     def uuid(self):
         return None

@@ -197,7 +197,9 @@ class _Lowering:
         replaced = node.meta.get("opfuse_replaces")
         if replaced is not None:
             self.replace(replaced, out, rule, inputs)
-            self.values[node.name] = out
+        # Also a value that exists only in the op graph (a horizontal GEMM's packed gate | up, read
+        # by the fused gated activation after it) has its aten node now.
+        self.values[node.name] = out
         for user in list(node.users):
             if user.op == "call_function" and user.args[0] is node and "opfuse_replaces" in user.meta:
                 self.replace(user.meta["opfuse_replaces"], out[user.args[1]], rule, inputs)
@@ -235,11 +237,13 @@ class _Lowering:
             raise LoweringError(f"opfuse: fused collectives are still used after fusion: {users}")
 
 
-def lower_fusions(op_graph: OpGraph, aten_gm: fx.GraphModule) -> None:
-    """Replace every fused op of ``op_graph`` (after the pass pipeline) in ``aten_gm``."""
+def lower_fusions(op_graph: OpGraph, aten_gm: fx.GraphModule, lowering: "_Lowering | None" = None) -> None:
+    """Replace every fused op of ``op_graph`` (after the pass pipeline) in ``aten_gm``
+    (``lowering``: a :class:`_Lowering` subclass instance for fused ops that need more, e.g. the
+    FP8 ones of :mod:`.fp8_lower`)."""
     from torch._inductor.pattern_matcher import stable_topological_sort
 
-    lowering = _Lowering(op_graph, aten_gm)
+    lowering = lowering or _Lowering(op_graph, aten_gm)
     gm = op_graph.gm
     for node in list(gm.graph.nodes):
         if node.op == "call_module":

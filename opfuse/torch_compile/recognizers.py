@@ -97,12 +97,46 @@ def _view_chain(node) -> tuple[fx.Node, list[fx.Node]]:
     return node, chain
 
 
+def _private_view_chain(mm: fx.Node, a: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """:func:`_view_chain` of GEMM ``mm``'s input ``a``, stopping at a view other GEMMs' inputs
+    share (q, k and v flatten one all-gathered value through a shared view): each linear's region
+    keeps only its own views, so that every one of them is recognised."""
+    chain, node = [], a
+    while calls(node, *VIEWS):
+        if node is not a and len(node.users) > 1:
+            break
+        if node is a and any(u is not mm and _gemm_input(u) is a for u in a.users):
+            break
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _gemm_input(node) -> fx.Node | None:
+    """The activation operand of an ``mm`` / ``addmm`` whose other operand is a transposed weight."""
+    if calls(node, aten.mm.default):
+        x, b = node.args[:2]
+    elif calls(node, aten.addmm.default):
+        x, b = node.args[1:3]
+    else:
+        return None
+    return x if calls(b, aten.permute.default) and is_input(b.args[0]) else None
+
+
+def _same_rows(a, b) -> bool:
+    """Two shapes hold the same ``[tokens, features]`` (every leading dim is tokens, as opfuse's ops
+    see it), known without guards when token counts are symbolic."""
+    return bool(a) and bool(b) and known_equal(_numel(a[:-1]), _numel(b[:-1])) and known_equal(a[-1], b[-1])
+
+
 def _through_views(node) -> tuple[fx.Node, list[fx.Node]]:
-    """``node`` seen through views that give its source's shape back (functionalised in-place
-    collectives on reshaped tensors leave such round trips): ``(source, views)``, or
-    ``(node, [])`` when the views change the shape."""
+    """``node`` seen through views that keep its rows: round trips that give the source's shape
+    back (functionalised in-place collectives on reshaped tensors leave them) and regroupings of
+    the leading dims (an MoE block all-reduces its ``[tokens, hidden]`` combine, then reshapes it to
+    ``[batch, seq, hidden]`` for the residual add): ``(source, views)``, or ``(node, [])`` when
+    the views change the features."""
     source, chain = _view_chain(node)
-    if chain and same_shape(shape(source), shape(node)) and is_tensor_node(source):
+    if chain and is_tensor_node(source) and _same_rows(shape(source), shape(node)):
         return source, chain
     return node, []
 
@@ -140,7 +174,7 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
     # x's leading dims flattened for the GEMM and restored on its result, through any views (the
     # grouping of the leading dims may differ: a dim-1 all-gather with batch 1 is viewed that way).
     x, out = a, mm
-    source, views_in = _view_chain(a)
+    source, views_in = _private_view_chain(mm, a)
     dims = shape(source)
     if views_in and dims is not None and known_equal(dims[-1], k) and known_equal(_numel(dims[:-1]), a_shape[0]):
         x = source
@@ -162,7 +196,7 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
     nodes.update(out_views)
     if dtype(x) != dtype(weight.node):
         return []
-    weight_standin = standin((n, k), dtype(weight.node))
+    weight_standin = standin((n, k), dtype(weight.node), weight.node)
     gemm = Region(frozen(BasicLinear(k, n, weight=weight_standin)), (x,), out, frozenset(nodes), {weight_standin: weight})
     if bias is None:
         return [gemm]
@@ -172,7 +206,7 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
     # that restore x's leading dims) compute from x and W.
     gemm.value, gemm.anchor = None, mm
     gemm.nodes = frozenset(nodes - {mm, *out_views})
-    bias_standin = standin((n,), dtype(bias))
+    bias_standin = standin((n,), dtype(bias), bias)
     biased = Region(frozen(Bias(n, bias=bias_standin)), (), out, frozenset({mm, *out_views}),
                     {bias_standin: ParamSource(bias)}, virtual_input=True)
     return [gemm, biased]
@@ -226,14 +260,14 @@ def add(node: fx.Node, found: Found) -> Region | None:
         return None  # feature sizes are fixed (only token counts may vary between calls)
     (a, views_a), (b, views_b) = _through_views(a), _through_views(b)
     for y, vec in ((a, b), (b, a)):
-        if (same_shape(shape(y), shape(node)) and is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
-                and is_input(vec)):
+        if (_same_rows(shape(y), shape(node)) and is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
+                and len(shape(y)) >= 2 and is_input(vec)):
             if dtype(node) != dtype(y) and dtype(vec) == dtype(y):
                 return None
             bias_standin = standin((shape(node)[-1],), dtype(vec))
             return Region(frozen(Bias(shape(node)[-1], bias=bias_standin)), (y,), node,
                           frozenset({node, *views_a, *views_b}), {bias_standin: ParamSource(vec)})
-    if not (same_shape(shape(a), shape(node)) and same_shape(shape(b), shape(node))) or not (
+    if not (_same_rows(shape(a), shape(node)) and _same_rows(shape(b), shape(node))) or not (
             dtype(a) == dtype(b) == dtype(node)):
         return None
     # The add is commutative: the main input is the operand whose chain the rules can fuse, the

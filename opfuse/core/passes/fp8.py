@@ -8,6 +8,11 @@ gathered tensor has one scale too; with one scale per row each row travels with 
 ``GroupedLinear`` quantizes its input inside the grouped GEMM (one scale per tensor must ignore the
 rows past ``sum(group_sizes)``, which only the grouped op knows).
 
+GEMMs that read the same value share one ``Quantize`` (q, k and v of an attention block: the norm
+before them emits FP8 once). ``ctx.fp8_exempt`` (node name -> reason; the torch.compile front
+end fills it from ``fp8_filter`` and from what it could not convert) keeps chosen GEMMs in high
+precision.
+
 It runs at the end of the partition pass, so the partitioned graph (``OPFUSE_DUMP``:
 ``01_partition.py``; ``Program.dump(graph="unfused")``) is the unfused FP8 program: every op in it
 has a reference that emulates the FP8 numerics in float32, which the passes and fusion rules after
@@ -40,8 +45,19 @@ def _swap_module(gm: fx.GraphModule, node: fx.Node, module) -> None:
     node.target = add_submodule(gm, f"{node.target}_fp8", module)
 
 
+def _shared_quantize(gm: fx.GraphModule, source: fx.Node, op: Quantize) -> fx.Node | None:
+    """A ``Quantize`` of ``source`` with ``op``'s settings that another GEMM's input already has."""
+    for user in source.users:
+        other = _op(gm, user)
+        if (isinstance(other, Quantize) and (other.dtype, other.rowwise) == (op.dtype, op.rowwise)
+                and other.amax_group is op.amax_group):
+            return user
+    return None
+
+
 def _quantize_input(gm: fx.GraphModule, gemm: fx.Node, recipe) -> None:
-    """Insert ``Quantize`` on the GEMM's input, above the movers that feed it."""
+    """Insert ``Quantize`` on the GEMM's input, above the movers that feed it (or reuse the one
+    another GEMM reading the same value got)."""
     chain = [gemm]
     source = gemm.args[0]
     while isinstance(_op(gm, source), _MOVERS) and len(source.users) == 1:
@@ -53,13 +69,25 @@ def _quantize_input(gm: fx.GraphModule, gemm: fx.Node, recipe) -> None:
     # The gather's group, resolved: ``None`` would mean "no group" to Quantize.
     op = Quantize.for_recipe(recipe, amax_group=groups.resolve(gathers[0].group, "AllGather") if gathers else None)
     first = chain[-1]
+    shared = _shared_quantize(gm, source, op)
+    if shared is not None:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        if order[shared] > order[first]:
+            first.prepend(shared)  # read earlier than by the GEMM it was made for
+        first.replace_input_with(source, shared)
+        _refresh_movers(gm, chain)
+        return
     with gm.graph.inserting_before(first):
         node = gm.graph.call_module(add_submodule(gm, f"{gemm.name}_quantize", op), (source,))
     node.meta.update(opfuse_meta=output_meta(op, source.meta["opfuse_meta"]),
                      opfuse_sharding=source.meta["opfuse_sharding"],
                      opfuse_path=gemm.meta.get("opfuse_path", gemm.name) + ".quantize")
     first.replace_input_with(source, node)
-    # The movers now carry FP8: recompute their metadata (the GEMM's output is unchanged).
+    _refresh_movers(gm, chain)
+
+
+def _refresh_movers(gm: fx.GraphModule, chain: list[fx.Node]) -> None:
+    """The movers now carry FP8: recompute their metadata (the GEMM's output is unchanged)."""
     for mover in reversed(chain[1:]):
         metas = [a.meta["opfuse_meta"] for a in mover.args if isinstance(a, fx.Node)]
         mover.meta["opfuse_meta"] = output_meta(_op(gm, mover), *metas)
@@ -71,8 +99,11 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> None:
     recipe = getattr(ctx, "recipe", None)
     if recipe is None:
         return
+    exempt = getattr(ctx, "fp8_exempt", None) or {}
     for node in list(gm.graph.nodes):
         op = _op(gm, node)
+        if node.name in exempt:
+            continue
         if isinstance(op, BasicLinear) and op.recipe is None:
             _swap_module(gm, node, op.with_recipe(recipe))
             _quantize_input(gm, node, recipe)

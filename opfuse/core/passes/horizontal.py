@@ -33,7 +33,7 @@ from torch import fx
 from ...families.gated_activation.op import PackedGatedActivation
 from ...families.horizontal_linear.op import HorizontalLinear
 from ...config import config
-from ...ops.packing import adjacent
+from ...ops.packing import adjacent, span_key
 from ...machinery.rewrite import reorder_topologically
 
 __all__ = ["horizontal_gemm"]
@@ -48,10 +48,7 @@ def _key(ctx, node: fx.Node):
 def _adjacent_runs(ctx, nodes: list[fx.Node]) -> list[list[fx.Node]]:
     """Maximal runs (>= 2) of ``nodes`` whose weights follow one another in memory."""
     def start(node):
-        try:
-            return ctx.op(node).weight.data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return 0
+        return span_key(ctx.op(node).weight) or (0, 0)
     ordered = sorted(nodes, key=start)
     runs, current = [], [ordered[0]]
     for node in ordered[1:]:

@@ -1,5 +1,5 @@
-"""The grouped-linear family's recognizer: ``BasicGroupedLinear`` in aten graphs, so that rules over
-grouped GEMMs (``grouped_linear``, or a user's) fire under torch.compile too.
+"""The grouped-linear family's recognizers: ``BasicGroupedLinear`` in aten graphs, so that rules over
+grouped GEMMs (``grouped_linear``, ``grouped_linear_fp8``, or a user's) fire under torch.compile too.
 
 =======================  ==========================================================================
 op                       aten form
@@ -7,24 +7,33 @@ op                       aten form
 ``BasicGroupedLinear``   ``_grouped_mm(x, permute(W, [0, 2, 1]), offs)`` with ``x [T, K]``, ``W [G, N, K]``
                          a graph input (a parameter) and ``offs = cumsum(group_sizes, 0)`` computed in
                          the graph from the device group sizes; no bias, no ``out_dtype``
+``BasicGroupedLinear``   ``opfuse::grouped_linear(x, group_sizes, weight, None, "", impl)``: what a
+                         rewritten mixture-of-experts block calls (:mod:`opfuse.torch_compile.moe`),
+                         its weight a graph input or a view of graph inputs (the stacked experts)
 =======================  ==========================================================================
 
-The op takes the group sizes (its extra input), so the offsets must be their cumulative sum in the
-graph (a model that passes precomputed offsets is left alone). Rows past ``offs[-1]``, which
-``torch._grouped_mm`` leaves unspecified, are zeros in the op. Backward graphs multiply by the
-weight without the transpose (or by a transposed activation) and are not raised.
+``_grouped_mm``: the op takes the group sizes (its extra input), so the offsets must be their
+cumulative sum in the graph (a model that passes precomputed offsets is left alone). Rows past
+``offs[-1]``, which ``torch._grouped_mm`` leaves unspecified, are zeros in the op. Backward graphs
+multiply by the weight without the transpose (or by a transposed activation) and are not raised.
+
+``opfuse::grouped_linear``: the pipeline then chooses its implementation for the graph's shapes
+(and, with an FP8 recipe, makes it ``grouped_linear_fp8``). The backward the joint graph already
+holds (``opfuse::grouped_linear_backward`` on the same ``x``, ``group_sizes`` and ``weight``) is
+found by :func:`grouped_backward` for the lowering, which points it at the chosen implementation.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
-from ...machinery.aten import aten, calls, dtype, shape
+from ...machinery.aten import aten, calls, dtype, is_tensor_node, shape
 from ...machinery.recognizer import Found, Phase, Recognizer
 from ...machinery.region import ParamSource, Region, frozen, is_input, standin
 from ...ops.grouped import BasicGroupedLinear
 
-__all__ = ["grouped_mm", "RECOGNIZERS"]
+__all__ = ["grouped_mm", "grouped_linear", "grouped_backward", "weight_source", "RECOGNIZERS"]
 
 
 def _group_sizes(offs) -> fx.Node | None:
@@ -58,7 +67,50 @@ def grouped_mm(node: fx.Node, found: Found | None = None) -> Region | None:
     return Region(frozen(op), (x, sizes), node, frozenset({node, b, offs}), {weight_standin: ParamSource(weight)})
 
 
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.as_strided.default,
+          aten.alias.default)
+
+
+def _op(name: str):
+    return getattr(torch.ops.opfuse, name).default
+
+
+def weight_source(node) -> fx.Node | None:
+    """The graph input ``node`` is a view of (``node`` itself when it is an input), else ``None``."""
+    while calls(node, *_VIEWS):
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+def grouped_linear(node: fx.Node, found: Found | None = None) -> Region | None:
+    """``BasicGroupedLinear`` at a call of opfuse's own grouped op (see the module docstring)."""
+    if not calls(node, _op("grouped_linear")):
+        return None
+    x, sizes, weight, bias, fsdp_group = node.args[:5]
+    if bias is not None or fsdp_group or not all(is_tensor_node(n) for n in (x, sizes, weight)):
+        return None
+    if weight_source(weight) is None or len(shape(weight)) != 3 or len(shape(x)) != 2:
+        return None
+    groups, n, k = shape(weight)
+    if shape(x)[1] != k or dtype(x) != dtype(weight):
+        return None
+    weight_standin = standin((groups, n, k), dtype(weight))
+    op = frozen(BasicGroupedLinear(groups, k, n, weight=weight_standin))
+    return Region(op, (x, sizes), node, frozenset({node}), {weight_standin: ParamSource(weight)})
+
+
+def grouped_backward(forward: fx.Node) -> fx.Node | None:
+    """The ``grouped_linear_backward`` call of the joint graph that differentiates ``forward``
+    (same ``x``, ``group_sizes`` and ``weight``), if any."""
+    x, sizes, weight = forward.args[:3]
+    found = [u for u in x.users if calls(u, _op("grouped_linear_backward"))
+             and u.args[1] is x and u.args[2] is sizes and u.args[3] is weight]
+    return found[0] if len(found) == 1 else None
+
+
 RECOGNIZERS = (
     Recognizer("grouped_mm", Phase.GEMMS, grouped_mm,
                "BasicGroupedLinear: torch._grouped_mm(x, W.transpose(-2, -1), offs=cumsum(group_sizes))"),
+    Recognizer("grouped_linear_op", Phase.GEMMS, grouped_linear,
+               "BasicGroupedLinear: opfuse::grouped_linear (a rewritten mixture-of-experts block)"),
 )

@@ -1,0 +1,48 @@
+"""The FP8 variants of bench/model.py (``--fp8 tensor|row``, issue 27): opfuse.optimize with the
+recipe (the output head kept in bfloat16), and torchao's float8 training + torch.compile with the
+same recipe and filter as a baseline column where ``torchao`` imports.
+
+torchao's float8 needs its own tensor-parallel styles for DTensor models (``Float8ColwiseParallel``
+...): its column is measured on the ``tp`` cases (torch.distributed all-reduces, the
+per-rank shards are plain ``nn.Linear`` layers) and left empty on ``sp``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["recipe", "keep_high_precision", "torchao_compiler"]
+
+_TORCHAO_RECIPES = {"tensor": "tensorwise", "row": "rowwise"}
+
+
+def recipe(name: str | None):
+    """The opfuse recipe ``--fp8`` names (``None`` without it)."""
+    if name is None:
+        return None
+    import opfuse
+
+    return {"tensor": opfuse.fp8.TensorScaling(), "row": opfuse.fp8.RowwiseScaling()}[name]
+
+
+def keep_high_precision(fqn: str, module) -> bool:
+    """opfuse's ``fp8_filter``: every projection but the output head."""
+    return fqn != "output"
+
+
+def torchao_compiler(name: str | None):
+    """``(fn(model) -> compiled, None)`` for torchao float8 + torch.compile, or ``(None, reason)``."""
+    if name is None:
+        return None, "no --fp8"
+    try:
+        import torchao
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as error:
+        return None, f"torchao not installed ({error})"
+    import torch
+
+    config = Float8LinearConfig.from_recipe_name(_TORCHAO_RECIPES[name])
+
+    def compile_with_torchao(model):
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "output")
+        return torch.compile(model, dynamic=False)
+
+    return compile_with_torchao, f"torchao {getattr(torchao, '__version__', '?')}"

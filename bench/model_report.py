@@ -1,0 +1,92 @@
+"""The tables bench/model.py prints: the main table per world, the extra variants (``--variants``,
+``--fp8``, ``--merge-ab``), the kernel tables of ``--profile``, and the summary rows against the
+targets (issue 26, issue 27)."""
+
+from __future__ import annotations
+
+import block_report
+from block_report import fmt, ratio
+
+__all__ = ["TARGETS", "EXTRA_COLUMNS", "tables", "ratio_series"]
+
+TARGETS = {"decode": 0.93, "decode_floor": 1.05, "train-tp": 0.92, "train-sp": 0.90, "compile_time": 1.0}
+#: Variant columns besides eager / compile / opfuse (bench/model.py's EXTRA_VARIANTS, --fp8, --merge-ab).
+EXTRA_COLUMNS = ("opfuse:fuse-all", "opfuse:nccl-norm", "opfuse fp8", "torchao fp8", "opfuse unmerged")
+
+
+def _target(case: str) -> float:
+    return TARGETS["decode"] if case == "decode" else TARGETS[case]
+
+
+def tables(world, result, opts) -> tuple[str, list]:
+    model = opts["model"]
+    out = [f"\nworld {world}: hidden {model['dim']}, {model['heads']} heads ({model['kv_heads']} kv), ffn "
+           f"{model['ffn']}, {model['layers']} layers, {'bf16' if opts['device'] == 'cuda' else 'float32'}; "
+           f"microseconds per step (decode: per token; max over ranks); compile: seconds of the first call"]
+    if result.get("copy_gbs"):
+        out.append(f"HBM copy rate (read + write) {result['copy_gbs']:.0f} GB/s: the decode floor is the weights one "
+                   f"rank streams per token over it")
+    out += ["| case | shape | eager | compile | opfuse | opfuse / compile | floor | opfuse / floor | compile s | "
+            "opfuse s | opfuse s / compile s | opfuse passes s | fusions |", "|" + "---|" * 13]
+    summary = []
+    for r in result["rows"]:
+        speed = ratio(r.get("opfuse"), r.get("compile"))
+        compile_ratio = ratio(r.get("opfuse s"), r.get("compile s"))
+        floor_ratio = ratio(r.get("opfuse"), r.get("floor"))
+        out.append(f"| {r['case']} | {r['shape']} | {fmt(r.get('eager'))} | {fmt(r.get('compile'))} | "
+                   f"{fmt(r.get('opfuse'))} | {fmt(speed, 2)} | {fmt(r.get('floor'))} | {fmt(floor_ratio, 2)} | "
+                   f"{fmt(r.get('compile s'))} | {fmt(r.get('opfuse s'))} | {fmt(compile_ratio, 2)} | "
+                   f"{fmt(r.get('opfuse passes s'), 2)} | {r.get('fusions', '')} |")
+        target = _target(r["case"])
+        case = f"{r['case']} {r['shape']}"
+        summary.append((world, case, "opfuse / compile", speed, f"<= {target}",
+                        None if speed is None else speed <= target))
+        if r.get("floor"):
+            summary.append((world, case, "opfuse / floor", floor_ratio, f"<= {TARGETS['decode_floor']}",
+                            None if floor_ratio is None else floor_ratio <= TARGETS["decode_floor"]))
+        summary.append((world, case, "opfuse s / compile s", compile_ratio, f"<= {TARGETS['compile_time']}",
+                        None if compile_ratio is None else compile_ratio <= TARGETS["compile_time"]))
+    others = EXTRA_COLUMNS
+    extra = [(r, name) for r in result["rows"] for name in others if r.get(name) is not None]
+    if extra:
+        out += ["", "| case | shape | variant | us | / compile | / opfuse | compile s |", "|" + "---|" * 7]
+        for r, name in extra:
+            out.append(f"| {r['case']} | {r['shape']} | {name} | {fmt(r[name])} | {fmt(ratio(r[name], r.get('compile')), 2)}"
+                       f" | {fmt(ratio(r[name], r.get('opfuse')), 2)} | {fmt(r.get(name + ' s'))} |")
+    for r in result["rows"]:  # issue 27: FP8 against bf16 torch.compile and torchao; merged projections
+        fp8 = ratio(r.get("opfuse fp8"), r.get("compile"))
+        if fp8 is not None:
+            summary.append((world, f"{r['case']} {r['shape']}", f"opfuse fp8 ({opts.get('fp8')}) / compile bf16", fp8,
+                            "<= 0.75", fp8 <= 0.75))
+        vs_torchao = ratio(r.get("opfuse fp8"), r.get("torchao fp8"))
+        if vs_torchao is not None:
+            summary.append((world, f"{r['case']} {r['shape']}", "opfuse fp8 / torchao fp8", vs_torchao, "<= 0.92",
+                            vs_torchao <= 0.92))
+        merged = ratio(r.get("opfuse"), r.get("opfuse unmerged"))
+        if merged is not None:
+            summary.append((world, f"{r['case']} {r['shape']}", "opfuse / opfuse unmerged", merged, "<= 0.97",
+                            merged <= 0.97))
+    errs = "; ".join(f"{r['case']} {r['shape']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r.get("err", {}).items()
+                                                                 if v is not None) for r in result["rows"])
+    out += ["", f"relative error vs eager (outputs; train: max over gradients): {errs}"]
+    out += [f"note: {n}" for n in result["notes"]]
+    if result.get("profiles"):
+        import kernel_table
+
+        for case, found in result["profiles"].items():
+            if found:
+                out.append(kernel_table.format_tables(found, f"world {world} {case}"))
+    out.append(f"(world {world} took {result['seconds']:.0f} s in the ranks)")
+    return "\n".join(out), summary
+
+
+def ratio_series(results) -> dict:
+    series: dict = {}
+    for world, result in results.items():
+        for r in result["rows"]:
+            value = ratio(r.get("opfuse"), r.get("compile"))
+            if value is not None:
+                series.setdefault(f"world {world} {r['case']}: opfuse / compile", []).append((r["shape"], value))
+    return series
+
+

@@ -1,0 +1,175 @@
+"""Mixture of experts as Hugging Face writes it (examples/hf_moe.py: Mixtral's block, 8 experts,
+top-2, in pre-norm residual layers), forward + backward on one GPU: opfuse.optimize (the per-expert
+loop rewritten into two grouped GEMMs with device-side group sizes) against torch.compile of the
+same model (Inductor; the loop's data-dependent shapes break the graph at every expert) and eager.
+
+    PYTHONPATH=. python3 bench/moe.py                     # hidden 4096, ffn 14336, 2 layers, 4096 / 16384 tokens
+    PYTHONPATH=. python3 bench/moe.py --fp8               # also opfuse with fp8=TensorScaling()
+    PYTHONPATH=. python3 bench/moe.py --quick             # hidden 1024, ffn 3584
+    python3 bench/moe.py --cpu                             # the code paths on CPU (tiny; timings mean nothing)
+
+Variants (same weights, same seed):
+  eager            the model as written
+  compile          torch.compile (Inductor), dynamic=False
+  rewrite+compile  opfuse.torch_compile.prepare_model, then torch.compile (Inductor): the rewrite alone
+  opfuse           opfuse.optimize (rewrite + opfuse's backend)
+  opfuse fp8       opfuse.optimize(fp8=TensorScaling()) (--fp8)
+
+Method: CUDA events around CALLS back-to-back steps (forward, backward of sum(out * g)), median of
+REPS, after two warm-up steps (compilation). Target (issue 27): opfuse <= 0.8x compile.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+import common  # noqa: E402  (bench/common.py)
+import hf_moe  # noqa: E402  (examples/hf_moe.py)
+
+TARGET = 0.8
+FULL = dict(hidden=4096, ffn=14336, layers=2, experts=8, top_k=2, tokens=[4096, 16384], calls=3, reps=5)
+QUICK = dict(FULL, hidden=1024, ffn=3584, tokens=[4096], reps=3)
+CPU = dict(FULL, hidden=32, ffn=48, tokens=[64], calls=1, reps=1)
+
+
+def _timed(fn, calls: int, reps: int, device: str) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def measure(opts, fp8: bool):
+    import opfuse
+
+    device = opts["device"]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    base = hf_moe.MoEDecoder(hf_moe.MixtralSparseMoeBlock, layers=opts["layers"], hidden=opts["hidden"],
+                             ffn=opts["ffn"], num_experts=opts["experts"], top_k=opts["top_k"]).to(device, dtype)
+    inductor = device == "cuda"
+    compile_kw = {} if inductor else {"backend": "aot_eager_decomp_partition"}
+    options = {} if inductor else {"options": {"inductor": False}}
+
+    def variants():
+        yield "eager", copy.deepcopy(base), lambda m: m
+        yield "compile", copy.deepcopy(base), lambda m: torch.compile(m, dynamic=False, **compile_kw)
+
+        def rewritten(m):
+            opfuse.torch_compile.prepare_model(m)
+            return torch.compile(m, dynamic=False, **compile_kw)
+
+        yield "rewrite+compile", copy.deepcopy(base), rewritten
+        yield "opfuse", copy.deepcopy(base), lambda m: opfuse.optimize(m, **options)
+        if fp8:
+            yield "opfuse fp8", copy.deepcopy(base), lambda m: opfuse.optimize(m, fp8=opfuse.fp8.TensorScaling(),
+                                                                                **options)
+
+    rows, notes = [], []
+    for tokens in opts["tokens"]:
+        x = torch.randn(1, tokens, opts["hidden"], device=device, dtype=dtype, generator=None)
+        g = torch.randn_like(x)
+        row = {"tokens": tokens}
+        want = None
+        for name, model, wrap in variants():
+            fn = wrap(model)
+            params = [p for p in model.parameters() if p.requires_grad]
+
+            def step(fn=fn, params=params):
+                xi = x.detach().requires_grad_()
+                return torch.autograd.grad((fn(xi) * g).sum(), [xi] + params, allow_unused=True)
+
+            try:
+                out = step()
+                if want is None:
+                    want = out[0]
+                row[f"{name} err"] = ((out[0].float() - want.float()).norm() / want.float().norm()).item()
+                row[name] = _timed(step, opts["calls"], opts["reps"], device)
+                if name.startswith("opfuse"):
+                    row[f"{name} fusions"] = sorted({f"{f.rule}={f.impl}" for p in opfuse.programs(fn)
+                                                     for f in p.fusions})
+            except Exception as error:  # noqa: BLE001 - one variant failing is a note, not an abort
+                notes.append(f"T={tokens} {name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                row[name] = None
+            torch._dynamo.reset()
+            common.progress(f"T={tokens} {name}: done")
+        rows.append(row)
+    return {"opts": opts, "rows": rows, "notes": notes}
+
+
+def main() -> int:
+    parser = common.parser("moe", __doc__)
+    parser.add_argument("--fp8", action="store_true", help="also opfuse with fp8=TensorScaling()")
+    parser.add_argument("--quick", action="store_true", help="hidden 1024, ffn 3584, 4096 tokens")
+    parser.add_argument("--cpu", action="store_true", help="the code paths on CPU (timings mean nothing)")
+    args = parser.parse_args()
+    if args.from_json:
+        data = common.load_json(args.from_json)
+    else:
+        if not args.cpu and common.skip_without_gpus("moe", 1):
+            return 0
+        opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda")
+        if args.cpu:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        data = measure(opts, args.fp8)
+    opts = data["opts"]
+    names = [n for n in ("eager", "compile", "rewrite+compile", "opfuse", "opfuse fp8")
+             if any(n in r for r in data["rows"])]
+    print(f"\nMixtral-style MoE, hidden {opts['hidden']}, ffn {opts['ffn']}, {opts['experts']} experts top-"
+          f"{opts['top_k']}, {opts['layers']} layers, forward + backward, microseconds per step")
+    print("| tokens | " + " | ".join(names) + " | opfuse / compile | fusions |")
+    print("|" + "---|" * (len(names) + 3))
+    summary = []
+    for r in data["rows"]:
+        speed = (r.get("opfuse") / r["compile"]) if r.get("opfuse") and r.get("compile") else None
+        summary.append((r["tokens"], speed))
+        cells = " | ".join("-" if r.get(n) is None else f"{r[n]:.0f}" for n in names)
+        print(f"| {r['tokens']} | {cells} | {'-' if speed is None else f'{speed:.2f}'} | "
+              f"{', '.join(r.get('opfuse fusions', []))} |")
+    errors = "; ".join(f"T={r['tokens']}: " + ", ".join(f"{n} {r[n + ' err']:.1e}" for n in names if n + " err" in r)
+                       for r in data["rows"])
+    print(f"\nrelative error of the input gradient vs eager: {errors}")
+    for note in data["notes"]:
+        print(f"note: {note}")
+    print(f"\nsummary (target of issue 27: opfuse <= {TARGET}x compile)")
+    for tokens, speed in summary:
+        met = "-" if speed is None else ("yes" if speed <= TARGET else "NO")
+        print(f"| T={tokens} | opfuse / compile | {'-' if speed is None else f'{speed:.2f}'} | <= {TARGET} | {met} |")
+    if args.cpu:
+        print("\n(--cpu: a dry run of the code paths; the timings mean nothing)")
+    common.finish(args, data, bars={f"T={t}": s for t, s in summary if s is not None},
+                  title="Mixtral-style MoE: opfuse / torch.compile", ylabel="time ratio (< 1: opfuse faster)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

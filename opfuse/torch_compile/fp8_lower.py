@@ -1,0 +1,285 @@
+"""Lowering FP8 fusions into a joint (or inference) aten graph.
+
+The generic lowering (:mod:`.lower`) traces each fused module's ``forward``. FP8 fused ops need
+two things more, which :class:`Fp8Lowering` adds:
+
+* The FP8 activation between a producer (a norm emitting FP8, a ``quantize``) and the GEMMs that
+  read it is a :class:`~opfuse.fp8.Float8Activation` in ``ops.Sequential`` programs; here it is two
+  plain values, ``data`` and ``scale`` (:mod:`.fp8_ops`), handed from one call to the next.
+* AOTAutograd already wrote the backward into the joint graph, as high-precision GEMMs. For every
+  linear that became an FP8 GEMM, its data- and weight-gradient GEMMs (:mod:`.fp8_backward`) are
+  replaced by ``opfuse::fp8_linear_backward`` on the FP8 operands the forward kept (the ``x`` it
+  quantized, or the producer's payload; for an all-gathered ``x``, the payload gathered again in
+  FP8). The partitioner then saves the one-byte ``x``, not the high-precision one. Collectives of the
+  backward (the reduce-scatter of an all-gathered input's gradient, the all-gather of a
+  reduce-scattered output's gradient) stay the graph's own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from ..core import dispatch as implementations
+from ..core.passes.select import forced_implementations
+from ..families.collective_linear.fp8.op import AllGatherLinearFp8, LinearReduceScatterFp8
+from ..families.grouped_linear.fp8.op import GroupedGemmFp8
+from ..families.grouped_linear.op import GroupedGemm
+from ..families.grouped_linear.recognizers import grouped_backward
+from ..families.linear.fp8.op import Fp8Linear
+from ..families.quantize.op import QuantizeActivation
+from ..families.residual_norm.op import _NormQuantize
+from ..fp8.tensor import tag
+from ..machinery.implementation import choose
+from ..ops import group as groups
+from ..ops.base import TensorMeta
+from .fp8_backward import LinearGrads
+from .fp8_ops import compiled_fp8_gemm, compiled_fp8_gemm_quantizing, compiled_norm_quantize, compiled_quantize
+from .lower import LoweringError, _Lowering
+
+__all__ = ["JointLowering", "FP8_FUSED"]
+
+_GEMMS = (Fp8Linear, AllGatherLinearFp8, LinearReduceScatterFp8)
+#: Fused modules this lowering handles itself.
+FP8_FUSED = (QuantizeActivation, _NormQuantize) + _GEMMS
+
+
+class _QuantizePayload(nn.Module):
+    def __init__(self, fused: QuantizeActivation):
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, x):
+        f = self.fused
+        return compiled_quantize(x, f._dtype_name(), f.rowwise, f._group(), f._impl())
+
+
+class _NormQuantizePayload(nn.Module):
+    def __init__(self, fused: _NormQuantize):
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, x, residual=None):
+        f = self.fused
+        amax_group = groups.group_name(f.amax_group) if f.amax_group is not None else ""
+        return compiled_norm_quantize(f.name, x, f.bias, residual, f.weight, f.norm_bias, f.eps, f._group_arg(),
+                                      f.write_residual, f.dtype, f.rowwise, amax_group, f._impl())
+
+
+class _GemmFromPayload(nn.Module):
+    """An FP8 GEMM fused op on an input quantized upstream: ``y``."""
+
+    def __init__(self, fused, out_dtype: torch.dtype):
+        super().__init__()
+        self.fused, self.out_dtype = fused, out_dtype
+
+    def forward(self, data, scale):
+        f = self.fused
+        group = groups.group_name(f.group) if isinstance(f, (AllGatherLinearFp8, LinearReduceScatterFp8)) else ""
+        return compiled_fp8_gemm(f.name, data, scale, f.weight, f.bias, group, self.out_dtype, f.recipe.key(),
+                                 f._impl())
+
+
+class _GemmQuantizing(nn.Module):
+    """An FP8 GEMM fused op that quantizes its input itself: ``(y, x_data, x_scale, x_data_t)``."""
+
+    def __init__(self, fused, want_t: bool):
+        super().__init__()
+        self.fused, self.want_t = fused, want_t
+
+    def forward(self, x):
+        f = self.fused
+        group = groups.group_name(f.group) if isinstance(f, (AllGatherLinearFp8, LinearReduceScatterFp8)) else ""
+        return compiled_fp8_gemm_quantizing(f.name, x, f.weight, f.bias, group, f.recipe.key(), self.want_t, f._impl())
+
+
+class _GatherPayload(nn.Module):
+    """This rank's FP8 operand all-gathered along tokens (bytes as uint8; per-row scales too)."""
+
+    def __init__(self, group_name: str, world: int, rowwise: bool):
+        super().__init__()
+        self.group_name, self.world, self.rowwise = group_name, world, rowwise
+
+    def forward(self, data, scale):
+        c10d = torch.ops._c10d_functional
+        raw = c10d.wait_tensor(c10d.all_gather_into_tensor(data.view(torch.uint8), self.world, self.group_name))
+        data = raw.view(data.dtype)
+        if self.rowwise:
+            scale = c10d.wait_tensor(c10d.all_gather_into_tensor(scale, self.world, self.group_name))
+        return data, scale
+
+
+class _Backward(nn.Module):
+    """``opfuse::fp8_linear_backward`` -> ``(dx, dw)``."""
+
+    def __init__(self, weight, recipe, impl: str, need_dx: bool, need_dw: bool):
+        super().__init__()
+        self.weight, self.recipe, self.impl, self.need_dx, self.need_dw = weight, recipe, impl, need_dx, need_dw
+
+    def forward(self, dy, data, scale, data_t=None):
+        if data_t is None:
+            data_t = torch.empty(0, dtype=data.dtype, device=data.device)
+        dx, dw, _ = torch.ops.opfuse.fp8_linear_backward(dy.contiguous(), data.reshape(-1, data.shape[-1]), scale,
+                                                         data_t, self.weight, self.recipe.key(), self.need_dx,
+                                                         self.need_dw, False, self.impl)
+        return dx, dw
+
+
+class JointLowering(_Lowering):
+    """:class:`~.lower._Lowering` plus what joint graphs need beyond tracing a fused op's forward:
+    the FP8 fused ops (module docstring) and the backward of grouped GEMMs (the joint graph's
+    ``grouped_linear_backward`` is pointed at the implementation the pipeline chose, or replaced
+    by the FP8 one). ``grads``: op-graph ``BasicLinear`` node name -> its
+    :class:`~.fp8_backward.LinearGrads`."""
+
+    def __init__(self, op_graph, aten_gm, grads: dict[str, LinearGrads] | None = None):
+        super().__init__(op_graph, aten_gm)
+        self.grads = grads or {}
+        self.payloads: dict[str, tuple[fx.Node, fx.Node]] = {}  # op-graph value -> (data, scale)
+
+    def lower_fused(self, node: fx.Node, module) -> None:
+        if isinstance(module, GroupedGemm):
+            super().lower_fused(node, module)
+            self._lower_grouped_backward(node, module)
+            return
+        if not isinstance(module, FP8_FUSED):
+            return super().lower_fused(node, module)
+        rule = node.meta.get("opfuse_rule", module.name)
+        if isinstance(module, _GEMMS):
+            self._lower_gemm(node, module, rule)
+        else:
+            self._lower_producer(node, module, rule)
+        for name, _kind in node.meta.get("opfuse_covered", ()):
+            region = self.op_graph.regions.get(name)
+            if region is not None:
+                self.covered |= region.nodes
+
+    # Producers of FP8 activations ------------------------------------------------------------------
+
+    def _lower_producer(self, node, module, rule: str) -> None:
+        inputs = [self.value_of(a) for a in node.args]
+        wrapper = _QuantizePayload(module) if isinstance(module, QuantizeActivation) else _NormQuantizePayload(module)
+        out = self.emit(wrapper, inputs, where=node.name, tokens_first=True)
+        if isinstance(module, QuantizeActivation):
+            self.payloads[node.name] = (out[0], out[1])
+            return
+        for user in list(node.users):
+            if not (user.op == "call_function" and user.args[0] is node and "opfuse_replaces" in user.meta):
+                continue
+            if user.args[1] == 0:  # the quantized norm output
+                self.payloads[user.name] = (out[0], out[1])
+            else:  # the exported pre-norm sum
+                self.replace(user.meta["opfuse_replaces"], out[2], rule, inputs)
+                self.values[user.name] = out[2]
+
+    # FP8 GEMMs ------------------------------------------------------------------------------------
+
+    def _linear_node(self, node) -> str:
+        for name, kind in node.meta.get("opfuse_covered", ()):
+            if kind == "BasicLinear":
+                return name
+        raise LoweringError(f"opfuse: FP8 fusion {node.name} covers no linear")
+
+    def _lower_gemm(self, node, module, rule: str) -> None:
+        source = node.args[0]
+        old = self.op_graph.aten.get(node.meta.get("opfuse_replaces"))
+        if old is None:
+            raise LoweringError(f"opfuse: FP8 fusion {node.name} replaces no value of the graph")
+        out_dtype = old.meta["val"].dtype
+        data_t = None
+        if isinstance(source, fx.Node) and source.name in self.payloads:
+            data, scale = self.payloads[source.name]
+            y = self.emit(_GemmFromPayload(module, out_dtype), [data, scale], where=node.name)
+            inputs = [data, scale]
+        else:
+            x = self.value_of(source)
+            grads = self.grads.get(self._linear_node(node))
+            recipe = module.recipe
+            # The transposed bytes: for a weight gradient in FP8 with one scale per tensor, from a
+            # GPU implementation of fp8_linear (whose backward reads them).
+            want_t = (isinstance(module, Fp8Linear) and grads is not None and grads.wgrad is not None
+                      and recipe.fp8_wgrad and not recipe.rowwise and module.impl != "reference")
+            y, data, scale, data_t = self.emit(_GemmQuantizing(module, want_t), [x], where=node.name,
+                                               tokens_first=True)
+            inputs = [x]
+            if data.meta["val"].numel() == 0:  # not expected: a plain x is quantized by the op
+                raise LoweringError(f"opfuse: FP8 fusion {node.name} returned no quantized input")
+        self.replace(node.meta["opfuse_replaces"], y, rule, inputs)
+        self.values[node.name] = y
+        if isinstance(module, AllGatherLinearFp8):  # the backward reads the gathered FP8 x
+            world = groups.world_size(module.group)
+            data, scale = self.emit(_GatherPayload(groups.group_name(module.group), world,
+                                                   scale.meta["val"].shape[0] != 1), [data, scale],
+                                    where=node.name + "_backward")
+            data_t = None
+        if data_t is not None and data_t.meta["val"].numel() == 0:
+            data_t = None
+        self._lower_backward(node, module, data, scale, data_t)
+
+    def _lower_backward(self, node, module, data, scale, data_t) -> None:
+        grads = self.grads.get(self._linear_node(node))
+        if grads is None or not grads.nodes:
+            return
+        need_dx, need_dw = grads.dgrad is not None, grads.wgrad is not None
+        impl = self._backward_impl(module, grads, data)
+        if data_t is not None and impl != module.impl:
+            data_t = None  # transposed bytes are written for the implementation that reads them
+        args = [grads.dy, data, scale] + ([data_t] if data_t is not None else [])
+        dx, dw = self.emit(_Backward(module.weight, module.recipe, impl, need_dx, need_dw), args,
+                           where=node.name + "_backward")
+        if need_dx:
+            self._swap(grads.dgrad, dx)
+        if need_dw:
+            if grads.wgrad_transposed:
+                with self.graph.inserting_after(dw):
+                    dw_t = self.graph.call_function(torch.ops.aten.permute.default, (dw, [1, 0]))
+                dw_t.meta["val"] = dw.meta["val"].permute(1, 0)
+                dw = dw_t
+            self._swap(grads.wgrad, dw)
+
+    def _swap(self, old: fx.Node, new: fx.Node) -> None:
+        got, want = new.meta["val"], old.meta["val"]
+        if got.shape != want.shape or got.dtype != want.dtype:
+            raise LoweringError(f"opfuse: FP8 backward GEMM gives {got.dtype}{list(got.shape)} for {old.name}, which "
+                                f"holds {want.dtype}{list(want.shape)}")
+        old.replace_all_uses_with(new)
+        self.covered.add(old)
+
+    # Grouped GEMMs ------------------------------------------------------------------------------
+
+    def _lower_grouped_backward(self, node, module) -> None:
+        """Point the joint graph's grouped backward at the chosen implementation (the FP8 one for
+        ``grouped_linear_fp8``: dgrad on FP8 operands, as its forward)."""
+        region = next((self.op_graph.regions.get(name) for name, _ in node.meta.get("opfuse_covered", ())
+                       if name in self.op_graph.regions), None)
+        backward = grouped_backward(region.value) if region is not None else None
+        if backward is None:
+            return
+        dy, x, sizes, weight, bias, fsdp, _impl, need_dx, need_dw, need_db = backward.args
+        if not isinstance(module, GroupedGemmFp8):
+            backward.update_arg(6, module.impl)
+            return
+        with self.graph.inserting_before(backward):
+            new = self.graph.call_function(
+                torch.ops.opfuse.grouped_linear_fp8_backward.default,
+                (dy, x, sizes, weight, bias, fsdp, module.num_groups, module.recipe.key(), need_dx, need_dw, need_db,
+                 module.impl))
+        new.meta.update(backward.meta)
+        backward.replace_all_uses_with(new)
+        self.graph.erase_node(backward)
+
+    def _backward_impl(self, module, grads: LinearGrads, data) -> str:
+        """The ``fp8_linear`` implementation for the backward GEMMs (the forward's when it is one)."""
+        if isinstance(module, Fp8Linear):
+            return module.impl
+        dy = grads.dy.meta["val"]
+        weight = module.weight
+        x = TensorMeta(tuple(data.meta["val"].shape), dy.dtype, dy.device, True,
+                       quantized=tag(module.recipe.forward_dtype, module.recipe.rowwise))
+        spec = Fp8Linear(weight=weight, bias=None, recipe=module.recipe).call_spec([x])
+        impls = implementations.for_op("fp8_linear", spec)
+        forced = forced_implementations()
+        want = forced.get("fp8_linear", forced.get(None))
+        if want not in {i.name for i in impls}:
+            want = None
+        return choose(spec, impls, want).name

@@ -1,0 +1,168 @@
+"""Merged projections without copies (``opfuse.optimize(model, merge_projections=True)``, the
+default): q/k/v and gate/up are stored back to back, so the compiled graph runs one GEMM over
+them reading a view of their storage (no ``cat``); the model's parameters, ``state_dict``,
+optimizer steps and checkpoints behave as without merging; parameters moved after compiling are
+packed again, and a graph never reads a layout it was not compiled for."""
+
+import copy
+import io
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opfuse
+from opfuse.ops.packing import adjacent, pack_rows_
+from opfuse.torch_compile import LayoutChanged
+
+EAGER = {"inductor": False}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.o_proj = nn.Linear(hidden, hidden)
+        self.gate_proj, self.up_proj = nn.Linear(hidden, 64, bias=False), nn.Linear(hidden, 64, bias=False)
+        self.down_proj = nn.Linear(64, hidden, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        h = x + self.o_proj(torch.tanh(self.q_proj(h)) * self.k_proj(h) + self.v_proj(h))
+        return h + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def rules(programs):
+    return sorted(f.rule for p in programs for f in p.fusions)
+
+
+def test_one_gemm_per_group_and_the_model_behaves_as_unmerged(tmp_path):
+    torch.manual_seed(0)
+    model = Attention()
+    plain = copy.deepcopy(model)
+    params = list(model.parameters())
+    with opfuse.config.override(dump_dir=str(tmp_path)):
+        compiled = opfuse.optimize(model, options=EAGER)
+        x = torch.randn(2, 5, 32)
+        compiled(x).square().mean().backward()
+    # Same parameter objects and state_dict (keys and values); the weights now share storage.
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert list(model.state_dict()) == list(plain.state_dict())
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value)
+    assert adjacent([model.q_proj.weight, model.k_proj.weight, model.v_proj.weight, model.o_proj.weight])
+    assert adjacent([model.q_proj.bias, model.k_proj.bias, model.v_proj.bias, model.o_proj.bias])
+    assert adjacent([model.gate_proj.weight, model.up_proj.weight])
+    # One GEMM for q/k/v, one for gate/up; they read a view of the packed weights.
+    (program,) = opfuse.programs(compiled)
+    assert rules([program]).count("horizontal_gemm") == 2
+    (folder,) = os.listdir(tmp_path)
+    after = (tmp_path / folder / "aten_after.py").read_text()
+    assert after.count("opfuse.horizontal_linear") == 2 and "aten.cat" not in after and "as_strided" in after
+    assert "merge_projections: weights stored back to back" in program.explain()
+    # The same optimizer step as the unmerged model.
+    plain(x).square().mean().backward()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+    for module in (model, plain):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        optimizer.step()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert adjacent([model.q_proj.weight, model.k_proj.weight, model.v_proj.weight])  # updated in place
+    # Checkpoints: saved from the merged model, loaded by an unmerged one, and back.
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = Attention()
+    fresh.load_state_dict(torch.load(buffer))
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    torch.manual_seed(3)
+    other = Attention()
+    model.load_state_dict(other.state_dict())
+    assert adjacent([model.q_proj.weight, model.k_proj.weight, model.v_proj.weight])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), other(x), atol=1e-5, rtol=1e-5)
+
+
+def test_opting_out_leaves_the_weights_apart():
+    model = Attention()
+    compiled = opfuse.optimize(model, merge_projections=False, options=EAGER)
+    with torch.no_grad():
+        compiled(torch.randn(2, 32))
+    (program,) = opfuse.programs(compiled)
+    assert "horizontal_gemm" not in rules([program])
+    assert "separate inputs of the compiled graph" in program.explain()
+    assert not adjacent([model.q_proj.weight, model.k_proj.weight])
+
+
+def test_parameters_moved_after_compiling_are_packed_again():
+    torch.manual_seed(1)
+    model = Attention()
+    compiled = opfuse.optimize(model, options=EAGER)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        compiled(x)
+        model.k_proj.weight.data = model.k_proj.weight.data.clone()  # as model.to(...) does
+        model.k_proj.weight.mul_(2)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    assert adjacent([model.q_proj.weight, model.k_proj.weight, model.v_proj.weight])
+
+
+def test_a_graph_refuses_a_layout_it_was_not_compiled_for():
+    """torch.compile(backend="opfuse") of a model whose weights the user packed: moving one of them
+    afterwards is an error, not stale values."""
+    torch.manual_seed(2)
+    model = Attention()
+    pack_rows_([model.q_proj.weight, model.k_proj.weight, model.v_proj.weight])
+    pack_rows_([model.q_proj.bias, model.k_proj.bias, model.v_proj.bias])
+    compiled = torch.compile(model, backend="opfuse", options=EAGER)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+        model.v_proj.weight.data = model.v_proj.weight.data.clone()
+        with pytest.raises(LayoutChanged, match="q_proj.weight, k_proj.weight, v_proj.weight were stored back to back"):
+            compiled(x)
+
+
+class GatedMLP(nn.Module):
+    """A SwiGLU MLP: merged, gate | up is one GEMM whose packed output the fused gated activation reads."""
+
+    def __init__(self, hidden=16, ffn=32):
+        super().__init__()
+        self.gate, self.up = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_a_merged_gate_up_feeds_the_fused_gated_activation(train):
+    """The horizontal GEMM's packed output exists only in the op graph: lowering the gated activation
+    after it must find its aten value (it raised LoweringError: no aten counterpart)."""
+    torch.manual_seed(0)
+    model = GatedMLP()
+    want_model = copy.deepcopy(model)
+    x = torch.randn(3, 5, 16, requires_grad=train)
+    compiled = opfuse.optimize(model, options={"inductor": False})
+    with torch.set_grad_enabled(train):
+        got, want = compiled(x), want_model(x)
+    torch.testing.assert_close(got, want)
+    if train:
+        (gx,) = torch.autograd.grad(got.sum(), x)
+        (wx,) = torch.autograd.grad(want.sum(), x)
+        torch.testing.assert_close(gx, wx)
+    fused = [f.rule for p in opfuse.programs(compiled) for f in p.fusions]
+    assert "horizontal_gemm" in fused, fused
