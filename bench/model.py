@@ -72,14 +72,15 @@ from model_report import ratio_series, tables  # noqa: E402  (bench/model_report
 
 MODEL = dict(dim=8192, layers=2, heads=64, kv_heads=8, ffn=28672, vocab=4096, max_seq=8192)
 FULL = dict(model=MODEL, cases=["decode", "train-tp", "train-sp"], decode=[1, 8, 64], train=[2048, 8192],
-            train_batch=[1, 4], decode_steps=32, decode_start=512, decode_cache=1024, calls_train=3, reps=5, reps_train=5)
+            train_batch=[1, 4], decode_steps=32, decode_start=512, decode_cache=1024, calls_train=3, reps=5,
+            reps_train=5)
 QUICK = dict(FULL, model=dict(MODEL, dim=1024, layers=2, heads=16, kv_heads=4, ffn=4096), decode=[1, 8],
              train=[512], train_batch=[1], decode_steps=16, reps=3, reps_train=3)
 # --cpu: the code paths on gloo with CPU tensors; fused graphs run eagerly (no Inductor on two
 # cores), torch.compile is aot_eager with Inductor's decompositions. Its timings mean nothing.
 CPU = dict(FULL, model=dict(MODEL, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=96, max_seq=64),
-           decode=[1, 2], train=[16], train_batch=[1, 2], decode_steps=2, decode_start=8, decode_cache=32, calls_train=2, reps=2,
-           reps_train=2)
+           decode=[1, 2], train=[16], train_batch=[1, 2], decode_steps=2, decode_start=8, decode_cache=32,
+           calls_train=2, reps=2, reps_train=2)
 CASES = ("decode", "train-tp", "train-sp")
 
 
@@ -205,6 +206,18 @@ def worker(rank, world, opts, out_path):
         if rank == 0:
             profiles[f"{row['case']} {row['shape']}"] = found
 
+    def guarded(label, case, *args):
+        """One case; a failure becomes a note (the same failure on every rank) and the run goes on."""
+        try:
+            case(*args)
+        except Exception as error:  # noqa: BLE001 - a case that cannot run is reported, not fatal
+            notes.append(f"{label}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+            torch._dynamo.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            if rank == 0:
+                common.progress(f"world {world} {label}: failed ({type(error).__name__})")
+
     def finish(row):
         keys = [k for k in row if k not in ("case", "shape", "fusions", "err")]  # the same on every rank
         for key, value in zip(keys, block._max_over_ranks([row[k] for k in keys])):
@@ -225,7 +238,7 @@ def worker(rank, world, opts, out_path):
     if "decode" in opts["cases"]:
         compile_fn, opfuse_fn = _compilers(device, decode=True)
         steps, start = opts["decode_steps"], opts["decode_start"]
-        for batch in opts["decode"]:
+        def decode_case(batch):
             names = ("eager", "compile", "opfuse") + (("opfuse unmerged",) if opts.get("merge_ab") else ())
             full = llama_tp.unsharded(cfg, dtype, device)
             models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device, full=full) for v in names}
@@ -263,6 +276,9 @@ def worker(rank, world, opts, out_path):
             models = compiled = loops = None  # free before the next size
             finish(row)
 
+        for batch in opts["decode"]:
+            guarded(f"decode batch {batch}", decode_case, batch)
+
     compile_fn, opfuse_fn = _compilers(device, decode=False)
     fp8_fn = _compilers(device, decode=False, fp8=opts.get("fp8"))[1] if opts.get("fp8") else None
     torchao_fn, torchao_note = fp8_variants.torchao_compiler(opts.get("fp8"))
@@ -270,6 +286,54 @@ def worker(rank, world, opts, out_path):
         notes.append(f"--fp8 {opts['fp8']}: 'opfuse fp8' runs opfuse.optimize(fp8=...) (output head in bf16); "
                      f"torchao column: {torchao_note}")
     async_tp = None
+
+    def train_case(mode, tp, tokens, batch):
+        seq = tokens // batch
+        extra = list(opts.get("variants", ()))
+        if opts.get("fp8"):  # issue 27: FP8 opfuse, and torchao float8 where it imports (tp cases)
+            extra.append("opfuse fp8")
+            if torchao_fn is not None and mode == "tp":
+                extra.append("torchao fp8")
+        names = ["eager", "compile", "opfuse", *extra]
+        full = llama_tp.unsharded(cfg, dtype, device)
+        models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device, full=full) for v in names}
+        full = None
+        ids = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(4)).to(device)
+        grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+        row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}
+        steps_ = {"eager": models["eager"], "compile": compile_fn(models["compile"]),
+                  "opfuse": opfuse_fn(models["opfuse"])}
+        steps_.update({name: opfuse_fn(models[name]) for name in extra if name in EXTRA_VARIANTS})
+        if "opfuse fp8" in extra:
+            steps_["opfuse fp8"] = fp8_fn(models["opfuse fp8"])
+        if "torchao fp8" in extra:
+            steps_["torchao fp8"] = torchao_fn(models["torchao fp8"])
+
+        def step(name):
+            params = [p for p in models[name].parameters() if p.requires_grad]
+            settings = EXTRA_VARIANTS.get(name, {})
+
+            def run():
+                with opfuse_settings(**settings):
+                    return torch.autograd.grad(steps_[name](ids), params, grad)
+
+            return run
+
+        want = step("eager")()
+        errors = {}
+        for name in ("compile", "opfuse", *extra):
+            got, row[f"{name} s"] = _first_call(step(name))
+            errors[name] = max(block.rel(a.float(), b.float()) for a, b in zip(_local(got), _local(want)))
+        calls, reps = opts["calls_train"], opts["reps_train"]
+        measured(row, "interleaved", lambda: row.update(
+            model_timing.interleaved_us({n: step(n) for n in names}, calls, reps, device)))
+        row.pop("interleaved", None)
+        profiled(row, {name: step(name) for name in ("compile", "opfuse", *extra)})
+        row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])
+        row["err"] = errors
+        models = steps_ = want = None  # free before the next size
+        finish(row)
+
     for mode in ("tp", "sp"):
         if f"train-{mode}" not in opts["cases"]:
             continue
@@ -282,51 +346,7 @@ def worker(rank, world, opts, out_path):
                     notes.append(f"train-{mode}: {tokens} tokens do not split into {batch} sequences "
                                  f"(sharded {world} ways); skipped")
                     continue
-                seq = tokens // batch
-                extra = list(opts.get("variants", ()))
-                if opts.get("fp8"):  # issue 27: FP8 opfuse, and torchao float8 where it imports (tp cases)
-                    extra.append("opfuse fp8")
-                    if torchao_fn is not None and mode == "tp":
-                        extra.append("torchao fp8")
-                names = ["eager", "compile", "opfuse", *extra]
-                full = llama_tp.unsharded(cfg, dtype, device)
-                models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device, full=full) for v in names}
-                full = None
-                ids = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(4)).to(device)
-                grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, dtype)
-                row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}
-                steps_ = {"eager": models["eager"], "compile": compile_fn(models["compile"]),
-                          "opfuse": opfuse_fn(models["opfuse"])}
-                steps_.update({name: opfuse_fn(models[name]) for name in extra if name in EXTRA_VARIANTS})
-                if "opfuse fp8" in extra:
-                    steps_["opfuse fp8"] = fp8_fn(models["opfuse fp8"])
-                if "torchao fp8" in extra:
-                    steps_["torchao fp8"] = torchao_fn(models["torchao fp8"])
-
-                def step(name):
-                    params = [p for p in models[name].parameters() if p.requires_grad]
-                    settings = EXTRA_VARIANTS.get(name, {})
-
-                    def run():
-                        with opfuse_settings(**settings):
-                            return torch.autograd.grad(steps_[name](ids), params, grad)
-
-                    return run
-
-                want = step("eager")()
-                errors = {}
-                for name in ("compile", "opfuse", *extra):
-                    got, row[f"{name} s"] = _first_call(step(name))
-                    errors[name] = max(block.rel(a.float(), b.float()) for a, b in zip(_local(got), _local(want)))
-                calls, reps = opts["calls_train"], opts["reps_train"]
-                measured(row, "interleaved", lambda: row.update(
-                    model_timing.interleaved_us({n: step(n) for n in names}, calls, reps, device)))
-                row.pop("interleaved", None)
-                profiled(row, {name: step(name) for name in ("compile", "opfuse", *extra)})
-                row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])
-                row["err"] = errors
-                models = steps_ = want = None  # free before the next size
-                finish(row)
+                guarded(f"train-{mode} {tokens} tok, batch {batch}", train_case, mode, tp, tokens, batch)
     if async_tp is not None:
         notes.append(f"async TP (Inductor micro-pipeline TP, sp graphs): matched {async_tp.candidates}, fused "
                      f"{async_tp.fused}")

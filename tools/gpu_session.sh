@@ -23,8 +23,9 @@
 #   tools/gpu_session.sh overlap       # 2-4 GPUs: overlap + graphed-block tests, overlap benchmark
 #   tools/gpu_session.sh graphed-push  # 2-4 GPUs: graphed-block tests, copy-engine push bandwidth
 #   tools/gpu_session.sh compile-backend  # 2-4 GPUs: the torch.compile backend's test and bench/model.py
-#   tools/gpu_session.sh model-final   # 2 GPUs (~8 min): bench/model.py's key cases (train-tp, train-sp, decode),
-#                                      # then the compile-backend, peer-kernel and Lamport-kernel GPU tests
+#   tools/gpu_session.sh model-final   # 2 GPUs (~8 min): bench/model.py's key cases (train-tp, train-sp, decode;
+#                                      # FP8 and unmerged variants), then the compile-backend, compile FP8/MoE,
+#                                      # peer-kernel and Lamport-kernel GPU tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
 #   tools/gpu_session.sh world8-bench  # 8 GPUs: the world-8 benchmarks
 #   tools/gpu_session.sh allreduce     # 2-4 GPUs (~7 min on 4x H200): all-reduce+norm bench with the FlashInfer
@@ -249,11 +250,12 @@ case "$stage" in
     ;;
   model-final)  # 2 GPUs (~8 min with the build): bench/model.py's key world-2 cases first (issue 26), then
                 # the GPU tests of what session 5 changed (compile backend, peer kernels, Lamport kernel)
-    step model_bench 270 python3 bench/model.py --world 2 --cases train-tp train-sp decode --train 2048 \
-      --train-batch 1 --decode 1 8 --json "$OUT/model.json"
-    tests compile_backend_tests 150 -x -q tests/gpu/test_compile_backend.py
-    tests residual_norm_dist 90 -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
-    tests lamport_kernels 60 -x -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
+    step model_bench 260 python3 bench/model.py --world 2 --cases train-tp train-sp decode --train 2048 \
+      --train-batch 1 --decode 1 --fp8 tensor --merge-ab --json "$OUT/model.json"
+    tests compile_backend_tests 110 -x -q tests/gpu/test_compile_backend.py
+    tests compile_fp8_moe_tests 80 -q --maxfail=3 tests/gpu/test_compile_fp8_moe.py
+    tests residual_norm_dist 50 -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    tests lamport_kernels 50 -x -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
     final_summary() { echo "=== model_bench"; grep -E "^(\[|\|)" "$OUT/model_bench.log" | grep -v "^|---"; }
     ;;
   compile-backend)

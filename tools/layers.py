@@ -65,6 +65,9 @@ FAMILY_USES = {
     "residual_norm": {"quantize"},                 # the FP8 epilogue: the quantizer's reference
 }
 
+_FP8_LOWERING = ("the FP8 lowering of joint graphs (issue 27) replaces autograd's backward GEMMs and the FP8 payloads by "
+                 "these families' ops; a lowering hook in the family list would route it (a follow-up)")
+
 #: Imports the rules above would refuse, each with why it is right: ``(importer, imported) -> reason``.
 EXCEPTIONS = {
     ("opfuse.ops", "opfuse.sequential.block"):
@@ -74,6 +77,24 @@ EXCEPTIONS = {
         "the built-in horizontal_gemm pass builds the gated_activation family's fused op",
     ("opfuse.core.passes.horizontal", "opfuse.families.horizontal_linear.op"):
         "the built-in horizontal_gemm pass builds the horizontal_linear family's fused op",
+    ("opfuse.torch_compile.fp8", "opfuse.families.grouped_linear.recognizers"):
+        "the FP8 plan of a joint graph finds the backward of opfuse's own grouped op (grouped_backward)",
+    ("opfuse.torch_compile.moe", "opfuse.families.grouped_linear.op"):
+        "the mixture-of-experts rewrite (a module rewrite before Dynamo) calls the grouped_linear family's op",
+    ("opfuse.torch_compile.fp8_lower", "opfuse.families.collective_linear.fp8.op"):
+        _FP8_LOWERING,
+    ("opfuse.torch_compile.fp8_lower", "opfuse.families.grouped_linear.fp8.op"):
+        _FP8_LOWERING,
+    ("opfuse.torch_compile.fp8_lower", "opfuse.families.grouped_linear.op"):
+        _FP8_LOWERING,
+    ("opfuse.torch_compile.fp8_lower", "opfuse.families.grouped_linear.recognizers"):
+        _FP8_LOWERING,
+    ("opfuse.torch_compile.fp8_lower", "opfuse.families.linear.fp8.op"):
+        _FP8_LOWERING,
+    ("opfuse.torch_compile.fp8_lower", "opfuse.families.quantize.op"):
+        _FP8_LOWERING,
+    ("opfuse.torch_compile.fp8_lower", "opfuse.families.residual_norm.op"):
+        _FP8_LOWERING,
 }
 
 
