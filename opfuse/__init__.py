@@ -15,7 +15,7 @@ from .config import config  # the settings object (shadows the module name on pu
 from .core.program import Program
 from .sequential import compile
 from .graphs import graphed
-from .ops.collectives import sync_sequence_parallel_grads
+from .ops.sequence_parallel import sync_sequence_parallel_grads
 from .plugins import register_family, remove_family
 from .torch_compile import optimize, programs
 from .torch_compile import register as _register_backend

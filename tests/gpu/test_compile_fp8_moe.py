@@ -86,6 +86,8 @@ def test_fp8_training_on_the_gpu_implementations(recipe):
 
 
 @needs_fp8
+@pytest.mark.xfail(strict=True, reason="2x H200, session 5 (docs/PERF_NOTES.md, issue 27): cudagraph trees report "
+                   "'6 tensor(s) in the cudagraph pool not tracked as outputs' for the FP8 graph; not fixed yet")
 def test_fp8_under_cuda_graphs_follows_weight_updates():
     """Current scaling keeps no state: a replayed graph quantizes the weights it reads now."""
     torch.manual_seed(1)
@@ -117,6 +119,8 @@ def test_moe_block_on_the_gpu_matches_hugging_face():
 
 
 @needs_fp8
+@pytest.mark.xfail(strict=True, reason="2x H200, session 5 (docs/PERF_NOTES.md, issue 27): Inductor's lowering "
+                   "asserts on the scaled_grouped_mm argument of the FP8 grouped GEMM; not fixed yet")
 def test_fp8_moe_block_runs_the_fp8_grouped_gemm():
     torch.manual_seed(3)
     model = MoEDecoder(MixtralSparseMoeBlock, hidden=512, ffn=1024).to(DEV, torch.bfloat16)

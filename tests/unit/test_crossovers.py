@@ -8,12 +8,15 @@ import math
 import os
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import opfuse
 from opfuse.families.residual_norm import crossovers
 from opfuse.families.residual_norm.crossovers import CrossoverTable, Limits
+from opfuse.machinery.implementation import CallSpec
+from opfuse.ops.base import TensorMeta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("crossover_table", os.path.join(ROOT, "tools", "crossover_table.py"))
@@ -261,3 +264,18 @@ def test_fit_places_the_lamport_kernel_between_one_shot_and_two_shot(n, data):
         [{"world": 2, "row_bytes": 16384, "bytes": m, "times": t} for m, t in sizes], None, source="sweep.json")
     limits = CrossoverTable.from_dict(table).limits(2, 16384)
     assert (limits.oneshot_max, limits.lamport_max, limits.twoshot_max) == (one, lamport, two)
+
+
+def test_a_forced_lamport_kernel_runs_past_the_table_that_keeps_it_off(monkeypatch):
+    """The shipped table keeps the Lamport kernel off (not measured); forcing it is how the bench and
+    the GPU tests reach it, so the table's limit must not refuse a forced call."""
+    from opfuse.families.residual_norm import cuda
+
+    spec = CallSpec("allreduce_add_rmsnorm", {"x": TensorMeta((4096, 8192), torch.bfloat16, torch.device("cuda", 0))},
+                    {"norm": "rms"}, group_name="tp", world_size=2)
+    monkeypatch.setattr(cuda, "_kernel_reason", lambda spec: None)
+    monkeypatch.setattr(cuda.extension, "load", lambda family: type("Ext", (), {"MAX_WORLD": 8}))
+    monkeypatch.setattr(cuda.symm_pool, "lookup", lambda group, device=None: (None, "no pool here"))
+    assert "not used" in cuda.check_lamport(spec)
+    with opfuse.config.override(force_impl="allreduce_add_rmsnorm=cuda_twoshot_lamport"):
+        assert cuda.check_lamport(spec) == "no peer memory: no pool here"  # past the limit, on to capability
