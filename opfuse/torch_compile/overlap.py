@@ -70,24 +70,23 @@ def _flops(node) -> int:
     return 2 * a[0] * a[1] * b[1]
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), list(node.all_input_nodes)
+def _reachable(node: fx.Node, step) -> set[fx.Node]:
+    """Every node reachable from ``node`` (excluded) through ``step(n)``: its inputs or its users."""
+    seen, stack = set(), list(step(node))
     while stack:
         current = stack.pop()
         if current not in seen:
             seen.add(current)
-            stack.extend(current.all_input_nodes)
+            stack.extend(step(current))
     return seen
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    return _reachable(node, lambda n: n.all_input_nodes)
 
 
 def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), list(node.users)
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.users)
-    return seen
+    return _reachable(node, lambda n: n.users)
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
