@@ -75,7 +75,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
-from opfuse.families.residual_norm import cuda as norm_cuda  # noqa: E402
 import common  # noqa: E402  (bench/common.py)
 from timing import graph_replay_us, median  # noqa: E402  (bench/timing.py)
 from allreduce_norm_report import (CALLS, REPLAYS, busbw_gbs, ratio_series, summary,  # noqa: E402

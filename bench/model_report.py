@@ -4,7 +4,6 @@ targets (issue 26, issue 27)."""
 
 from __future__ import annotations
 
-import block_report
 from block_report import fmt, ratio
 
 __all__ = ["TARGETS", "EXTRA_COLUMNS", "tables", "ratio_series"]

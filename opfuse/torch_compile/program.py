@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import operator
 
 from torch import fx
 

@@ -15,3 +15,11 @@ def world1():
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(torch.seed() % (2**31))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches cleared before and after a test (compile tests count the graphs they make)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

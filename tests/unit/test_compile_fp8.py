@@ -12,24 +12,18 @@ import os
 
 import pytest
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 import opfuse
+from ..collectives_compat import all_gather, reduce_scatter
 from opfuse import fp8
 
 EAGER = {"inductor": False}
 RECIPES = [fp8.TensorScaling(), fp8.RowwiseScaling()]
-all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Norm(nn.Module):

@@ -43,11 +43,7 @@ NORMS = ("hf", "gpt-fast", "nn.RMSNorm", "F.rms_norm", "weight-first", "nn.Layer
 LAYER_NORMS = ("nn.LayerNorm", "F.layer_norm")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,19 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import opfuse
+from ..collectives_compat import all_gather, reduce_scatter
 
 EAGER = {"inductor": False}
 H = 16
-# torch 2.13 renamed the tensor collectives (the old names warn); 2.11 has only the old ones.
-all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def tolerance(dtype):

@@ -28,11 +28,7 @@ EAGER = {"inductor": False}
 BLOCKS = [MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def relative(got, want):

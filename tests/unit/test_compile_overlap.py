@@ -63,11 +63,7 @@ def cheap_collectives(monkeypatch):
     monkeypatch.setattr(overlap, "FLOPS_PER_BYTE", 1)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _run(model, x, **settings):

@@ -20,11 +20,7 @@ from opfuse.torch_compile import LayoutChanged
 EAGER = {"inductor": False}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Attention(nn.Module):
