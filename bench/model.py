@@ -33,7 +33,8 @@ autograd caches off for both), ``opfuse passes s``: the part of it opfuse's own 
 category per step, the top kernels), so a regression is explained, not only seen.
 
 Method: CUDA events; training: medians of REPS batches of CALLS back-to-back steps after warm-up,
-every batch after a barrier; decode: median of REPS loops of STEPS tokens; max over ranks.
+every batch after a barrier and one untimed step (the steady state of a training loop, not its
+start from an idle GPU); decode: median of REPS loops of STEPS tokens; max over ranks.
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
 
 FP8 and merged projections (issue 27): ``--fp8 tensor|row`` adds ``opfuse fp8`` (opfuse.optimize(fp8=
@@ -176,7 +177,7 @@ def worker(rank, world, opts, out_path):
             setattr(torch._dynamo.config, name, 64)
     cfg = llama_tp.Config(**opts["model"])
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    rows, notes, profiles, started = [], [], {}, time.perf_counter()
+    rows, notes, profiles, timeline_rows, started = [], [], {}, {}, time.perf_counter()
     copy_gbs = None
     if device == "cuda" and "decode" in opts["cases"]:
         from timing import device_copy_gbs
@@ -197,14 +198,18 @@ def worker(rank, world, opts, out_path):
             return
         import kernel_table
 
-        found = {}
+        import step_timeline
+
+        found, timelines = {}, {}
         for name, fn in fns.items():
             try:
                 found[name] = kernel_table.profile_step(fn, steps=2)
+                timelines[name] = step_timeline.step_timeline(fn)
             except Exception as error:  # noqa: BLE001 - the profile is diagnostics
                 notes.append(f"profile {row['case']} {row['shape']} {name}: {type(error).__name__}: {error}")
         if rank == 0:
             profiles[f"{row['case']} {row['shape']}"] = found
+            timeline_rows[f"{row['case']} {row['shape']}"] = timelines
 
     def guarded(label, case, *args):
         """One case; a failure becomes a note (the same failure on every rank) and the run goes on."""
@@ -232,7 +237,8 @@ def worker(rank, world, opts, out_path):
                               and isinstance(row[k], float))
             common.progress(f"world {world} {row['case']} {row['shape']}: {times}; {row.get('fusions', '')}")
             with open(out_path, "w") as handle:
-                json.dump({"rows": rows, "notes": notes, "profiles": profiles, "copy_gbs": copy_gbs,
+                json.dump({"rows": rows, "notes": notes, "profiles": profiles, "timelines": timeline_rows,
+                           "copy_gbs": copy_gbs,
                            "seconds": time.perf_counter() - started}, handle)
 
     if "decode" in opts["cases"]:
@@ -325,9 +331,13 @@ def worker(rank, world, opts, out_path):
             got, row[f"{name} s"] = _first_call(step(name))
             errors[name] = max(block.rel(a.float(), b.float()) for a, b in zip(_local(got), _local(want)))
         calls, reps = opts["calls_train"], opts["reps_train"]
+        host = {}
         measured(row, "interleaved", lambda: row.update(
-            model_timing.interleaved_us({n: step(n) for n in names}, calls, reps, device)))
+            model_timing.interleaved_us({n: step(n) for n in names}, calls, reps, device, host)))
         row.pop("interleaved", None)
+        if host and rank == 0:  # rank 0's: a host slower than the GPU idles it (issue 26: look here first)
+            notes.append(f"{row['case']} {row['shape']}: host time to issue one step (us, rank 0): " + ", ".join(
+                f"{name} {us:.0f}" for name, us in host.items()))
         profiled(row, {name: step(name) for name in ("compile", "opfuse", *extra)})
         row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])
         row["err"] = errors
@@ -359,7 +369,8 @@ def worker(rank, world, opts, out_path):
             pass
     if rank == 0:
         with open(out_path, "w") as handle:
-            json.dump({"rows": rows, "notes": notes, "profiles": profiles, "copy_gbs": copy_gbs,
+            json.dump({"rows": rows, "notes": notes, "profiles": profiles, "timelines": timeline_rows,
+                           "copy_gbs": copy_gbs,
                        "seconds": time.perf_counter() - started}, handle)
 
 

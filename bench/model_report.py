@@ -75,6 +75,12 @@ def tables(world, result, opts) -> tuple[str, list]:
         for case, found in result["profiles"].items():
             if found:
                 out.append(kernel_table.format_tables(found, f"world {world} {case}"))
+    if result.get("timelines"):
+        import step_timeline
+
+        for case, found in result["timelines"].items():
+            if found:
+                out.append(step_timeline.format_timeline(found, f"world {world} {case}"))
     out.append(f"(world {world} took {result['seconds']:.0f} s in the ranks)")
     return "\n".join(out), summary
 

@@ -64,12 +64,19 @@ def loop_us(loop, steps, reps, device):
     return statistics.median(times)
 
 
-def interleaved_us(fns: dict, calls: int, reps: int, device: str) -> dict:
+def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | None = None) -> dict:
     """Per-call time of each function, median of ``reps`` rounds; each round times ``calls``
-    back-to-back calls of every function in turn (clock and power drift hit every variant alike)."""
+    back-to-back calls of every function in turn (clock and power drift hit every variant alike).
+    On a GPU each round issues one more call first and starts timing behind it (a CUDA event
+    queued after it), so the rounds measure the steady state of steps run back to back, as a
+    training loop runs them: not the start from an idle GPU after the barrier, whose host
+    issue and rank skew land on the first step (with 3 calls a round, a third of it per step)."""
+    ``host``: filled with each function's host time to issue one call (median; on a GPU, a value
+    close to the per-call time means the host, not the GPU, sets the pace)."""
     for fn in fns.values():
         fn()
     times: dict = {name: [] for name in fns}
+    issued: dict = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             dist.barrier()
@@ -81,10 +88,15 @@ def interleaved_us(fns: dict, calls: int, reps: int, device: str) -> dict:
                 times[name].append((time.perf_counter() - t0) * 1e6 / calls)
                 continue
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            fn()
             begin.record()
+            t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            issued[name].append((time.perf_counter() - t0) * 1e6 / calls)
             end.record()
             end.synchronize()
             times[name].append(begin.elapsed_time(end) * 1000.0 / calls)
+    if host is not None:
+        host.update({name: statistics.median(values) for name, values in issued.items() if values})
     return {name: statistics.median(values) for name, values in times.items()}

@@ -26,6 +26,8 @@
 #   tools/gpu_session.sh model-final   # 2 GPUs (~8 min): bench/model.py's key cases (train-tp, train-sp, decode;
 #                                      # FP8 and unmerged variants), then the compile-backend, compile FP8/MoE,
 #                                      # peer-kernel and Lamport-kernel GPU tests
+#   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
+#                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
 #   tools/gpu_session.sh world8-bench  # 8 GPUs: the world-8 benchmarks
 #   tools/gpu_session.sh allreduce     # 2-4 GPUs (~7 min on 4x H200): all-reduce+norm bench with the FlashInfer
@@ -257,6 +259,16 @@ case "$stage" in
     tests residual_norm_dist 50 -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
     tests lamport_kernels 50 -x -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
     final_summary() { echo "=== model_bench"; grep -E "^(\[|\|)" "$OUT/model_bench.log" | grep -v "^|---"; }
+    ;;
+  model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
+                   # train-sp with kernel tables and one step's host + device timeline per variant, then the
+                   # two-GPU residual-norm and Lamport tests
+    step model_bench 330 python3 bench/model.py --world 2 --cases train-tp train-sp --train 2048 \
+      --train-batch 1 --profile --variants opfuse:fuse-all --json "$OUT/model.json"
+    tests residual_norm_dist 60 -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    tests lamport_kernels 50 -x -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
+    final_summary() { echo "=== model_bench"; sed -n '/^summary/,$p' "$OUT/model_bench.log" | head -5;
+                      grep -E "^(\[|\||world .*(timeline|gaps)|  +[0-9])" "$OUT/model_bench.log" | grep -v "^|---" | tail -90; }
     ;;
   compile-backend)
     tests compile_backend_tests 600 -x -q tests/gpu/test_compile_backend.py

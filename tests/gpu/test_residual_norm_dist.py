@@ -146,7 +146,7 @@ def check_graph_replays(rank, world):
         static_x = torch.empty(tokens, hidden, device="cuda", dtype=dtype)
         static_r = torch.empty(tokens, hidden, device="cuda", dtype=dtype)
         static_x.copy_(partials(0, world, tokens, hidden, dtype)[rank])
-        static_r.normal_()
+        static_r.copy_(partials(1, 1, tokens, hidden, dtype)[0])  # replicated: the same on every rank
         with opfuse.config.override(force_impl=f"allreduce_add_rmsnorm={impl}"):
             with torch.no_grad():
                 model(static_x, static_r)  # compile (reserves peer buffers) outside capture

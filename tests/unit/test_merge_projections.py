@@ -162,3 +162,44 @@ def test_a_merged_gate_up_feeds_the_fused_gated_activation(train):
         torch.testing.assert_close(gx, wx)
     fused = [f.rule for p in opfuse.programs(compiled) for f in p.fusions]
     assert "horizontal_gemm" in fused, fused
+
+
+def _lowered_gemms(model, x, train, monkeypatch, **optimize):
+    """``(GEMMs, horizontal ops)`` of the graph opfuse lowered for ``model(x)``: ``aten.mm`` /
+    ``aten.addmm`` nodes, and ``opfuse.horizontal_linear`` calls whose every output is read."""
+    from opfuse.torch_compile import graph_pass
+
+    lowered = []
+    real = graph_pass.fuse_graph
+
+    def capture(gm, settings=None):
+        program = real(gm, settings)
+        lowered.append(gm)
+        return program
+
+    monkeypatch.setattr(graph_pass, "fuse_graph", capture)
+    compiled = opfuse.optimize(model, options=EAGER, **optimize)
+    with torch.set_grad_enabled(train):
+        out = compiled(x)
+    if train:
+        out.sum().backward()
+    (gm,) = lowered
+    gemms = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    merged = [n for n in gm.graph.nodes if n.target == torch.ops.opfuse.horizontal_linear.default]
+    for node in merged:  # the merged GEMM feeds the model: its outputs are read, not left for dead-code removal
+        assert node.users and all(u.users for u in node.users), gm.graph
+    return len(gemms), len(merged)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_merged_groups_replace_their_gemms_in_the_lowered_graph(train, monkeypatch):
+    """The compile lowering rewires the users of q/k/v and gate/up to the merged GEMM's outputs, so
+    their own GEMMs are gone (they stayed beside a merged GEMM nobody read, and the merge did
+    nothing)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 32, requires_grad=train)
+    gemms, merged = _lowered_gemms(Attention(), x, train, monkeypatch)
+    torch._dynamo.reset()
+    gemms_apart, merged_apart = _lowered_gemms(Attention(), x, train, monkeypatch, merge_projections=False)
+    assert (merged, merged_apart) == (2, 0)
+    assert gemms == gemms_apart - 5  # q, k, v, gate, up: two merged GEMMs instead

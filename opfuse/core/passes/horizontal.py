@@ -109,6 +109,7 @@ def _fuse_run(gm: fx.GraphModule, ctx, value: fx.Node, run: list[fx.Node]) -> li
             with graph.inserting_after(cursor):
                 item = graph.call_function(operator.getitem, (fused, index))
             ctx.annotate(item, ctx.meta(end), ctx.sharding(end))
+            item.meta["opfuse_replaces"] = end.name  # the value the torch.compile lowering rewires
             end.replace_all_uses_with(item)
             cursor = item
     else:
@@ -120,6 +121,7 @@ def _fuse_run(gm: fx.GraphModule, ctx, value: fx.Node, run: list[fx.Node]) -> li
             gated = graph.call_module(ctx.add_module("fused_gated_activation",
                                                      PackedGatedActivation(ctx.op(activation).activation)), (fused,))
         ctx.annotate(gated, ctx.meta(activation), ctx.sharding(activation))
+        gated.meta["opfuse_replaces"] = activation.name
         ctx.record_fusion(gated, [activation])
         activation.replace_all_uses_with(gated)
         graph.erase_node(activation)
