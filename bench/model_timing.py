@@ -70,7 +70,7 @@ def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | N
     On a GPU each round issues one more call first and starts timing behind it (a CUDA event
     queued after it), so the rounds measure the steady state of steps run back to back, as a
     training loop runs them: not the start from an idle GPU after the barrier, whose host
-    issue and rank skew land on the first step (with 3 calls a round, a third of it per step)."""
+    issue and rank skew land on the first step (with 3 calls a round, a third of it per step).
     ``host``: filled with each function's host time to issue one call (median; on a GPU, a value
     close to the per-call time means the host, not the GPU, sets the pace)."""
     for fn in fns.values():

@@ -26,6 +26,8 @@
 #   tools/gpu_session.sh model-final   # 2 GPUs (~8 min): bench/model.py's key cases (train-tp, train-sp, decode;
 #                                      # FP8 and unmerged variants), then the compile-backend, compile FP8/MoE,
 #                                      # peer-kernel and Lamport-kernel GPU tests
+#   tools/gpu_session.sh model-s6      # 2 GPUs (~9 min): the session-6 model table (train-tp/sp, decode, FP8,
+#                                      # unmerged), then the compile-backend and compile FP8/MoE GPU tests
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -259,6 +261,15 @@ case "$stage" in
     tests residual_norm_dist 50 -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
     tests lamport_kernels 50 -x -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
     final_summary() { echo "=== model_bench"; grep -E "^(\[|\|)" "$OUT/model_bench.log" | grep -v "^|---"; }
+    ;;
+  model-s6)  # 2 GPUs (~9 min with the build): session 6's table (issue 26/27): train-tp, train-sp, decode with
+             # the FP8 and unmerged variants (steady-state training timing), then the compile-backend GPU tests
+             # (the all-gather kept for the backward runs p2p_overlap there) and the compile FP8/MoE tests
+    step model_bench 300 python3 bench/model.py --world 2 --cases train-tp train-sp decode --train 2048 \
+      --train-batch 1 --decode 1 --fp8 tensor --merge-ab --json "$OUT/model.json"
+    tests compile_backend_tests 130 -x -q tests/gpu/test_compile_backend.py
+    tests compile_fp8_moe_tests 80 -q --maxfail=3 tests/gpu/test_compile_fp8_moe.py
+    final_summary() { echo "=== model_bench"; grep -E "^(\[|\||note: (train|decode))" "$OUT/model_bench.log" | grep -v "^|---"; }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
                    # train-sp with kernel tables and one step's host + device timeline per variant, then the

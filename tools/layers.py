@@ -77,6 +77,10 @@ EXCEPTIONS = {
         "the built-in horizontal_gemm pass builds the gated_activation family's fused op",
     ("opfuse.core.passes.horizontal", "opfuse.families.horizontal_linear.op"):
         "the built-in horizontal_gemm pass builds the horizontal_linear family's fused op",
+    ("opfuse.core.passes.gather_keep", "opfuse.families.collective_linear.keep"):
+        "the built-in all_gather_keep pass builds the collective_linear family's all_gather_linear_keep",
+    ("opfuse.core.passes.gather_keep", "opfuse.families.horizontal_linear.op"):
+        "the built-in all_gather_keep pass takes over a merged GEMM (horizontal_linear) the gather feeds",
     ("opfuse.torch_compile.fp8", "opfuse.families.grouped_linear.recognizers"):
         "the FP8 plan of a joint graph finds the backward of opfuse's own grouped op (grouped_backward)",
     ("opfuse.torch_compile.moe", "opfuse.families.grouped_linear.op"):

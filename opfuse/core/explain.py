@@ -77,6 +77,10 @@ def explain_program(program, verbose: bool = False) -> Explanation:
             records = {covered_by[n].fused_node: covered_by[n] for n in names if n in covered_by}
             if any(r.rule == rule.name for r in records.values()):
                 continue  # the rule fired here
+            if (len(miss.matched) == miss.total and len(records) == 1 and all(n in covered_by for n in names)
+                    and not miss.reason.startswith("matches:")):
+                (other,) = records.values()  # e.g. all_gather_keep took a gather the backward reads too
+                miss.reason = f"fused by {other.rule} ({other.fused_node}) instead; this rule could not: {miss.reason}"
             if len(miss.matched) == miss.total and miss.reason.startswith("matches:"):
                 if len(records) == 1 and len(records) == len({covered_by.get(n) and covered_by[n].fused_node
                                                               for n in names}) and not verbose:

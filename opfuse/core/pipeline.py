@@ -5,6 +5,8 @@ Each pass is ``fn(graph_module, ctx) -> None`` and edits the graph in place (``c
 
     partition               expand composite ops, insert the collectives their layouts need
     horizontal_gemm         GEMMs reading the same value -> one GEMM (registered with register_pass)
+    all_gather_keep         an all-gather other ops read too -> fused with its largest GEMM, the gathered
+                            value kept for the others (torch.compile graphs; registered with register_pass)
     fuse                    fusion rules by priority, to a fixed point
     cleanup                 fold what no rule fused and would round twice (GEMM + bias, extra output +
                             norm), drop identities and dead values
@@ -27,6 +29,7 @@ from ..config import config
 from .passes.cleanup import cleanup
 from ..machinery.context import PassContext
 from .passes.fuse import fuse
+from .passes.gather_keep import all_gather_keep
 from .passes.horizontal import horizontal_gemm
 from .passes.partition import partition
 from ..machinery.graph_pass import Pass, PassError, PassRegistry, function_location
@@ -105,6 +108,7 @@ def get_pass_registry() -> PassRegistry:
 
 # Built-in passes registered through the public API (they could live outside opfuse).
 register_pass(horizontal_gemm, name="horizontal_gemm", after="partition")
+register_pass(all_gather_keep, name="all_gather_keep", after="horizontal_gemm")
 
 
 def _run_registered(item: Pass, gm: fx.GraphModule, ctx: PassContext,

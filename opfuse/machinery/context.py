@@ -65,11 +65,16 @@ class PassContext:
         A copy of the graph after partitioning (and the FP8 pass), before fusion.
     recipe:
         The :mod:`opfuse.fp8` recipe the program is compiled for (``None``: no FP8).
+    without_autograd:
+        The fused ops run without autograd: torch.compile's aten graphs, whose backward (if any)
+        is already traced into the graph. Forward-only fused ops may then be used, and a fused op
+        may hand a value it covers to the backward as an extra output.
     """
 
-    def __init__(self, graph_module: fx.GraphModule | None = None, recipe=None):
+    def __init__(self, graph_module: fx.GraphModule | None = None, recipe=None, without_autograd: bool = False):
         self.graph_module = graph_module
         self.recipe = recipe
+        self.without_autograd = bool(without_autograd)
         self.fusions: list[FusionRecord] = []
         self.notes: list[tuple[str, str]] = []
         self.current = None

@@ -37,6 +37,19 @@ def test_demo_reports_check_passed():
         in result.stdout
 
 
+#: What torch's gloo teardown sometimes prints when a rank's interpreter exits while a gloo worker
+#: thread is still being destroyed (after the script finished and destroyed its process groups):
+#: pytorch/pytorch#179291 describes the race. Not opfuse's; a run that hit it is run once more.
+_GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun_run(command: list[str]) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    if result.returncode != 0 and _GLOO_TEARDOWN_ABORT in result.stdout + result.stderr:
+        result = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    return result
+
+
 def torchrun() -> list[str]:
     """The torchrun command (it ships with torch; the module form works where the script is not
     on PATH); skips the test when neither runs."""
@@ -51,8 +64,7 @@ def torchrun() -> list[str]:
 @pytest.mark.dist
 def test_demo_under_torchrun():
     command = torchrun()
-    result = subprocess.run(command + ["--standalone", "--nproc-per-node", "2", "-m", "opfuse", "demo"], cwd=ROOT,
-                            env=env(), capture_output=True, text=True, timeout=180)
+    result = _torchrun_run(command + ["--standalone", "--nproc-per-node", "2", "-m", "opfuse", "demo"])
     assert result.returncode == 0, result.stdout + result.stderr
     # The two torchrun processes are the group (world 2), nobody spawns more, rank 0 reports once.
     assert result.stdout.count("result: check PASSED") == 1, result.stdout
@@ -66,8 +78,7 @@ def test_demo_under_torchrun():
 def test_porting_example_under_torchrun():
     """examples/port_mlp.py: a plain gated MLP ported to ops.Sequential, trained one step, and its
     weights gathered back into the plain model (docs/guide.md, "Porting a model")."""
-    result = subprocess.run(torchrun() + ["--standalone", "--nproc-per-node", "2", "examples/port_mlp.py"], cwd=ROOT,
-                            env=env(), capture_output=True, text=True, timeout=180)
+    result = _torchrun_run(torchrun() + ["--standalone", "--nproc-per-node", "2", "examples/port_mlp.py"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "port_mlp: world=2 (cpu)" in result.stdout and "port_mlp: PASSED" in result.stdout
 

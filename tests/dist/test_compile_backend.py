@@ -46,6 +46,8 @@ def check_case(rank, world, tp, train, inductor, dtype, tolerance, batch=2, cfg=
         # Each row projection with its reduce-scatter; each residual add with the next norm.
         assert forward.count("linear_reduce_scatter") == row_parallel, f"{label}: {program.explain()}"
         assert forward.count("add_rmsnorm") == row_parallel + 1, f"{label}: {program.explain()}"
+        if train:  # each gather (attention, MLP, output head) with its largest GEMM, kept for the backward
+            assert forward.count("all_gather_keep") == 2 * cfg.layers + 1, f"{label}: {program.explain()}"
         return
     assert forward.count("allreduce_add_rmsnorm") == row_parallel, f"{label}: {program.explain()}"
     assert "allreduce" not in forward, f"{label}: an all-reduce fused alone in forward: {program.explain()}"

@@ -37,6 +37,10 @@ def check(rank, world, tp, train, batch, **kwargs):
         assert sum(f.rule == "allreduce_add_rmsnorm" for f in fusions) == len(llama_tp.ROW_PARALLEL) * cfg.layers
     if tp == "dtensor-sp":
         assert sum(f.rule == "linear_reduce_scatter" for f in fusions) == len(llama_tp.ROW_PARALLEL) * cfg.layers
+        # Each gather (attention, MLP, output head) with its largest GEMM, kept for the backward.
+        keeps = [f for f in fusions if f.rule == "all_gather_keep"]
+        assert len(keeps) == 2 * cfg.layers + 1, [(f.rule, f.impl) for f in fusions]
+        assert any(f.impl == "p2p_overlap" for f in keeps), [(f.impl, f.skipped) for f in keeps]
 
 
 def cases(rank, world):

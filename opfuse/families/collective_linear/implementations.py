@@ -29,6 +29,14 @@ TABLE = ImplementationTable("collective_linear", {
         Implementation("reference", always, collective_reference.ag_linear_forward,
                        collective_reference.ag_linear_backward, description="all-gather, then one GEMM"),
     ],
+    "all_gather_linear_keep": [
+        Implementation(collective_p2p.NAME, collective_p2p.check_all_gather_linear_keep,
+                       collective_p2p.all_gather_linear_keep_forward, None, collective_p2p.prepare,
+                       "all_gather_linear's overlap (copy-engine pushes, a GEMM per arrived shard) with the own "
+                       "shard in the gathered region, which is copied out for the other readers; forward only"),
+        Implementation("reference", always, collective_reference.ag_linear_keep_forward,
+                       description="all-gather, then one GEMM; the gathered tensor returned too"),
+    ],
     "linear_reduce_scatter": [
         Implementation(collective_p2p.NAME, collective_p2p.check_linear_reduce_scatter,
                        collective_p2p.linear_reduce_scatter_forward, collective_p2p.linear_reduce_scatter_backward,

@@ -4,7 +4,8 @@ capability checks, preparation, forward and backward, with the signatures of :mo
 =========================  ======================================================================
 op / direction             pipeline
 =========================  ======================================================================
-AllGatherLinear fwd        gather-push + GEMM per arriving shard (own shard first)
+AllGatherLinear fwd        gather-push + GEMM per arriving shard (own shard first); the ``keep``
+                           variant also copies the own shard into the region and returns it gathered
 AllGatherLinear bwd        dgrad reduce-scatter (ring or direct, below) of dy @ W while comm2
                            re-gathers x; then one wgrad GEMM on the gathered x; db = sum(dy)
 LinearReduceScatter fwd    large chunks: ring, GEMM per (chunk, sub-chunk), partial sums
@@ -42,8 +43,9 @@ from .overlap import planner as plans, policy, resources
 from . import reference
 from .operands import HALF_DTYPES, operand_reason
 
-__all__ = ["NAME", "check_all_gather_linear", "check_linear_reduce_scatter", "prepare", "all_gather_linear_forward",
-           "all_gather_linear_backward", "linear_reduce_scatter_forward", "linear_reduce_scatter_backward"]
+__all__ = ["NAME", "check_all_gather_linear", "check_all_gather_linear_keep", "check_linear_reduce_scatter",
+           "prepare", "all_gather_linear_forward", "all_gather_linear_keep_forward", "all_gather_linear_backward",
+           "linear_reduce_scatter_forward", "linear_reduce_scatter_backward"]
 
 NAME = "p2p_overlap"
 SUPPORTED_DTYPES = HALF_DTYPES
@@ -97,6 +99,11 @@ def _check(spec) -> Optional[str]:
 def check_all_gather_linear(spec) -> Optional[str]:
     """Capable when CUDA, bf16/fp16, world >= 2, the group has peer memory, and the regions and
     signal channels of the forward (and, for training, backward) calls fit."""
+    return _check(spec)
+
+
+def check_all_gather_linear_keep(spec) -> Optional[str]:
+    """As :func:`check_all_gather_linear`, for the forward-only call that keeps the gathered input."""
     return _check(spec)
 
 
@@ -182,6 +189,27 @@ def all_gather_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     out = x.new_empty((ctx.world * x2.shape[0], n))
     bound(weight.t(), a=x2, out=out, biasin=None if bias is None else bias.reshape(1, n))
     return out if x.dim() == 2 else out.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:-1]) + (n,))
+
+
+def all_gather_linear_keep_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str):
+    """``(all_gather_tokens(x) @ weight.T + bias, all_gather_tokens(x))``: the forward's pipeline with
+    the own shard copied into the gathered region too, which is then copied out (peers write the
+    region again at this rank's next overlap call)."""
+    ctx = _context(group, x)
+    k, n = x.shape[-1], weight.shape[0]
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    bound = ctx and _bound(ctx, plans.gather_request(x2.shape[0], k, n, bias=bias is not None, fill_own=True,
+                                                     itemsize=x.element_size()), x.dtype)
+    if not bound:
+        return reference.ag_linear_keep_forward(x, weight, bias, group)
+    x2 = x2.contiguous()
+    out = x.new_empty((ctx.world * x2.shape[0], n))
+    bound(weight.t(), a=x2, out=out, biasin=None if bias is None else bias.reshape(1, n))
+    gathered = bound.local("gather").clone()
+    if x.dim() == 2:
+        return out, gathered
+    leading = (x.shape[0] * ctx.world,) + tuple(x.shape[1:-1])
+    return out.view(leading + (n,)), gathered.view(leading + (k,))
 
 
 def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, need_dx: bool, need_dw: bool,

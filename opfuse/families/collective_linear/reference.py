@@ -9,7 +9,8 @@ from ...ops import group as groups
 from ...ops.collectives import raw_all_gather, raw_reduce_scatter
 from ...ops.norm import compute_dtype
 
-__all__ = ["ag_linear_forward", "ag_linear_backward", "linear_rs_forward", "linear_rs_backward"]
+__all__ = ["ag_linear_forward", "ag_linear_backward", "ag_linear_keep_forward", "linear_rs_forward",
+           "linear_rs_backward"]
 
 
 def _rows(t):
@@ -22,6 +23,11 @@ def _sum_rows(t):
 
 def ag_linear_forward(x, weight, bias, group):
     return F.linear(raw_all_gather(x, groups.from_name(group)), weight, bias)
+
+
+def ag_linear_keep_forward(x, weight, bias, group):
+    gathered = raw_all_gather(x, groups.from_name(group))
+    return F.linear(gathered, weight, bias), gathered
 
 
 def ag_linear_backward(dy, x, weight, group, need_dx, need_dw, need_db):

@@ -146,6 +146,8 @@ def call_requests(op: str, rows: int, k: int, n: int, *, bias: bool, bias_after:
     make, with ``x`` of ``rows`` tokens (the local shard for ``all_gather_linear``, all tokens
     for ``linear_reduce_scatter``) x ``k`` features and ``n`` outputs: what the check sizes and
     ``prepare`` reserves and binds."""
+    if op == "all_gather_linear_keep":  # forward only; the own shard joins the gathered region it returns
+        return [gather_request(rows, k, n, bias=bias, fill_own=True, itemsize=itemsize)]
     if op == "all_gather_linear":
         requests = [gather_request(rows, k, n, bias=bias, itemsize=itemsize)]
         if requires_grad:  # dx = reduce_scatter(dy @ w) while x is re-gathered for dw
@@ -158,7 +160,8 @@ def call_requests(op: str, rows: int, k: int, n: int, *, bias: bool, bias_after:
         if requires_grad:  # dy gathered while dx GEMMs each arriving shard; kept for dw
             requests.append(gather_request(chunk, n, k, fill_own=True, itemsize=itemsize))
         return requests
-    raise ValueError(f"overlap: op {op!r}; known: 'all_gather_linear', 'linear_reduce_scatter'")
+    raise ValueError(f"overlap: op {op!r}; known: 'all_gather_linear', 'all_gather_linear_keep', "
+                     f"'linear_reduce_scatter'")
 
 
 def fingerprint_requests(rows: int, k: int, n: int) -> list[tuple[str, Request]]:
