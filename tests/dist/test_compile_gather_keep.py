@@ -101,6 +101,31 @@ def _case(rank, world, merge):
     assert "fused by all_gather_keep" in explained or "all_gather_linear" not in explained, explained
 
 
+def _inference_case(rank, world):
+    """No backward: the gather is read by three GEMMs (weights stored apart); the widest takes it
+    and the other two read the kept value."""
+    import opfuse
+
+    torch.manual_seed(0)
+    full = Block(None, 1).double()
+    mine = Block(dist.group.WORLD, world)
+    _shard(full, mine, rank, world)
+    x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(1))
+    rows = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
+    compiled = opfuse.optimize(mine, merge_projections=False, options={"inductor": False})
+    with torch.no_grad():
+        got, want = compiled(x[rows]), full(x.double())
+    torch.testing.assert_close(got.double(), want[rows], atol=1e-5, rtol=1e-5)
+    (program,) = opfuse.programs(compiled)
+    assert program.kind == "inference"
+    assert [f.rule for f in program.fusions].count("all_gather_keep") == 1, program.explain()
+
+
+@pytest.mark.dist
+def test_gather_kept_for_other_gemms_in_inference():
+    run(_inference_case, 2, timeout=300)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "apart"])
