@@ -81,12 +81,16 @@ def _fuse(gm: fx.GraphModule, ctx, gather: fx.Node, gemm: fx.Node) -> None:
         ctx.fusions[:] = [f for f in ctx.fusions if f.fused_node != gemm.name]
         names, kinds = zip(*fused.meta["opfuse_covered"])
         ctx.fusions[ctx.fusions.index(record)] = dataclasses.replace(record, nodes=tuple(names), ops=tuple(kinds))
-    ends = [gemm] if not (isinstance(ctx.op(gemm), HorizontalLinear) and split) else [
-        u for u in gemm.users if u.op == "call_function" and u.target is operator.getitem]
-    outs = ctx.meta(gemm) if len(ends) > 1 else (ctx.meta(gemm),)
+    # The module returns each y of a split merged GEMM (or the one y), then the gathered value.
+    outputs = len(module.sizes) if split and len(module.sizes) > 1 else 1
+    if outputs > 1:
+        ends = [u for u in gemm.users if u.op == "call_function" and u.target is operator.getitem]
+        outs, replaced = tuple(ctx.meta(gemm)), [(end, end.args[1]) for end in ends]
+    else:
+        ends, outs, replaced = [gemm], (ctx.meta(gemm),), [(gemm, 0)]
     ctx.annotate(fused, (*outs, ctx.meta(gather)), ctx.sharding(gemm))
     cursor = fused
-    replaced = ([(end, end.args[1] if len(ends) > 1 else 0) for end in ends] + [(gather, len(ends))])
+    replaced.append((gather, outputs))
     for old, index in replaced:
         with graph.inserting_after(cursor):
             item = graph.call_function(operator.getitem, (fused, index))
