@@ -19,9 +19,9 @@ class Block(nn.Module):
     """``x + o(q(n) * sigmoid(k(n)) + v(n))``, ``n`` the norm of ``x`` all-gathered along tokens; one
     rank's column shards of q/k/v (k twice as wide, so it is the largest GEMM) and row shard of o."""
 
-    def __init__(self, group, shards: int):
+    def __init__(self, group, shards: int, dim: int = 0):
         super().__init__()
-        self.group = group
+        self.group, self.dim = group, dim  # dim 1: [batch, seq, hidden] sharded along the sequence
         self.norm = nn.RMSNorm(H)
         width = HEADS // shards
         self.q = nn.Linear(H, width, bias=False)
@@ -32,12 +32,12 @@ class Block(nn.Module):
     def forward(self, x):
         n = self.norm(x)
         if self.group is not None:
-            n = funcol.all_gather_tensor_autograd(n, 0, self.group)
+            n = funcol.all_gather_tensor_autograd(n, self.dim, self.group)
         k = self.k(n)
         y = self.q(n) * torch.sigmoid(k[..., : k.shape[-1] // 2] + k[..., k.shape[-1] // 2:]) + self.v(n)
         y = self.o(y)
         if self.group is not None:
-            y = funcol.reduce_scatter_tensor_autograd(y, "sum", 0, self.group)
+            y = funcol.reduce_scatter_tensor_autograd(y, "sum", self.dim, self.group)
         return x + y
 
 
@@ -54,7 +54,9 @@ def _shard(full, mine, rank, world):
     return cols
 
 
-def _case(rank, world, merge):
+def _case(rank, world, merge, batch=1):
+    """``batch`` 1: ``[tokens, hidden]`` sharded along tokens; ``batch`` > 1: ``[batch, seq, hidden]``
+    sharded along the sequence (gathered rank-major, put back in batch-major order by the model)."""
     import opfuse
 
     torch.manual_seed(0)
@@ -62,14 +64,17 @@ def _case(rank, world, merge):
     with torch.no_grad():
         for p in full.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    mine = Block(dist.group.WORLD, world)
+    dim = 0 if batch == 1 else 1
+    mine = Block(dist.group.WORLD, world, dim)
     cols = _shard(full, mine, rank, world)
-    x = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(1))
-    rows = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
+    shape = (TOKENS, H) if batch == 1 else (batch, TOKENS, H)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    part = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
+    rows = part if batch == 1 else (slice(None), part)
     xs, xd = x[rows].clone().requires_grad_(), x.double().requires_grad_()
     compiled = opfuse.optimize(mine, merge_projections=merge, options={"inductor": False})
     got = compiled(xs)
-    grad = torch.randn(TOKENS, H, generator=torch.Generator().manual_seed(2))
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     (got * grad[rows]).sum().backward()
     want = full(xd)
     (want * grad.double()).sum().backward()
@@ -131,3 +136,11 @@ def test_gather_kept_for_other_gemms_in_inference():
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "apart"])
 def test_gather_kept_for_the_backward_matches_float64(world, merge):
     run(_case, world, merge, timeout=600)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_batch_of_three_matches_float64(world):
+    """Three sequences sharded along the sequence dim (issue 26.3): the gather's rows are rank-major,
+    the fused op returns the GEMM's rows batch-major as the model's code had them."""
+    run(_case, world, True, 3, timeout=600)

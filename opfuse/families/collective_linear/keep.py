@@ -7,9 +7,12 @@ q/k/v (gate/up) whose weights are stored apart read it as separate GEMMs. ``all_
 cannot take such a gather (its value would have to exist twice); this op gathers once, overlaps
 the gather with the largest GEMM reading it, and hands the gathered tensor to every other reader.
 
-``AllGatherLinearKeep(weights, biases, group, split)`` computes ``gathered = all_gather_tokens(x)``,
-``y = gathered @ [w_1; ...; w_k].T [+ b]`` and returns ``(y_1, ..., y_k, gathered)`` (``y`` split
-back per weight) or ``(y, gathered)`` with ``split=False``. Forward only: it is used where fused
+``AllGatherLinearKeep(weights, biases, group, split, batch)`` computes ``gathered =
+all_gather_tokens(x)``, ``y = gathered @ [w_1; ...; w_k].T [+ b]`` and returns ``(y_1, ..., y_k,
+gathered)`` (``y`` split back per weight) or ``(y, gathered)`` with ``split=False``. ``batch > 1``:
+``x`` holds ``batch`` sequences' shards (sequence parallelism at batch > 1), so the gathered rows are
+rank-major; ``y`` is returned batch-major (each sequence's tokens together, as the model's GEMM
+computed them after putting the gathered value back in order), ``gathered`` rank-major as gathered. Forward only: it is used where fused
 ops run without autograd (``PassContext.without_autograd``: torch.compile's aten graphs).
 
 Custom op: ``opfuse::all_gather_linear_keep(x, weight, bias, group, impl) -> (y, gathered)``.
@@ -52,15 +55,17 @@ class AllGatherLinearKeep(FusedOp):
     name = "all_gather_linear_keep"
 
     def __init__(self, weights: Sequence[nn.Parameter], biases: Sequence[nn.Parameter] | None = None, *,
-                 group=None, split: bool = True):
+                 group=None, split: bool = True, batch: int = 1):
         super().__init__()
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"AllGatherLinearKeep: batch={batch!r}; expected a positive int")
         if not weights:
             raise ValueError("AllGatherLinearKeep: needs at least one weight")
         if biases is not None and len(biases) != len(weights):
             raise ValueError(f"AllGatherLinearKeep: {len(weights)} weights but {len(biases)} biases")
         self.weights = nn.ParameterList(weights)
         self.biases = nn.ParameterList(biases) if biases is not None else None
-        self.group, self.split = group, bool(split)
+        self.group, self.split, self.batch = group, bool(split), batch
         self.sizes = [w.shape[0] for w in weights]
 
     def extra_repr(self) -> str:
@@ -69,6 +74,8 @@ class AllGatherLinearKeep(FusedOp):
             text += ", bias"
         if not self.split:
             text += ", packed"
+        if self.batch > 1:
+            text += f", batch-major y ({self.batch} sequences)"
         return text + (f", impl={self.impl}" if self.impl else "")
 
     def call_spec(self, metas: Sequence[TensorMeta]) -> CallSpec:
@@ -89,5 +96,8 @@ class AllGatherLinearKeep(FusedOp):
         weight = join_rows(list(self.weights))
         bias = join_rows(list(self.biases)) if self.biases is not None else None
         y, gathered = AG_LINEAR_KEEP(x, weight, bias, groups.group_name(self.group), self._impl())
+        if self.batch > 1:  # rows (rank, sequence, token) -> (sequence, rank, token): the sequences' order
+            n = y.shape[-1]
+            y = y.reshape(groups.world_size(self.group), self.batch, -1, n).transpose(0, 1).reshape(-1, n)
         outputs = tuple(y.split(self.sizes, dim=-1)) if self.split and len(self.sizes) > 1 else (y,)
         return (*outputs, gathered)
