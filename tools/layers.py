@@ -81,6 +81,8 @@ EXCEPTIONS = {
         "the built-in all_gather_keep pass builds the collective_linear family's all_gather_linear_keep",
     ("opfuse.core.passes.gather_keep", "opfuse.families.horizontal_linear.op"):
         "the built-in all_gather_keep pass takes over a merged GEMM (horizontal_linear) the gather feeds",
+    ("opfuse.core.passes.scatter_batch", "opfuse.families.collective_linear.op"):
+        "the built-in linear_reduce_scatter_batch pass builds the collective_linear family's linear_reduce_scatter",
     ("opfuse.torch_compile.fp8", "opfuse.families.grouped_linear.recognizers"):
         "the FP8 plan of a joint graph finds the backward of opfuse's own grouped op (grouped_backward)",
     ("opfuse.torch_compile.moe", "opfuse.families.grouped_linear.op"):

@@ -7,6 +7,8 @@ Each pass is ``fn(graph_module, ctx) -> None`` and edits the graph in place (``c
     horizontal_gemm         GEMMs reading the same value -> one GEMM (registered with register_pass)
     all_gather_keep         an all-gather other ops read too -> fused with its largest GEMM, the gathered
                             value kept for the others (torch.compile graphs; registered with register_pass)
+    linear_reduce_scatter_batch  GEMM -> split/cat -> reduce-scatter of batch > 1 sequences -> one
+                            linear_reduce_scatter (torch.compile graphs; registered with register_pass)
     fuse                    fusion rules by priority, to a fixed point
     cleanup                 fold what no rule fused and would round twice (GEMM + bias, extra output +
                             norm), drop identities and dead values
@@ -31,6 +33,7 @@ from ..machinery.context import PassContext
 from .passes.fuse import fuse
 from .passes.gather_keep import all_gather_keep
 from .passes.horizontal import horizontal_gemm
+from .passes.scatter_batch import linear_reduce_scatter_batch
 from .passes.partition import partition
 from ..machinery.graph_pass import Pass, PassError, PassRegistry, function_location
 from ..machinery.rule import caller_location
@@ -109,6 +112,7 @@ def get_pass_registry() -> PassRegistry:
 # Built-in passes registered through the public API (they could live outside opfuse).
 register_pass(horizontal_gemm, name="horizontal_gemm", after="partition")
 register_pass(all_gather_keep, name="all_gather_keep", after="horizontal_gemm")
+register_pass(linear_reduce_scatter_batch, name="linear_reduce_scatter_batch", after="all_gather_keep")
 
 
 def _run_registered(item: Pass, gm: fx.GraphModule, ctx: PassContext,

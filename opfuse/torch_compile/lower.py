@@ -208,6 +208,8 @@ class _Lowering:
             region = self.op_graph.regions.get(name)
             if region is not None:
                 self.covered |= region.nodes
+            elif self.op_graph.aten.get(name) is not None:  # a plain aten op a pass fused (a split, a cat)
+                self.covered.add(self.op_graph.aten[name])
 
     def reemit_split(self) -> None:
         """The bias half of an ``addmm`` whose GEMM a fusion took computes ``GEMM + bias`` itself:

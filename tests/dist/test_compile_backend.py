@@ -2,8 +2,9 @@
 torch.distributed calls and with DTensor, compiled with opfuse, against the same model run eagerly
 (outputs and every gradient), and the fusions it must find: one all-reduce + residual add +
 RMSNorm per row-parallel projection (the MLP's joins the next layer's norm), all-reduces of the
-backward's input gradients through the fused all-reduce; with DTensor sequence parallelism, each
-row projection with its reduce-scatter and each residual add with the norm after it.
+backward's input gradients through the fused all-reduce; with DTensor sequence parallelism (batch 1
+and 2), each row projection with its reduce-scatter, each all-gather with its largest GEMM and each
+residual add with the norm after it.
 
 One spawn runs every case (process start-up and compilation dominate on 2 CPU cores); the fused
 graphs run eagerly (``options={"inductor": False}``) except in one case, compiled by Inductor.
@@ -44,7 +45,9 @@ def check_case(rank, world, tp, train, inductor, dtype, tolerance, batch=2, cfg=
     row_parallel = len(llama_tp.ROW_PARALLEL) * cfg.layers
     if tp == "dtensor-sp":
         # Each row projection with its reduce-scatter; each residual add with the next norm.
-        assert forward.count("linear_reduce_scatter") == row_parallel, f"{label}: {program.explain()}"
+        # batch > 1: the sequences' split + cat before each reduce-scatter is taken by its own pass.
+        scatter = "linear_reduce_scatter" if batch == 1 else "linear_reduce_scatter_batch"
+        assert forward.count(scatter) == row_parallel, f"{label}: {program.explain()}"
         assert forward.count("add_rmsnorm") == row_parallel + 1, f"{label}: {program.explain()}"
         if train:  # each gather (attention, MLP, output head) with its largest GEMM, kept for the backward
             assert forward.count("all_gather_keep") == 2 * cfg.layers + 1, f"{label}: {program.explain()}"
@@ -66,6 +69,7 @@ def cases(rank, world):
     check_case(rank, world, "dist", True, False, torch.float32, F32)
     check_case(rank, world, "dtensor", True, False, torch.float32, F32)
     check_case(rank, world, "dtensor-sp", True, False, torch.float32, F32, batch=1)
+    check_case(rank, world, "dtensor-sp", True, False, torch.float32, F32, batch=2)
     check_case(rank, world, "dtensor", False, False, torch.bfloat16, BF16)
     check_case(rank, world, "dist", True, True, torch.float32, F32)
 

@@ -78,8 +78,8 @@ def test_opfuse_dump_env_writes_every_pass(tail, tmp_path):
     (program_dir,) = list(tmp_path.iterdir())
     files = sorted(os.listdir(program_dir))
     stems = [f.split(".")[0] for f in files if f.endswith(".py")]
-    assert stems == ["00_lowered", "01_partition", "02_horizontal_gemm", "03_all_gather_keep", "04_fuse",
-                     "05_cleanup", "06_select_implementations", "07_verify"]
+    assert stems == ["00_lowered", "01_partition", "02_horizontal_gemm", "03_all_gather_keep",
+                     "04_linear_reduce_scatter_batch", "05_fuse", "06_cleanup", "07_select_implementations", "08_verify"]
     assert "explain.txt" in files
     for name in files:
         if name.endswith(".py"):

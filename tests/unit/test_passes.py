@@ -18,7 +18,8 @@ from opfuse.passes import PassError, VerifyError, disabled_passes, passes, regis
 from .test_ops import randomize_
 
 H = 8
-BUILTIN = ["partition", "horizontal_gemm", "all_gather_keep", "fuse", "cleanup", "select_implementations", "verify"]
+BUILTIN = ["partition", "horizontal_gemm", "all_gather_keep", "linear_reduce_scatter_batch", "fuse", "cleanup",
+           "select_implementations", "verify"]
 
 
 @pytest.fixture
@@ -59,9 +60,10 @@ def test_passes_run_where_they_are_placed(registered, rng):
     add(registered, "late", kinds_seen(late), after="partition")
     add(registered, "default", kinds_seen(default))
     # after="partition" also follows what was placed after partition before it (horizontal_gemm, and
-    # all_gather_keep after that).
-    assert [p.name for p in passes()] == ["early", "partition", "horizontal_gemm", "all_gather_keep", "late",
-                                          "fuse", "default", "cleanup", "select_implementations", "verify"]
+    # the passes placed after that).
+    assert [p.name for p in passes()] == ["early", "partition", "horizontal_gemm", "all_gather_keep",
+                                          "linear_reduce_scatter_batch", "late", "fuse", "default", "cleanup",
+                                          "select_implementations", "verify"]
     seq = block(rng)
     seq(torch.randn(3, H))
     assert early == [["RMSNorm", "Linear", "GELU", "Linear"]]            # composites not yet expanded
@@ -77,8 +79,8 @@ def test_same_anchor_runs_in_registration_order(registered):
         add(registered, name, before="verify")
     add(registered, "both", after="cleanup", before="select_implementations")
     names = [p.name for p in passes()]
-    assert names == ["partition", "horizontal_gemm", "all_gather_keep", "fuse", "a1", "a1_then", "a2", "cleanup",
-                     "both", "select_implementations", "b1", "b2", "verify"]
+    assert names == ["partition", "horizontal_gemm", "all_gather_keep", "linear_reduce_scatter_batch", "fuse", "a1",
+                     "a1_then", "a2", "cleanup", "both", "select_implementations", "b1", "b2", "verify"]
 
 
 def test_decorator_returns_the_function(registered):
@@ -214,8 +216,8 @@ def test_recorded_fusion_in_fusions_dumps_and_explain(registered, rng, tmp_path)
     assert f"pass gelu_to_tanh [" in text and "pass notes:\n  gelu_to_tanh: replaced a GELU" in text
     torch.testing.assert_close(program(x), F.gelu(x @ seq[0].weight.T, approximate="tanh"))
     stems = sorted(f for f in os.listdir(next(tmp_path.iterdir())) if f.endswith(".py"))
-    assert stems[:5] == ["00_lowered.py", "01_partition.py", "02_horizontal_gemm.py", "03_all_gather_keep.py",
-                         "04_gelu_to_tanh.py"]
+    assert stems[:6] == ["00_lowered.py", "01_partition.py", "02_horizontal_gemm.py", "03_all_gather_keep.py",
+                         "04_linear_reduce_scatter_batch.py", "05_gelu_to_tanh.py"]
 
 
 def test_a_pass_that_raises_is_named(registered, rng):
@@ -274,7 +276,7 @@ def test_verify_names_the_pass_that_broke_the_graph(registered, rng, tmp_path, b
         with pytest.raises(VerifyError, match=rf"after pass 'buggy' \(\S*test_passes.py:{line}\): .*{message}"):
             seq(x)
     dumped = os.listdir(next(tmp_path.iterdir()))
-    assert "04_buggy.py" in dumped  # the broken graph, for debugging
+    assert "05_buggy.py" in dumped  # the broken graph, for debugging
 
 
 def test_verify_off_skips_the_checks(registered, rng):

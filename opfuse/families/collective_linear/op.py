@@ -118,16 +118,26 @@ class LinearReduceScatter(_CollectiveLinear):
     ``bias_after=True``: the bias is added once, after the reduction (a row-parallel Linear);
     ``False``: it is added to every rank's partial sum before it (an explicit
     ``BasicLinear -> Bias -> ReduceScatter`` chain).
+
+    ``batch > 1``: ``x`` holds ``batch`` sequences in order and each rank keeps its part of every
+    sequence (sequence parallelism at batch > 1, what a model's ``split`` + ``cat`` before a token
+    reduce-scatter computes); ``x``'s rows are put rank-major first, so the scatter hands each rank
+    ``[batch * seq / world, ...]`` in sequence order.
     """
 
     name = "linear_reduce_scatter"
 
-    def __init__(self, *, weight, bias=None, group=None, bias_after: bool = True):
+    def __init__(self, *, weight, bias=None, group=None, bias_after: bool = True, batch: int = 1):
         super().__init__(weight=weight, bias=bias, group=group)
-        self.bias_after = bias_after
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"LinearReduceScatter: batch={batch!r}; expected a positive int")
+        self.bias_after, self.batch = bias_after, batch
 
     def _attrs(self) -> dict:
         return {"bias_after": self.bias_after}
 
     def forward(self, x):
+        if self.batch > 1:  # rows (sequence, rank, token) -> (rank, sequence, token)
+            k = x.shape[-1]
+            x = x.reshape(self.batch, groups.world_size(self.group), -1, k).transpose(0, 1).reshape(-1, k)
         return LINEAR_RS(x, self.weight, self.bias, self.bias_after, groups.group_name(self.group), self._impl())
