@@ -11,34 +11,13 @@ gradient against the unsharded float64 model:
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 from .harness import run
+from ..megatron_tp import CopyToTP, ReduceFromTP
 
 H, FFN, TOKENS = 16, 32, 6
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return funcol.all_reduce(x, "sum", group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class Block(nn.Module):
@@ -52,9 +31,9 @@ class Block(nn.Module):
         self.norm = nn.RMSNorm(H) if norm else None
 
     def forward(self, x):
-        h = _CopyToTP.apply(x, self.group) if self.group is not None else x
+        h = CopyToTP.apply(x, self.group) if self.group is not None else x
         y = self.down(F.gelu(self.up(h)))
-        y = _ReduceFromTP.apply(y, self.group) if self.group is not None else y
+        y = ReduceFromTP.apply(y, self.group) if self.group is not None else y
         out = x + y
         return self.norm(out) if self.norm is not None else out
 

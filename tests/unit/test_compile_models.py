@@ -17,6 +17,7 @@ from torch import nn
 
 import opfuse
 from ..collectives_compat import all_gather, reduce_scatter
+from ..megatron_tp import CopyToTP
 
 EAGER = {"inductor": False}
 H = 16
@@ -211,19 +212,6 @@ def test_a_float32_residual_with_bf16_activations_is_explained_by_the_plain_rule
     assert_no_fp8_rule(program)
 
 
-class _GradAllReduce(torch.autograd.Function):
-    """Identity forward, all-reduce of the gradient (before column-parallel projections)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return funcol.all_reduce(grad, "sum", ctx.group), None
-
-
 def test_backward_all_reduces_are_not_listed_as_misses_of_forward_only_rules(world1):
     class Layer(nn.Module):
         def __init__(self):
@@ -231,7 +219,7 @@ def test_backward_all_reduces_are_not_listed_as_misses_of_forward_only_rules(wor
             self.up, self.down, self.norm = nn.Linear(H, 2 * H, bias=False), nn.Linear(2 * H, H, bias=False), HFNorm()
 
         def forward(self, x):
-            y = self.down(F.silu(self.up(_GradAllReduce.apply(x, world1))))
+            y = self.down(F.silu(self.up(CopyToTP.apply(x, world1))))
             h = x + funcol.all_reduce(y, "sum", world1)
             return self.norm(h)
 

@@ -5,38 +5,15 @@ layer's weight-gradient GEMMs. One gloo rank: the collectives are identities, th
 
 import pytest
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 import opfuse
 from opfuse.torch_compile import overlap
+from ..megatron_tp import CopyToTP, ReduceFromTP
 
 EAGER = {"inductor": False}
 H, FFN = 32, 64
-
-
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; all-reduce of the gradient (a column-parallel layer's input)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return funcol.all_reduce(x, "sum", group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class TPBlock(nn.Module):
@@ -50,8 +27,8 @@ class TPBlock(nn.Module):
         self.norm = nn.RMSNorm(H)
 
     def forward(self, x):
-        h = _CopyToTP.apply(x, self.group)
-        y = _ReduceFromTP.apply(self.down(F.gelu(self.up(h))), self.group)
+        h = CopyToTP.apply(x, self.group)
+        y = ReduceFromTP.apply(self.down(F.gelu(self.up(h))), self.group)
         return self.norm(x + y)
 
 

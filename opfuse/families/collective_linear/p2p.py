@@ -176,40 +176,46 @@ def _empty(like: Tensor) -> Tensor:
 # AllGatherLinear ----------------------------------------------------------------------------------
 
 
-def all_gather_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str) -> Tensor:
-    """``all_gather_tokens(x) @ weight.T + bias``, each peer's shard GEMM'd as it lands."""
+def _gather_gemm(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, keep: bool):
+    """Run the all-gather + GEMM pipeline: ``(out [world * rows, n], bound plan, world)``, or
+    ``None`` when no plan fits (the caller runs the reference). ``keep``: the own shard is copied
+    into the gathered region too, so the whole gathered input lies there after the call."""
     ctx = _context(group, x)
     k, n = x.shape[-1], weight.shape[0]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    bound = ctx and _bound(ctx, plans.gather_request(x2.shape[0], k, n, bias=bias is not None,
+    bound = ctx and _bound(ctx, plans.gather_request(x2.shape[0], k, n, bias=bias is not None, fill_own=keep,
                                                      itemsize=x.element_size()), x.dtype)
     if not bound:
-        return reference.ag_linear_forward(x, weight, bias, group)
+        return None
     x2 = x2.contiguous()
     out = x.new_empty((ctx.world * x2.shape[0], n))
     bound(weight.t(), a=x2, out=out, biasin=None if bias is None else bias.reshape(1, n))
-    return out if x.dim() == 2 else out.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:-1]) + (n,))
+    return out, bound, ctx.world
+
+
+def _as_gathered(t: Tensor, x: Tensor, world: int) -> Tensor:
+    """``t`` ([world * rows, cols]) with ``x``'s leading dims, the first one gathered."""
+    return t if x.dim() == 2 else t.view((x.shape[0] * world,) + tuple(x.shape[1:-1]) + (t.shape[-1],))
+
+
+def all_gather_linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str) -> Tensor:
+    """``all_gather_tokens(x) @ weight.T + bias``, each peer's shard GEMM'd as it lands."""
+    ran = _gather_gemm(x, weight, bias, group, keep=False)
+    if ran is None:
+        return reference.ag_linear_forward(x, weight, bias, group)
+    out, _, world = ran
+    return _as_gathered(out, x, world)
 
 
 def all_gather_linear_keep_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str):
     """``(all_gather_tokens(x) @ weight.T + bias, all_gather_tokens(x))``: the forward's pipeline with
-    the own shard copied into the gathered region too, which is then copied out (peers write the
-    region again at this rank's next overlap call)."""
-    ctx = _context(group, x)
-    k, n = x.shape[-1], weight.shape[0]
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    bound = ctx and _bound(ctx, plans.gather_request(x2.shape[0], k, n, bias=bias is not None, fill_own=True,
-                                                     itemsize=x.element_size()), x.dtype)
-    if not bound:
+    the own shard in the gathered region too, which is then copied out (peers write the region again
+    at this rank's next overlap call)."""
+    ran = _gather_gemm(x, weight, bias, group, keep=True)
+    if ran is None:
         return reference.ag_linear_keep_forward(x, weight, bias, group)
-    x2 = x2.contiguous()
-    out = x.new_empty((ctx.world * x2.shape[0], n))
-    bound(weight.t(), a=x2, out=out, biasin=None if bias is None else bias.reshape(1, n))
-    gathered = bound.local("gather").clone()
-    if x.dim() == 2:
-        return out, gathered
-    leading = (x.shape[0] * ctx.world,) + tuple(x.shape[1:-1])
-    return out.view(leading + (n,)), gathered.view(leading + (k,))
+    out, bound, world = ran
+    return _as_gathered(out, x, world), _as_gathered(bound.local("gather").clone(), x, world)
 
 
 def all_gather_linear_backward(dy: Tensor, x: Tensor, weight: Tensor, group: str, need_dx: bool, need_dw: bool,
