@@ -172,3 +172,25 @@ def test_dump_checks_its_output_path_before_starting(tmp_path, capsys, where):
     assert err.startswith(f"python -m opfuse dump: error: -o/--output {str(path)!r}: ") and reason in err, err
     assert err.strip().endswith("expected a writable file path") and len(err.strip().splitlines()) == 1
     assert not os.path.exists(tmp_path / "nope")
+
+
+def test_sequence_parallel_fused_ops_refuse_bad_arguments():
+    """The fused ops the compile passes build for sequence parallelism name what they accept."""
+    from torch import nn
+
+    from opfuse.families.collective_linear.keep import AllGatherLinearKeep
+    from opfuse.families.collective_linear.op import LinearReduceScatter
+
+    w = nn.Parameter(torch.randn(4, 3))
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=rf"batch={bad!r}; expected a positive int"):
+            AllGatherLinearKeep([w], batch=bad)
+        with pytest.raises(ValueError, match=rf"batch={bad!r}; expected a positive int"):
+            LinearReduceScatter(weight=w, batch=bad)
+    with pytest.raises(ValueError, match="needs at least one weight"):
+        AllGatherLinearKeep([])
+    with pytest.raises(ValueError, match="2 weights but 1 biases"):
+        AllGatherLinearKeep([w, w], [nn.Parameter(torch.zeros(4))])
+    keep = AllGatherLinearKeep([w])
+    with pytest.raises(RuntimeError, match="all_gather_linear_keep has no backward"):
+        keep(torch.randn(2, 3, requires_grad=True))

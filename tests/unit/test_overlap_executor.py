@@ -232,6 +232,31 @@ def test_all_gather_linear_forward_backward(fake_cuda, monkeypatch, world, bias,
     assert signals.counts["put"] == signals.counts["wait"]
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("lead", [(), (2,)])
+def test_all_gather_linear_keep_forward(fake_cuda, monkeypatch, world, lead):
+    """The pipeline of all_gather_linear_keep (the own shard in the gathered region too): the GEMM
+    and the whole gathered input, as a copy that a later overlap call does not overwrite."""
+    tokens, k, n = 4, 6, 5
+    wrap = _with_ctx(monkeypatch)
+    xs = [_randn(tokens, *lead, k, seed=10 + r) for r in range(world)]
+    ws = [_randn(n, k, seed=20 + r) for r in range(world)]
+    bs = [_randn(n, seed=30 + r) for r in range(world)]
+
+    def fn(r, ctx):
+        first = impl.all_gather_linear_keep_forward(xs[r], ws[r], bs[r], group="g")
+        second = impl.all_gather_linear_keep_forward([x * 2 for x in xs][r], ws[r], bs[r], group="g")
+        return first, second
+
+    results, signals = _run_ranks(world, wrap(fn))
+    full_x = torch.cat(xs)
+    for r in range(world):
+        for scale, (y, gathered) in zip((1, 2), results[r]):
+            torch.testing.assert_close(gathered, scale * full_x)
+            torch.testing.assert_close(y, scale * full_x @ ws[r].T + bs[r])
+    assert signals.counts["put"] == signals.counts["wait"] > 0  # the peer pipeline ran, not the reference
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 5])
 @pytest.mark.parametrize("bias_after", [True, False])
 @pytest.mark.parametrize("rows_per_rank", [2, 1024])
