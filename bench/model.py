@@ -30,7 +30,9 @@ Variants: eager (training only), compile (torch.compile, Inductor), opfuse (opfu
 ``compile s`` / ``opfuse s``: the first call's wall time (compilation; Inductor's FX-graph and
 autograd caches off for both), ``opfuse passes s``: the part of it opfuse's own passes took.
 ``--profile``: a kernel table per variant and case (bench/kernel_table.py: GPU time per kernel
-category per step, the top kernels), so a regression is explained, not only seen.
+category per step, the top kernels), so a regression is explained, not only seen; per training
+variant also a steady-state timeline (bench/step_timeline.py) and where its host time goes
+(bench/host_profile.py).
 
 Method: CUDA events; training: medians of REPS batches of CALLS back-to-back steps after warm-up,
 every batch after a barrier and one untimed step (the steady state of a training loop, not its
@@ -196,8 +198,8 @@ def worker(rank, world, opts, out_path):
     def profiled(row, fns):
         if not opts.get("profile") or device != "cuda":
             return
+        import host_profile
         import kernel_table
-
         import step_timeline
 
         found, timelines = {}, {}
@@ -205,6 +207,10 @@ def worker(rank, world, opts, out_path):
             try:
                 found[name] = kernel_table.profile_step(fn, steps=2)
                 timelines[name] = step_timeline.step_timeline(fn)
+                lines = host_profile.host_profile(fn)
+                if rank == 0:
+                    print(f"host profile {row['case']} {row['shape']} {name} (own us/step, cumulative, calls):\n  "
+                          + "\n  ".join(lines), flush=True)
             except Exception as error:  # noqa: BLE001 - the profile is diagnostics
                 notes.append(f"profile {row['case']} {row['shape']} {name}: {type(error).__name__}: {error}")
         if rank == 0:

@@ -28,6 +28,9 @@
 #                                      # peer-kernel and Lamport-kernel GPU tests
 #   tools/gpu_session.sh model-s6      # 2 GPUs (~9 min): the session-6 model table (train-tp/sp, decode, FP8,
 #                                      # unmerged), then the compile-backend and compile FP8/MoE GPU tests
+#   tools/gpu_session.sh s7-model      # 2 GPUs (~8 min): compile-backend GPU tests, train-tp FP8 profiled
+#                                      # (kernel tables + host profiles, torchao column from .thirdparty/wheels),
+#                                      # train-sp at batch 1 and 4 with FP8
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -85,6 +88,15 @@ install_wheels() {
   [ -n "${DRY:-}" ] && return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl > "$OUT/wheels.log" 2>&1 || echo "wheel install failed (see wheels.log)"
+}
+# Baseline libraries for the benches only (torchao float8: bench/model.py's "torchao fp8" column),
+# carried in .thirdparty/wheels/ (pip download --no-deps torchao==0.18.0 -d .thirdparty/wheels):
+# installed into /tmp/site-bench, which the bench steps that use them put on PYTHONPATH.
+install_bench_wheels() {
+  ls .thirdparty/wheels/*.whl >/dev/null 2>&1 || { echo "no wheels in .thirdparty/wheels/"; return 1; }
+  [ -n "${DRY:-}" ] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-bench \
+    .thirdparty/wheels/*.whl > "$OUT/bench_wheels.log" 2>&1 || echo "bench wheel install failed (see bench_wheels.log)"
 }
 EXTRA=("$@")  # extra pytest arguments (STAGE -k EXPR)
 tests() {  # tests NAME TIMEOUT PYTEST-ARGS...: a pytest step with the stage's extra arguments
@@ -270,6 +282,22 @@ case "$stage" in
     tests compile_backend_tests 130 -x -q tests/gpu/test_compile_backend.py
     tests compile_fp8_moe_tests 80 -q --maxfail=3 tests/gpu/test_compile_fp8_moe.py
     final_summary() { echo "=== model_bench"; grep -E "^(\[|\||note: (train|decode))" "$OUT/model_bench.log" | grep -v "^|---"; }
+    ;;
+  s7-model)  # 2 GPUs (~8 min with the build): the compile-backend GPU tests (DTensor SP at batch 2, kept
+             # gathers), train-tp with FP8 profiled (kernel tables, timelines, host profiles; opfuse fp8 and
+             # torchao fp8 beside bf16), then train-sp at batch 1 and 4 with FP8
+    install_bench_wheels
+    tests compile_backend_tests 150 -x -q tests/gpu/test_compile_backend.py
+    PYTHONPATH=.:/tmp/site-bench step model_tp_fp8 200 python3 bench/model.py --world 2 --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor --profile --json "$OUT/model_tp.json"
+    PYTHONPATH=.:/tmp/site-bench step model_sp 200 python3 bench/model.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 4 --fp8 tensor --json "$OUT/model_sp.json"
+    final_summary() {
+      for name in model_tp_fp8 model_sp; do
+        echo "=== $name"; grep -E "^(\[|\||note: (train|torchao|--fp8))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600
+      done
+      echo "=== host profiles"; grep -A19 "^host profile" "$OUT/model_tp_fp8.log" | cut -c1-160
+    }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
                    # train-sp with kernel tables and one step's host + device timeline per variant, then the

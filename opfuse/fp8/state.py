@@ -13,7 +13,7 @@ from typing import Iterator
 
 from .recipe import Recipe, TensorScaling
 
-__all__ = ["autocast", "current_recipe", "weights_frozen"]
+__all__ = ["autocast", "current_recipe", "weights_frozen", "weight_trained", "weights_trained"]
 
 _state = threading.local()
 
@@ -26,6 +26,29 @@ def current_recipe() -> Recipe | None:
 def weights_frozen() -> bool:
     """Whether the innermost :func:`autocast` declared its weights frozen (``frozen_weights=True``)."""
     return getattr(_state, "frozen", False)
+
+
+def weight_trained(weight) -> bool:
+    """Whether an FP8 GEMM should treat ``weight`` as trained (quantize ``W`` and ``W.T`` together,
+    write the transposed bytes of ``x`` for the weight gradient): what the innermost
+    :func:`weights_trained` says, else ``weight.requires_grad``."""
+    override = getattr(_state, "trained", None)
+    return weight.requires_grad if override is None else override
+
+
+@contextlib.contextmanager
+def weights_trained(trained: bool) -> Iterator[None]:
+    """Say whether the FP8 GEMMs called inside take a weight gradient, whatever their weights'
+    ``requires_grad`` says. A compiled graph decides this when it is built (its outputs' shapes
+    depend on it) and passes the parameter itself, so that the FP8 copies cached for the
+    parameter serve its forward and its backward alike (an alias made to carry the flag would be
+    a new tensor, and a cache miss, on every call)."""
+    previous = getattr(_state, "trained", None)
+    _state.trained = bool(trained)
+    try:
+        yield
+    finally:
+        _state.trained = previous
 
 
 @contextlib.contextmanager

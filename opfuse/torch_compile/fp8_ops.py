@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..core import dispatch as implementations
+from ..fp8.state import weights_trained
 from ..fp8.tensor import Float8Activation
 from ..ops import group as groups
 
@@ -136,9 +137,10 @@ def compiled_fp8_gemm_quantizing(op: str, x: Tensor, weight: Tensor, bias: Optio
     empty)."""
     forward = implementations.get(op, impl).forward
     collective = (group,) if FP8_GEMM_OPS[op] else ()
-    # The fused ops write the transposed bytes for a weight that requires grad: say which here.
-    alias = weight.detach().requires_grad_(want_t) if weight.is_floating_point() else weight
-    y, data, scale, data_t = forward(x, None, None, alias, bias, *collective, recipe)
+    # The fused ops write the transposed bytes for a trained weight: say which here, on the
+    # parameter itself (its cached FP8 copies then serve this call and the backward's).
+    with weights_trained(want_t):
+        y, data, scale, data_t = forward(x, None, None, weight, bias, *collective, recipe)
     if not want_t and data_t.numel():
         data_t = data_t.new_empty(0)
     return y, data, scale, data_t

@@ -261,3 +261,47 @@ def test_fp8_backward_of_an_input_without_grad_returns_distinct_placeholders():
     fast = opfuse.optimize(mlp, fp8=opfuse.fp8.TensorScaling(), options={"inductor": False})
     fast(torch.randn(8, 64)).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in mlp.parameters())
+
+
+def test_forward_and_backward_gemms_get_the_parameter_itself(world1):
+    """The FP8 copies of a weight are cached per parameter (and version): the forward quantizes
+    W and W.T in one pass, the backward's data gradient reuses W.T. That only works when the
+    compiled forward hands the GEMM the parameter itself (not an alias carrying the "trained"
+    flag, which would be a new tensor and a cache miss on every call). A stand-in implementation
+    placed before the reference records what each GEMM was given."""
+    from opfuse.families.linear.implementations import TABLE
+    from opfuse.families.linear.fp8 import reference
+    from opfuse.fp8.state import weight_trained
+    from opfuse.machinery.implementation import Implementation, always
+
+    seen = {"forward": [], "backward": []}
+
+    def forward(x, x_data, x_scale, weight, bias, recipe):
+        seen["forward"].append((weight, weight_trained(weight)))
+        y, data, scale, data_t = reference.forward(x, x_data, x_scale, weight, bias, recipe)
+        if x_data is None and weight_trained(weight):  # the transposed bytes the GPU GEMMs write
+            data_t = data.reshape(-1, data.shape[-1]).t().contiguous()
+        return y, data, scale, data_t
+
+    def backward(dy, x_data, x_scale, x_data_t, weight, *rest):
+        seen["backward"].append(weight)
+        return reference.backward(dy, x_data, x_scale, x_data_t, weight, *rest)
+
+    TABLE.add("fp8_linear", Implementation("recording", always, forward, backward))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.GELU(), nn.Linear(64, 32, bias=False))
+        compiled = opfuse.optimize(model, fp8=fp8.TensorScaling(), options=EAGER)
+        for _ in range(2):
+            compiled(torch.randn(4, 32)).sum().backward()
+        with torch.no_grad():
+            compiled(torch.randn(4, 32))
+    finally:
+        TABLE.remove("fp8_linear", "recording")
+    weights = {id(p) for p in model.parameters()}
+    training, inference = seen["forward"][:4], seen["forward"][4:]
+    assert len(training) == 4 and len(seen["backward"]) == 4, seen
+    assert all(id(w) in weights and trained for w, trained in training), training
+    assert all(id(w) in weights for w in seen["backward"])
+    # inference: the same parameters, not trained (no transposed bytes; W alone is quantized)
+    assert inference and all(id(w) in weights and not trained for w, trained in inference), inference

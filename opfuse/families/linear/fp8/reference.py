@@ -8,6 +8,7 @@ import torch
 from ....fp8 import linear as fp8_linear
 from ....fp8.numerics import Quantized
 from ....fp8.recipe import recipe_from_key
+from ....fp8.state import weight_trained
 
 __all__ = ["forward", "backward", "reshape_out", "payload_out", "transposes_x", "payload_fake"]
 
@@ -47,7 +48,7 @@ def transposes_x(x_given: bool, weight: torch.Tensor, recipe: str, impl: str) ->
     """Whether an implementation returns the transposed bytes of the ``x`` it quantized: the GPU
     ones, for one scale per tensor and a weight that takes an FP8 gradient."""
     return impl != "reference" and not x_given and recipe.startswith("tensor") and recipe.endswith("wgrad-fp8") \
-        and weight.requires_grad
+        and weight_trained(weight)
 
 
 def payload_fake(x, x_data, weight, recipe, impl):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ....fp8.numerics import Quantized
 from ....fp8.recipe import recipe_from_key
+from ....fp8.state import weight_trained
 from ....ops.base import dtype_name
 from ...quantize import kernels, weight_cache
 from .reference import reshape_out, transposes_x
@@ -72,12 +73,6 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
     return torch._scaled_mm(a.data, b.data.t(), sa, sb, bias=bias, out_dtype=out_dtype, **kwargs)
 
 
-def _training(weight: torch.Tensor) -> bool:
-    # Grad mode is off inside the op's autograd function: a weight that requires grad is taken as
-    # trained (its W.T is then made with W, in the same pass).
-    return weight.requires_grad
-
-
 def _weight_pair(weight: torch.Tensor, recipe) -> tuple[Quantized, Quantized]:
     """W and W.T with one scale per tensor, written by one pass (training needs both)."""
     return weight_cache.cached(weight, f"{recipe.key()}/w+wt",
@@ -85,7 +80,7 @@ def _weight_pair(weight: torch.Tensor, recipe) -> tuple[Quantized, Quantized]:
 
 
 def weight_operand(weight: torch.Tensor, recipe) -> Quantized:
-    if not recipe.rowwise and _training(weight):
+    if not recipe.rowwise and weight_trained(weight):
         return _weight_pair(weight, recipe)[0]
     return weight_cache.cached(weight, f"{recipe.key()}/w",
                                lambda: kernels.quantize(weight, recipe.forward_dtype, recipe.rowwise))
