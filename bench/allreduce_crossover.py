@@ -69,12 +69,14 @@ def worker(rank, world, opts, out_path):
     rows = []
     with torch.no_grad():
         for hidden in opts["hidden"]:
-            torch.manual_seed(1234 + rank)
-            weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+            torch.manual_seed(1234 + rank)  # the partial sums x differ per rank
+            # the residual and the norm's weight are replicated: the same on every rank
+            shared = torch.Generator(device="cuda").manual_seed(4321 + hidden)
+            weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=shared)).to(dtype)
             slow_in_a_row = 0
             for tokens in opts["tokens"]:
                 x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
-                res = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+                res = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=shared)
                 message = x.numel() * x.element_size()
                 row = {"world": world, "hidden": hidden, "tokens": tokens, "dtype": "bfloat16", "bytes": message,
                        "row_bytes": hidden * x.element_size(), "times": {}, "why": {}}

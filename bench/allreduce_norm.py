@@ -175,7 +175,10 @@ def worker(rank, world, opts, out_path):
     from torch.distributed import _symmetric_memory as symm_mem
     from timing import allreduce_floor_us, device_copy_gbs, peer_egress_gbs
 
-    torch.manual_seed(1234 + rank)
+    torch.manual_seed(1234 + rank)  # the partial sums x differ per rank
+    # The residual and the norm's weight are replicated (every rank passes the same tensors: opfuse
+    # checks it on the first call), so they come from a generator seeded alike on every rank.
+    shared = torch.Generator(device="cuda").manual_seed(4321)
     opfuse.config.peer_timeout_ms = opts["peer_timeout_ms"]
     quick = opts["quick"]
     dtype = getattr(torch, opts["dtype"])
@@ -192,11 +195,11 @@ def worker(rank, world, opts, out_path):
     else:
         fi, fi_why = open_flashinfer(world, max_message)
     for hidden in opts["hidden"]:
-        weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=shared)).to(dtype)
         for tokens in opts["tokens"]:
             compiled_add_norm = None if quick else compiled_for_this_size()
             x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
-            res = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+            res = torch.randn(tokens, hidden, device="cuda", dtype=dtype, generator=shared)
             buf = torch.empty_like(x)
             reset_buf = lambda: buf.copy_(x)  # noqa: E731
             message = x.numel() * x.element_size()

@@ -4,7 +4,8 @@ same recipe and filter as a baseline column where ``torchao`` imports.
 
 torchao's float8 needs its own tensor-parallel styles for DTensor models (``Float8ColwiseParallel``
 ...): its column is measured on the ``tp`` cases (torch.distributed all-reduces, the
-per-rank shards are plain ``nn.Linear`` layers) and left empty on ``sp``.
+per-rank shards are plain ``nn.Linear`` layers) and left empty on ``sp``. The wheel travels to GPU
+hosts in ``.thirdparty/wheels/`` (tools/gpu_session.sh ``install_bench_wheels``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def torchao_compiler(name: str | None):
 
     def compile_with_torchao(model):
         convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn != "output")
+        # torchao's Float8Linear returns a view made inside its autograd function, which autograd
+        # forbids modifying in place: the tp model all-reduces its row-parallel outputs in place
+        # (Megatron/gpt-fast style). A clone of each output makes that legal; Inductor writes it as
+        # one copy of the GEMM output (the same bytes the all-reduce reads anyway).
+        for module in model.modules():
+            if type(module).__name__ == "Float8Linear":
+                module.register_forward_hook(lambda _module, _inputs, output: output.clone())
         return torch.compile(model, dynamic=False)
 
     return compile_with_torchao, f"torchao {getattr(torchao, '__version__', '?')}"

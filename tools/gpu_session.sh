@@ -286,12 +286,14 @@ case "$stage" in
   s7-model)  # 2 GPUs (~8 min with the build): the compile-backend GPU tests (DTensor SP at batch 2, kept
              # gathers), train-tp with FP8 profiled (kernel tables, timelines, host profiles; opfuse fp8 and
              # torchao fp8 beside bf16), then train-sp at batch 1 and 4 with FP8
+    # S7_TESTS=0 skips the GPU tests (run once per session); S7_SP_BATCH picks train-sp's batches
     install_bench_wheels
-    tests compile_backend_tests 150 -x -q tests/gpu/test_compile_backend.py
+    [ "${S7_TESTS:-1}" = 0 ] || tests compile_backend_tests 150 -x -q tests/gpu/test_compile_backend.py
     PYTHONPATH=.:/tmp/site-bench step model_tp_fp8 200 python3 bench/model.py --world 2 --cases train-tp --train 2048 \
       --train-batch 1 --fp8 tensor --profile --json "$OUT/model_tp.json"
-    PYTHONPATH=.:/tmp/site-bench step model_sp 200 python3 bench/model.py --world 2 --cases train-sp --train 2048 \
-      --train-batch 1 4 --fp8 tensor --json "$OUT/model_sp.json"
+    # shellcheck disable=SC2086
+    PYTHONPATH=.:/tmp/site-bench step model_sp 260 python3 bench/model.py --world 2 --cases train-sp --train 2048 \
+      --train-batch ${S7_SP_BATCH:-1 4} --fp8 tensor --json "$OUT/model_sp.json"
     final_summary() {
       for name in model_tp_fp8 model_sp; do
         echo "=== $name"; grep -E "^(\[|\||note: (train|torchao|--fp8))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600

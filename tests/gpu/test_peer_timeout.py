@@ -24,7 +24,8 @@ def skipped_call(rank, world, impl):
     model = ops.Sequential(ops.AllReduce(), ops.AddExtraInput(), ops.MakeExtraOutput(),
                            ops.RMSNorm(hidden, dtype=dtype, device="cuda"))
     x = torch.randn(16, hidden, device="cuda", dtype=dtype)
-    res = torch.randn(16, hidden, device="cuda", dtype=dtype)
+    # The residual is replicated: the same on every rank (opfuse checks it on the first call).
+    res = torch.randn(16, hidden, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(7))
     with opfuse.config.override(force_impl=f"allreduce_add_rmsnorm={impl}", peer_timeout_ms=TIMEOUT_MS), \
             torch.no_grad():
         model(x, res)  # every rank: fine

@@ -66,13 +66,17 @@ def check_forced_sizes(rank, world):
 
 
 def check_auto_choice(rank, world):
-    """Past the one-shot limit the packaged table picks the Lamport kernel (issue 30's prediction)."""
+    """Past the one-shot limit the automatic choice follows the packaged table: the Lamport kernel
+    exactly where its ``lamport_max`` covers the message."""
     tokens, hidden, dtype = 4096, 8192, torch.bfloat16  # 64 MiB per rank: past every one-shot limit
     model = block(hidden, dtype)
     xs = partials(3, world, tokens, hidden, dtype)
     res = partials(4, 1, tokens, hidden, dtype)[0]
     y, _ = model(xs[rank], res)
-    assert opfuse.compile(model, xs[rank], res).fusions[0].impl == IMPL
+    row_bytes, message = hidden * 2, tokens * hidden * 2
+    limit = norm_cuda.lamport_limit(world, row_bytes)
+    chosen = opfuse.compile(model, xs[rank], res).fusions[0].impl
+    assert (chosen == IMPL) == (limit is None or limit >= message), (chosen, limit)
     assert rel(y, reference(model, xs, res)[0]) < TOL[dtype]
 
 
