@@ -31,6 +31,8 @@
 #   tools/gpu_session.sh s7-model      # 2 GPUs (~8 min): compile-backend GPU tests, train-tp FP8 profiled
 #                                      # (kernel tables + host profiles, torchao column from .thirdparty/wheels),
 #                                      # train-sp at batch 1 and 4 with FP8
+#   tools/gpu_session.sh s7-final      # 2 GPUs (~7 min): compile FP8/MoE and Lamport NCCL tests, train-tp FP8
+#                                      # profiled (torchao column), train-sp at batch 4
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -299,6 +301,23 @@ case "$stage" in
         echo "=== $name"; grep -E "^(\[|\||note: (train|torchao|--fp8))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600
       done
       echo "=== host profiles"; grep -A19 "^host profile" "$OUT/model_tp_fp8.log" | cut -c1-160
+    }
+    ;;
+  s7-final)  # 2 GPUs (~7 min with the build): the compile FP8/MoE tests (FP8 linears as aten ops) and the
+             # Lamport two-shot's NCCL tests (now chosen from 4 MiB at world 2), then train-tp with FP8
+             # profiled (torchao column from .thirdparty/wheels) and train-sp at batch 4
+    install_bench_wheels
+    tests compile_fp8_moe_tests 90 -q --maxfail=3 tests/gpu/test_compile_fp8_moe.py
+    tests lamport_dist 90 -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
+    PYTHONPATH=.:/tmp/site-bench step model_tp_fp8 180 python3 bench/model.py --world 2 --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor --profile --json "$OUT/model_tp.json"
+    step model_sp 130 python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
+      --json "$OUT/model_sp.json"
+    final_summary() {
+      for name in model_tp_fp8 model_sp; do
+        echo "=== $name"; grep -E "^(\[|\||note: (train|torchao|--fp8))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600
+      done
+      echo "=== host profiles"; grep -A8 "^host profile" "$OUT/model_tp_fp8.log" | cut -c1-160
     }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and

@@ -33,6 +33,7 @@ from ..fp8.tensor import tag
 from ..machinery.implementation import choose
 from ..ops import group as groups
 from ..ops.base import TensorMeta
+from . import fp8_aten
 from .fp8_backward import LinearGrads
 from .fp8_ops import compiled_fp8_gemm, compiled_fp8_gemm_quantizing, compiled_norm_quantize, compiled_quantize
 from .lower import LoweringError, _Lowering
@@ -187,6 +188,8 @@ class JointLowering(_Lowering):
             raise LoweringError(f"opfuse: FP8 fusion {node.name} replaces no value of the graph")
         out_dtype = old.meta["val"].dtype
         data_t = None
+        if isinstance(module, Fp8Linear) and self._lower_gemm_aten(node, module, rule, source, old):
+            return
         if isinstance(source, fx.Node) and source.name in self.payloads:
             data, scale = self.payloads[source.name]
             y = self.emit(_GemmFromPayload(module, out_dtype), [data, scale], where=node.name)
@@ -216,17 +219,47 @@ class JointLowering(_Lowering):
             data_t = None
         self._lower_backward(node, module, data, scale, data_t)
 
-    def _lower_backward(self, node, module, data, scale, data_t) -> None:
+    def _lower_gemm_aten(self, node, module, rule: str, source, old) -> bool:
+        """Write ``fp8_linear`` fusion ``node`` as aten ops (:mod:`.fp8_aten`), forward and
+        backward, where :func:`.fp8_aten.applies`; ``False`` leaves it to the custom ops."""
+        grads = self.grads.get(self._linear_node(node))
+        need_wgrad = grads is not None and grads.wgrad is not None and module.recipe.fp8_wgrad
+        payload = self.payloads.get(source.name) if isinstance(source, fx.Node) else None
+        x = payload[0] if payload is not None else self.value_of(source)
+        shape = x.meta["val"].shape
+        rows = shape.numel() // shape[-1] if shape[-1] else 0
+        if fp8_aten.applies(module.impl, module.recipe, rows, need_wgrad) is not None:
+            return False
+        if payload is not None:
+            inputs = list(payload)
+            y = self.emit(fp8_aten.GemmFromPayload(module.weight, module.bias, module.recipe,
+                                                   old.meta["val"].dtype), inputs, where=node.name)
+            data, scale, data_t = payload[0], payload[1], None
+        else:
+            inputs = [x]
+            out = self.emit(fp8_aten.GemmQuantizing(module.weight, module.bias, module.recipe, need_wgrad), inputs,
+                            where=node.name, tokens_first=True)
+            y, data, scale = out[:3]
+            data_t = out[3] if need_wgrad else None
+        self.replace(node.meta["opfuse_replaces"], y, rule, inputs)
+        self.values[node.name] = y
+        self._lower_backward(node, module, data, scale, data_t, aten=True)
+        return True
+
+    def _lower_backward(self, node, module, data, scale, data_t, aten: bool = False) -> None:
         grads = self.grads.get(self._linear_node(node))
         if grads is None or not grads.nodes:
             return
         need_dx, need_dw = grads.dgrad is not None, grads.wgrad is not None
-        impl = self._backward_impl(module, grads, data)
-        if data_t is not None and impl != module.impl:
-            data_t = None  # transposed bytes are written for the implementation that reads them
+        if aten:
+            backward = fp8_aten.Backward(module.weight, module.recipe, need_dx, need_dw)
+        else:
+            impl = self._backward_impl(module, grads, data)
+            if data_t is not None and impl != module.impl:
+                data_t = None  # transposed bytes are written for the implementation that reads them
+            backward = _Backward(module.weight, module.recipe, impl, need_dx, need_dw)
         args = [grads.dy, data, scale] + ([data_t] if data_t is not None else [])
-        dx, dw = self.emit(_Backward(module.weight, module.recipe, impl, need_dx, need_dw), args,
-                           where=node.name + "_backward")
+        dx, dw = self.emit(backward, args, where=node.name + "_backward")
         if need_dx:
             self._swap(grads.dgrad, dx)
         if need_dw:

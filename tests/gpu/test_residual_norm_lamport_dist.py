@@ -204,10 +204,13 @@ def all_checks(rank, world):
     opfuse.config.peer_timeout_ms = TIMEOUT_MS
     check_forced_sizes(rank, world)
     check_auto_choice(rank, world)
-    check_back_to_back(rank, world)
     check_graph_replays(rank, world)
     check_pdl_off_gives_the_same_bits(rank, world)
     check_late_peer(rank, world)
+    # Last: on 2x H200 (session 7) its warm-up compile of the 4099 x 5120 block raised
+    # ReplicatedMismatchError for the residual, which every rank draws from the same seed; not
+    # reproduced on CPU (gloo). Until explained it must not hide the checks above.
+    check_back_to_back(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])

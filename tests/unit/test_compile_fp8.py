@@ -305,3 +305,49 @@ def test_forward_and_backward_gemms_get_the_parameter_itself(world1):
     assert all(id(w) in weights for w in seen["backward"])
     # inference: the same parameters, not trained (no transposed bytes; W alone is quantized)
     assert inference and all(id(w) in weights and not trained for w, trained in inference), inference
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["eager-graph", "inductor"])
+def test_fp8_linears_written_as_aten_ops_match_the_recipe(world1, monkeypatch, inductor):
+    """Where the chosen fp8_linear implementation is built on torch._scaled_mm, the compile front
+    end writes the quantization and the GEMMs as aten ops (opfuse/torch_compile/fp8_aten.py), for
+    Inductor to fuse, instead of custom ops running the implementation's Python. On CPU the
+    reference stands in for that implementation; the result must still be the recipe's."""
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+    x = torch.randn(2, 8, 32)  # 16 tokens: the FP8 weight gradient's multiple of 16
+    for recipe in (fp8.TensorScaling(), fp8.TensorScaling(fp8_wgrad=False)):
+        options = {} if inductor else EAGER
+        torch.manual_seed(0)
+        model = Block()
+        torch.manual_seed(0)
+        reference = emulated(Block(), recipe)
+        compiled = opfuse.optimize(model, fp8=recipe, options=options, merge_projections=False)
+        results = []
+        for module, params in ((compiled, model), (reference, reference)):
+            xi = x.detach().clone().requires_grad_()
+            y = module(xi)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)))
+            results.append([y, xi.grad] + [p.grad for p in params.parameters()])
+        for got, want in zip(*results):
+            assert relative(got, want) < 1e-5, recipe
+        assert rules(opfuse.programs(compiled), "forward").count("fp8_linear") == 8
+
+
+def test_fp8_aten_path_leaves_the_custom_ops_out_of_the_graph(world1, monkeypatch, tmp_path):
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+    with opfuse.config.override(dump_dir=str(tmp_path)):
+        run_both(Block, fp8.TensorScaling(), torch.randn(2, 8, 32), merge_projections=False)
+    (folder,) = os.listdir(tmp_path)
+    after = (tmp_path / folder / "aten_after.py").read_text()
+    assert "opfuse.compiled_fp8_gemm" not in after and "opfuse.fp8_linear_backward" not in after
+    assert after.count("aten._scaled_mm") == 8 * 3  # forward, dgrad and wgrad of each linear
+    # 5 tokens cannot take the FP8 weight gradient's GEMM: the custom ops (which pad) stay.
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+    assert fp8_aten.applies("reference", fp8.TensorScaling(), 10, True) is not None
+    assert fp8_aten.applies("reference", fp8.TensorScaling(), 10, False) is None
+    assert fp8_aten.applies("reference", fp8.RowwiseScaling(), 16, True) is not None
+    assert fp8_aten.applies("cuda_something", fp8.TensorScaling(), 16, True) is not None

@@ -155,7 +155,7 @@ def _check_peer(kind: str, limit):
         row_bytes = spec.x.features * torch.empty((), dtype=spec.dtype).element_size()
         most = limit(spec.world_size, row_bytes)
         if kind == "lamport" and _forced(spec.op, "cuda_twoshot_lamport"):
-            most = None  # not measured yet, so the table never picks it; forced, it runs at any size it holds
+            most = None  # forced, it runs at any size it holds, also where the table keeps it off (unmeasured)
         if most is not None and message > most:
             setting = "OPFUSE_ONESHOT_MAX_BYTES" if kind == "oneshot" else "OPFUSE_TWOSHOT_MAX_BYTES"
             if most == 0:

@@ -1,0 +1,122 @@
+"""FP8 linears written into compiled graphs as aten ops: the quantization (amax, scale, saturating
+cast, transposed bytes) and ``torch._scaled_mm``, forward and backward.
+
+Elsewhere an FP8 GEMM of a compiled graph is a custom op (:mod:`.fp8_ops`) whose body runs the
+chosen implementation's Python: per call a few dozen torch calls and a Triton launch, on the host,
+in line. A training step of a large model has 30-40 of them, and on a GPU host that Python made the
+FP8 step host-bound (docs/PERF_NOTES.model.md, session 7). Written as aten ops instead, the same
+arithmetic goes through Inductor like the rest of the graph: the amax reductions and casts become
+Triton kernels it fuses with their neighbours and launches from generated code, and the GEMMs are
+``torch._scaled_mm`` extern calls. The fused producers (all-reduce + add + RMSNorm + quantize,
+add + norm + quantize) stay opfuse kernels: they hand their ``(data, scale)`` to these modules.
+
+The arithmetic is the recipe's definition (:mod:`opfuse.fp8.numerics`): amax = max |x|,
+scale = fp8_max / amax (1 where amax is 0), data = saturate(x * scale), dequantization factor
+1 / scale; GEMMs accumulate in float32 and round once. It applies to one scale per tensor
+(``TensorScaling``) on the local ``fp8_linear`` (:func:`applies` says where); the collective FP8
+GEMMs and per-row scales keep their custom ops.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..fp8.numerics import fp8_max
+
+__all__ = ["IMPLEMENTATIONS", "applies", "quantize", "scaled_mm", "GemmQuantizing", "GemmFromPayload", "Backward"]
+
+#: ``fp8_linear`` implementations whose GEMMs the compile front end writes as aten ops: those built
+#: on ``torch._scaled_mm`` (the same GEMM, minus the Python around it).
+IMPLEMENTATIONS = {"scaled_mm"}
+
+
+def applies(impl: str, recipe, rows, need_fp8_wgrad: bool) -> str | None:
+    """``None`` where an ``fp8_linear`` fusion on implementation ``impl`` is written as aten ops,
+    else why not. ``rows``: its token count (an int, or a symbolic size)."""
+    if impl not in IMPLEMENTATIONS:
+        return f"implementation {impl} is not built on torch._scaled_mm"
+    if recipe.rowwise:
+        return "per-row scales"
+    if need_fp8_wgrad and (not isinstance(rows, int) or rows % 16):
+        # The weight gradient contracts over the tokens: torch._scaled_mm needs a multiple of 16,
+        # which the implementation's own path pads to.
+        return f"{rows} tokens (the FP8 weight gradient needs a static multiple of 16)"
+    return None
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
+    """``(data, scale_inv, data_t)`` of 2-D ``x`` with one scale (``data_t``: the transposed
+    bytes, or ``None``)."""
+    limit = fp8_max(dtype)
+    amax = x.abs().amax().float().reshape(1, 1)
+    one = torch.ones_like(amax)
+    # Tensor / tensor (correctly rounded), as the definition: not a multiply by a reciprocal.
+    scale = torch.where(amax > 0, torch.full_like(amax, limit) / amax, one)
+    data = (x.float() * scale).clamp(-limit, limit).to(dtype)
+    return data, one / scale, (data.t().contiguous() if transpose else None)
+
+
+def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequantize(a) @ dequantize(b).T (+ bias)``: ``a`` ``[M, K]``, ``b`` ``[N, K]`` (rows =
+    output columns), both row-major."""
+    return torch._scaled_mm(a, b.t(), a_scale.reshape(()), b_scale.reshape(()), bias=bias, out_dtype=out_dtype)
+
+
+class GemmQuantizing(nn.Module):
+    """``y = x @ W.T (+ b)`` quantizing ``x`` and ``W``: ``(y, x_data, x_scale[, x_data_t])``
+    (the transposed bytes when ``want_t``: the FP8 weight gradient reads them)."""
+
+    def __init__(self, weight: nn.Parameter, bias, recipe, want_t: bool):
+        super().__init__()
+        self.weight, self.bias, self.recipe, self.want_t = weight, bias, recipe, want_t
+
+    def forward(self, x):
+        data, scale, data_t = quantize(x, self.recipe.forward_dtype, self.want_t)
+        w_data, w_scale, _ = quantize(self.weight, self.recipe.forward_dtype)
+        y = scaled_mm(data, scale, w_data, w_scale, x.dtype, self.bias)
+        return (y, data, scale, data_t) if self.want_t else (y, data, scale)
+
+
+class GemmFromPayload(nn.Module):
+    """``y`` from an input quantized upstream (``data``, ``scale``)."""
+
+    def __init__(self, weight: nn.Parameter, bias, recipe, out_dtype: torch.dtype):
+        super().__init__()
+        self.weight, self.bias, self.recipe, self.out_dtype = weight, bias, recipe, out_dtype
+
+    def forward(self, data, scale):
+        w_data, w_scale, _ = quantize(self.weight, self.recipe.forward_dtype)
+        k = data.shape[-1]
+        return scaled_mm(data.reshape(-1, k), scale, w_data, w_scale, self.out_dtype, self.bias)
+
+
+class Backward(nn.Module):
+    """``(dx, dW)`` of an FP8 linear from ``dy`` and the FP8 ``x`` its forward kept (``data_t``:
+    its transposed bytes where the forward wrote them). Empty where not needed."""
+
+    def __init__(self, weight: nn.Parameter, recipe, need_dx: bool, need_dw: bool):
+        super().__init__()
+        self.weight, self.recipe, self.need_dx, self.need_dw = weight, recipe, need_dx, need_dw
+
+    def forward(self, dy, data, scale, data_t=None):
+        r = self.recipe
+        n, k = self.weight.shape
+        dy2 = dy.reshape(-1, n)
+        fp8_wgrad = self.need_dw and r.fp8_wgrad
+        dx = dw = dy2.new_empty(0)
+        if self.need_dx or fp8_wgrad:
+            dy_data, dy_scale, dy_t = quantize(dy2, r.grad_dtype, transpose=fp8_wgrad)
+        if self.need_dx:
+            w_data, w_scale, _ = quantize(self.weight, r.forward_dtype)
+            # dx = dy @ W: W's bytes transposed keep W's scale (one per tensor).
+            dx = scaled_mm(dy_data, dy_scale, w_data.t().contiguous(), w_scale, dy.dtype)
+        if self.need_dw:
+            x_data = data.reshape(-1, k)
+            if fp8_wgrad:
+                x_t = data_t if data_t is not None else x_data.t().contiguous()
+                dw = scaled_mm(dy_t, dy_scale, x_t, scale, self.weight.dtype)
+            else:  # the recipe keeps the weight gradient in high precision
+                dw = (dy2.float().t() @ (x_data.float() * scale)).to(self.weight.dtype)
+        return dx, dw
