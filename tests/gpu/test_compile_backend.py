@@ -41,14 +41,18 @@ def check(rank, world, tp, train, batch, **kwargs):
         # Each gather (attention, MLP, output head) with its largest GEMM, kept for the backward.
         keeps = [f for f in fusions if f.rule == "all_gather_keep"]
         assert len(keeps) == 2 * cfg.layers + 1, [(f.rule, f.impl) for f in fusions]
-        assert any(f.impl == "p2p_overlap" for f in keeps), [(f.impl, f.skipped) for f in keeps]
+        if batch == 1:
+            assert any(f.impl == "p2p_overlap" for f in keeps), [(f.impl, f.skipped) for f in keeps]
+        else:  # the peer kernels refuse batch > 1 until its wrong gradients on GPUs are explained
+            assert all(f.impl == "reference" for f in fusions if f.rule in ("all_gather_keep", scatter)), \
+                [(f.rule, f.impl) for f in fusions]
 
 
 def cases(rank, world):
     check(rank, world, "dist", False, 16, mode="reduce-overhead")   # decode-like: 16 sequences, CUDA graphs
     check(rank, world, "dist", True, 2)
     check(rank, world, "dtensor-sp", True, 1)
-    check(rank, world, "dtensor-sp", True, 2)  # sequence parallel at batch > 1 (not yet run on GPUs)
+    check(rank, world, "dtensor-sp", True, 2)  # sequence parallel at batch > 1
 
 
 @pytest.mark.parametrize("world", [2, 4])

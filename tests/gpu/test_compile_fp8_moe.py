@@ -86,8 +86,6 @@ def test_fp8_training_on_the_gpu_implementations(recipe):
 
 
 @needs_fp8
-@pytest.mark.xfail(strict=True, reason="2x H200, session 5 (docs/PERF_NOTES.md, issue 27): cudagraph trees report "
-                   "'6 tensor(s) in the cudagraph pool not tracked as outputs' for the FP8 graph; not fixed yet")
 def test_fp8_under_cuda_graphs_follows_weight_updates():
     """Current scaling keeps no state: a replayed graph quantizes the weights it reads now."""
     torch.manual_seed(1)

@@ -45,8 +45,11 @@ def test_packaged_table_keeps_the_limits_measured_before_the_sweep():
     table = crossovers.table()
     assert sorted(table.worlds) == [2, 3, 4, 8]
     # hidden 8192 bf16 (16 KiB rows) and hidden 4096 (8 KiB rows), as docs/PERF_NOTES.md v3 measured them;
-    # the Lamport two-shot (issue 30) has not run on a GPU: dispatch never chooses it until measured
-    assert table.limits(2, 16384) == Limits(8 * MiB, 256 * MiB, 0)
+    # world 2 at 10 and 16 KiB rows: the Lamport two-shot (issue 30) from 4 MiB up, as session 7
+    # measured it on 2x H200; elsewhere it is not measured and never chosen
+    assert table.limits(2, 16384) == Limits(4 * MiB, 256 * MiB, None)
+    assert table.limits(2, 10240) == Limits(4 * MiB, None, None)
+    assert table.limits(2, 8192) == Limits(8 * MiB, 16 * MiB, 0)
     assert table.limits(4, 16384) == Limits(1 * MiB, 256 * MiB, 0)
     assert table.limits(3, 8192) == Limits(2 * MiB, 16 * MiB, 0)
     assert table.limits(2, 4096).twoshot_max == 16 * MiB     # shorter rows: the 8 KiB point
@@ -225,7 +228,7 @@ def test_backend_lamport_limit_follows_the_table_and_the_two_shot_setting(monkey
 
     assert cuda.lamport_limit(2, 16384) == crossovers.table().limits(2, 16384).lamport_max
     with opfuse.config.override(twoshot_max_bytes=67890):  # a setting never turns on a kernel the table keeps off
-        assert cuda.lamport_limit(2, 16384) == 0
+        assert cuda.lamport_limit(2, 8192) == 0
     for limit, bounded in ((None, 67890), (1 << 30, 67890), (1000, 1000)):
         table = crossovers.CrossoverTable.from_dict(
             {"worlds": {"2": [{"row_bytes": 16384, "oneshot_max": 0, "twoshot_max": None, "lamport_max": limit}]}})
@@ -267,12 +270,12 @@ def test_fit_places_the_lamport_kernel_between_one_shot_and_two_shot(n, data):
 
 
 def test_a_forced_lamport_kernel_runs_past_the_table_that_keeps_it_off(monkeypatch):
-    """The shipped table keeps the Lamport kernel off (not measured); forcing it is how the bench and
-    the GPU tests reach it, so the table's limit must not refuse a forced call."""
+    """Where the shipped table keeps the Lamport kernel off (not measured: world 4 here), forcing it
+    is how the bench and the GPU tests reach it, so the table's limit must not refuse a forced call."""
     from opfuse.families.residual_norm import cuda
 
     spec = CallSpec("allreduce_add_rmsnorm", {"x": TensorMeta((4096, 8192), torch.bfloat16, torch.device("cuda", 0))},
-                    {"norm": "rms"}, group_name="tp", world_size=2)
+                    {"norm": "rms"}, group_name="tp", world_size=4)
     monkeypatch.setattr(cuda, "_kernel_reason", lambda spec: None)
     monkeypatch.setattr(cuda.extension, "load", lambda family: type("Ext", (), {"MAX_WORLD": 8}))
     monkeypatch.setattr(cuda.symm_pool, "lookup", lambda group, device=None: (None, "no pool here"))
