@@ -65,42 +65,51 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
 
 
 class GemmQuantizing(nn.Module):
-    """``y = x @ W.T (+ b)`` quantizing ``x`` and ``W``: ``(y, x_data, x_scale[, x_data_t])``
-    (the transposed bytes when ``want_t``: the FP8 weight gradient reads them)."""
+    """``y = x @ W.T (+ b)`` quantizing ``x`` and ``W``: ``(y, x_data, x_scale)``, then ``x_data_t``
+    when ``want_t`` (the FP8 weight gradient reads it), then ``(w_data_t, w_scale)`` when
+    ``want_weight_t`` (the data gradient's ``W`` operand, written here from the same amax so that
+    the backward does not quantize every weight again)."""
 
-    def __init__(self, weight: nn.Parameter, bias, recipe, want_t: bool):
+    def __init__(self, weight: nn.Parameter, bias, recipe, want_t: bool, want_weight_t: bool = False):
         super().__init__()
-        self.weight, self.bias, self.recipe, self.want_t = weight, bias, recipe, want_t
+        self.weight, self.bias, self.recipe = weight, bias, recipe
+        self.want_t, self.want_weight_t = want_t, want_weight_t
 
     def forward(self, x):
         data, scale, data_t = quantize(x, self.recipe.forward_dtype, self.want_t)
-        w_data, w_scale, _ = quantize(self.weight, self.recipe.forward_dtype)
+        w_data, w_scale, w_data_t = quantize(self.weight, self.recipe.forward_dtype, self.want_weight_t)
         y = scaled_mm(data, scale, w_data, w_scale, x.dtype, self.bias)
-        return (y, data, scale, data_t) if self.want_t else (y, data, scale)
+        return (y, data, scale) + ((data_t,) if self.want_t else ()) + \
+            ((w_data_t, w_scale) if self.want_weight_t else ())
 
 
 class GemmFromPayload(nn.Module):
-    """``y`` from an input quantized upstream (``data``, ``scale``)."""
+    """``y`` from an input quantized upstream (``data``, ``scale``); with ``want_weight_t``
+    ``(y, w_data_t, w_scale)`` (:class:`GemmQuantizing`)."""
 
-    def __init__(self, weight: nn.Parameter, bias, recipe, out_dtype: torch.dtype):
+    def __init__(self, weight: nn.Parameter, bias, recipe, out_dtype: torch.dtype, want_weight_t: bool = False):
         super().__init__()
         self.weight, self.bias, self.recipe, self.out_dtype = weight, bias, recipe, out_dtype
+        self.want_weight_t = want_weight_t
 
     def forward(self, data, scale):
-        w_data, w_scale, _ = quantize(self.weight, self.recipe.forward_dtype)
+        w_data, w_scale, w_data_t = quantize(self.weight, self.recipe.forward_dtype, self.want_weight_t)
         k = data.shape[-1]
-        return scaled_mm(data.reshape(-1, k), scale, w_data, w_scale, self.out_dtype, self.bias)
+        y = scaled_mm(data.reshape(-1, k), scale, w_data, w_scale, self.out_dtype, self.bias)
+        return (y, w_data_t, w_scale) if self.want_weight_t else y
 
 
 class Backward(nn.Module):
     """``(dx, dW)`` of an FP8 linear from ``dy`` and the FP8 ``x`` its forward kept (``data_t``:
-    its transposed bytes where the forward wrote them). Empty where not needed."""
+    its transposed bytes where the forward wrote them; ``w_data_t``, ``w_scale``: ``W``'s
+    transposed bytes and scale where the forward wrote them, else quantized here). Empty where not
+    needed."""
 
     def __init__(self, weight: nn.Parameter, recipe, need_dx: bool, need_dw: bool):
         super().__init__()
         self.weight, self.recipe, self.need_dx, self.need_dw = weight, recipe, need_dx, need_dw
 
-    def forward(self, dy, data, scale, data_t=None):
+    def forward(self, dy, data, scale, data_t=None, w_data_t=None, w_scale=None):
         r = self.recipe
         n, k = self.weight.shape
         dy2 = dy.reshape(-1, n)
@@ -109,9 +118,10 @@ class Backward(nn.Module):
         if self.need_dx or fp8_wgrad:
             dy_data, dy_scale, dy_t = quantize(dy2, r.grad_dtype, transpose=fp8_wgrad)
         if self.need_dx:
-            w_data, w_scale, _ = quantize(self.weight, r.forward_dtype)
+            if w_data_t is None:
+                _, w_scale, w_data_t = quantize(self.weight, r.forward_dtype, transpose=True)
             # dx = dy @ W: W's bytes transposed keep W's scale (one per tensor).
-            dx = scaled_mm(dy_data, dy_scale, w_data.t().contiguous(), w_scale, dy.dtype)
+            dx = scaled_mm(dy_data, dy_scale, w_data_t, w_scale, dy.dtype)
         if self.need_dw:
             x_data = data.reshape(-1, k)
             if fp8_wgrad:

@@ -230,23 +230,28 @@ class JointLowering(_Lowering):
         rows = shape.numel() // shape[-1] if shape[-1] else 0
         if fp8_aten.applies(module.impl, module.recipe, rows, need_wgrad) is not None:
             return False
+        # The data gradient's W operand is written by the forward (one quantization of W per step).
+        need_dgrad = grads is not None and grads.dgrad is not None
+        weight_t = None
         if payload is not None:
             inputs = list(payload)
-            y = self.emit(fp8_aten.GemmFromPayload(module.weight, module.bias, module.recipe,
-                                                   old.meta["val"].dtype), inputs, where=node.name)
+            out = self.emit(fp8_aten.GemmFromPayload(module.weight, module.bias, module.recipe,
+                                                     old.meta["val"].dtype, need_dgrad), inputs, where=node.name)
+            y, weight_t = (out[0], tuple(out[1:])) if need_dgrad else (out, None)
             data, scale, data_t = payload[0], payload[1], None
         else:
             inputs = [x]
-            out = self.emit(fp8_aten.GemmQuantizing(module.weight, module.bias, module.recipe, need_wgrad), inputs,
-                            where=node.name, tokens_first=True)
+            out = self.emit(fp8_aten.GemmQuantizing(module.weight, module.bias, module.recipe, need_wgrad, need_dgrad),
+                            inputs, where=node.name, tokens_first=True)
             y, data, scale = out[:3]
             data_t = out[3] if need_wgrad else None
+            weight_t = tuple(out[-2:]) if need_dgrad else None
         self.replace(node.meta["opfuse_replaces"], y, rule, inputs)
         self.values[node.name] = y
-        self._lower_backward(node, module, data, scale, data_t, aten=True)
+        self._lower_backward(node, module, data, scale, data_t, aten=True, weight_t=weight_t)
         return True
 
-    def _lower_backward(self, node, module, data, scale, data_t, aten: bool = False) -> None:
+    def _lower_backward(self, node, module, data, scale, data_t, aten: bool = False, weight_t=None) -> None:
         grads = self.grads.get(self._linear_node(node))
         if grads is None or not grads.nodes:
             return
@@ -258,7 +263,11 @@ class JointLowering(_Lowering):
             if data_t is not None and impl != module.impl:
                 data_t = None  # transposed bytes are written for the implementation that reads them
             backward = _Backward(module.weight, module.recipe, impl, need_dx, need_dw)
-        args = [grads.dy, data, scale] + ([data_t] if data_t is not None else [])
+        args = [grads.dy, data, scale]
+        if weight_t is not None:  # the aten backward's optional arguments, by position
+            args += [data_t, *weight_t]
+        elif data_t is not None:
+            args.append(data_t)
         dx, dw = self.emit(backward, args, where=node.name + "_backward")
         if need_dx:
             self._swap(grads.dgrad, dx)

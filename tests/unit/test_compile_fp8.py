@@ -345,6 +345,10 @@ def test_fp8_aten_path_leaves_the_custom_ops_out_of_the_graph(world1, monkeypatc
     after = (tmp_path / folder / "aten_after.py").read_text()
     assert "opfuse.compiled_fp8_gemm" not in after and "opfuse.fp8_linear_backward" not in after
     assert after.count("aten._scaled_mm") == 8 * 3  # forward, dgrad and wgrad of each linear
+    # One amax per weight per step (the forward writes W.T's bytes for the data gradient too), one
+    # per input the GEMMs quantize themselves (o, down: the others come quantized from a norm) and
+    # one per output gradient.
+    assert after.count("aten.amax") == 8 + 2 + 8
     # 5 tokens cannot take the FP8 weight gradient's GEMM: the custom ops (which pad) stay.
     monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
     assert fp8_aten.applies("reference", fp8.TensorScaling(), 10, True) is not None
