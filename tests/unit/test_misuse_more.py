@@ -195,29 +195,3 @@ def test_sequence_parallel_fused_ops_refuse_bad_arguments():
     with pytest.raises(RuntimeError, match="all_gather_linear_keep has no backward"):
         keep(torch.randn(2, 3, requires_grad=True))
 
-
-def test_comm_gemm_kernels_leave_batch_above_one_to_the_reference(world1):
-    """Sequence parallelism at batch > 1 reorders rows around the collective; on GPUs the peer
-    implementations gave wrong gradients there (session 7), so until that is found they refuse
-    such calls and the reference (NCCL) runs them. Batch 1 calls are unaffected."""
-    import torch.distributed as dist
-
-    from opfuse.families.collective_linear.keep import AllGatherLinearKeep
-    from opfuse.families.collective_linear.op import LinearReduceScatter
-    from opfuse.families.collective_linear.operands import operand_reason
-    from opfuse.ops.base import TensorMeta
-
-    cuda = torch.device("cuda", 0)
-    w = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16))
-    x = TensorMeta((128, 32), torch.bfloat16, cuda)
-    group = dist.group.WORLD
-    for batch in (1, 3):
-        ops_ = [LinearReduceScatter(weight=w, group=group, batch=batch), AllGatherLinearKeep([w], group=group, batch=batch)]
-        for op in ops_:
-            spec = op.call_spec([x])
-            spec = dataclasses.replace(spec, world_size=2, group_name="0")
-            reason = operand_reason(spec)
-            if batch == 1:
-                assert reason is None, (op, reason)
-            else:
-                assert reason is not None and "batch > 1" in reason, (op, reason)

@@ -323,3 +323,29 @@ def test_extending_writing_a_pass_example_runs(registered, rng):
     namespace = {}
     exec(compile(code, "docs/EXTENDING.md (A graph pass)", "exec"), namespace)
     registered.extend(n for n in [p.name for p in passes()] if n not in BUILTIN)
+
+
+def test_batch_above_one_sequence_fusions_stay_off_for_cuda_tensors():
+    """The batch > 1 gather / scatter fusions (all_gather_keep's regroup, linear_reduce_scatter_batch)
+    are off for CUDA tensors until a GPU run shows them right (wrong gradients measured at batch 4),
+    and explain() says so; CPU values are unaffected."""
+    from torch import fx
+
+    from opfuse.core.passes.sequence_batch import batch_fusion_refused
+    from opfuse.ops.base import TensorMeta
+
+    class Ctx:
+        def __init__(self, device):
+            self.device, self.notes = device, []
+
+        def meta(self, node):
+            return TensorMeta((8, 4), torch.bfloat16, torch.device(self.device))
+
+        def note(self, message):
+            self.notes.append(message)
+
+    node = fx.Graph().placeholder("gathered")
+    cpu, cuda = Ctx("cpu"), Ctx("cuda")
+    assert not batch_fusion_refused(cpu, node, "all-gather + GEMM") and not cpu.notes
+    assert batch_fusion_refused(cuda, node, "all-gather + GEMM")
+    assert cuda.notes and "gathered: all-gather + GEMM at batch > 1 left unfused on CUDA" in cuda.notes[0]

@@ -28,6 +28,7 @@ from ...config import config
 from ...families.collective_linear.keep import AllGatherLinearKeep
 from ...families.horizontal_linear.op import HorizontalLinear
 from ...machinery.rewrite import reorder_topologically
+from .sequence_batch import batch_fusion_refused
 
 __all__ = ["all_gather_keep"]
 
@@ -105,7 +106,7 @@ def _candidates(ctx, gather: fx.Node) -> list[tuple[fx.Node, int]]:
     found = []
     sources = [(gather, 1)]
     regroup = _batch_regroup(ctx, gather)
-    if regroup is not None:
+    if regroup is not None and not batch_fusion_refused(ctx, gather, "all-gather + GEMM"):
         sources.append(regroup)
     for source, batch in sources:
         readers = [source] + [u for u in source.users if _token_view(ctx, u, source)]

@@ -86,7 +86,7 @@ class AllGatherLinearKeep(FusedOp):
             b = self.biases[0]
             bias = TensorMeta((sum(self.sizes),), b.dtype, b.device, False)
         return CallSpec(op=self.name, inputs={"x": metas[0], "weight": weight, "bias": bias},
-                        attrs={"outputs": len(self.sizes), **({"batch": self.batch} if self.batch > 1 else {})}, group_name=groups.group_name(self.group),
+                        attrs={"outputs": len(self.sizes)}, group_name=groups.group_name(self.group),
                         world_size=groups.world_size(self.group), requires_grad=False)
 
     def forward(self, x):

@@ -134,7 +134,7 @@ class LinearReduceScatter(_CollectiveLinear):
         self.bias_after, self.batch = bias_after, batch
 
     def _attrs(self) -> dict:
-        return {"bias_after": self.bias_after, **({"batch": self.batch} if self.batch > 1 else {})}
+        return {"bias_after": self.bias_after}
 
     def forward(self, x):
         if self.batch > 1:  # rows (sequence, rank, token) -> (rank, sequence, token)

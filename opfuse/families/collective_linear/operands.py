@@ -25,11 +25,6 @@ def operand_reason(spec) -> Optional[str]:
     if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
         return (f"mixed dtypes (x {dtype_name(x.dtype)}, weight {dtype_name(w.dtype)}"
                 f"{', bias ' + dtype_name(b.dtype) if b is not None else ''})")
-    if spec.attrs.get("batch", 1) > 1:
-        # Sequence parallelism at batch > 1: on 2x H200 the model bench's train-sp step at batch 4
-        # gave gradients far from eager (relative error 1.4) with these implementations, while
-        # the reference is exact on CPU (Inductor included); the cause is not found yet.
-        return "batch > 1: not trusted on GPUs yet (wrong gradients measured at batch 4; docs/PERF_NOTES.model.md)"
     if spec.world_size < 2:
         return "group has one rank: nothing to overlap"
     if spec.group_name is None:
