@@ -112,6 +112,16 @@ def cases(rank, world):
     llama_case(rank, world, "dist", fp8.RowwiseScaling())
     llama_case(rank, world, "dtensor", fp8.TensorScaling())
     llama_case(rank, world, "dtensor-sp", fp8.TensorScaling())
+    # The FP8 linears written as aten ops (the GPU's torch._scaled_mm path; the reference stands in
+    # here), fed by the all-reduce + add + norm + quantize payloads.
+    from opfuse.torch_compile import fp8_aten
+
+    saved = fp8_aten.IMPLEMENTATIONS
+    fp8_aten.IMPLEMENTATIONS = {"reference"}
+    try:
+        llama_case(rank, world, "dist", fp8.TensorScaling())
+    finally:
+        fp8_aten.IMPLEMENTATIONS = saved
     moe_case(rank, world, MixtralSparseMoeBlock)
     moe_case(rank, world, Qwen2MoeSparseMoeBlock)
 
