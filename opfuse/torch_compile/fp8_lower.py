@@ -256,10 +256,16 @@ class JointLowering(_Lowering):
         if grads is None or not grads.nodes:
             return
         need_dx, need_dw = grads.dgrad is not None, grads.wgrad is not None
+        if not aten:
+            # A forward left to a custom op (a collective FP8 GEMM, a token count the aten forward
+            # does not take) may still have its backward GEMMs written as aten ops.
+            impl = self._backward_impl(module, grads, data)
+            shape = data.meta["val"].shape
+            rows = shape.numel() // shape[-1] if shape[-1] else 0
+            aten = fp8_aten.applies(impl, module.recipe, rows, need_dw and module.recipe.fp8_wgrad) is None
         if aten:
             backward = fp8_aten.Backward(module.weight, module.recipe, need_dx, need_dw)
         else:
-            impl = self._backward_impl(module, grads, data)
             if data_t is not None and impl != module.impl:
                 data_t = None  # transposed bytes are written for the implementation that reads them
             backward = _Backward(module.weight, module.recipe, impl, need_dx, need_dw)
