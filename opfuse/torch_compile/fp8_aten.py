@@ -13,8 +13,9 @@ add + norm + quantize) stay opfuse kernels: they hand their ``(data, scale)`` to
 The arithmetic is the recipe's definition (:mod:`opfuse.fp8.numerics`): amax = max |x|,
 scale = fp8_max / amax (1 where amax is 0), data = saturate(x * scale), dequantization factor
 1 / scale; GEMMs accumulate in float32 and round once. It applies to one scale per tensor
-(``TensorScaling``) on the local ``fp8_linear`` (:func:`applies` says where); the collective FP8
-GEMMs and per-row scales keep their custom ops.
+(``TensorScaling``) on ``fp8_linear`` (:func:`applies` says where). The collective FP8 GEMMs
+(all-gather / reduce-scatter) keep a custom op for their forward, and their backward GEMMs are
+:class:`Backward`; per-row scales keep the custom ops throughout.
 """
 
 from __future__ import annotations
