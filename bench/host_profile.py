@@ -4,7 +4,7 @@ with the most time of their own, per step (bench/model.py ``--profile``).
 A training step whose host time exceeds its GPU time leaves the GPU idle (issue 27: FP8 steps were
 host-bound); the kernel table cannot show that, this table does. cProfile roughly doubles the
 Python time it observes: compare rows with each other, not with the timed step. Seen on the GPU
-hosts (torch 2.11, Python 3.12): the body of a ``torch.library`` custom op shows up as the own time
+hosts (torch 2.11): the body of a ``torch.library`` custom op shows up as the own time
 of ``torch/_library/custom_ops.py(backend_impl)`` while the functions it calls are listed too, so
 that row counts the custom ops' bodies, and the rows below it overlap with it.
 """
