@@ -355,3 +355,29 @@ def test_fp8_aten_path_leaves_the_custom_ops_out_of_the_graph(world1, monkeypatc
     assert fp8_aten.applies("reference", fp8.TensorScaling(), 10, False) is None
     assert fp8_aten.applies("reference", fp8.RowwiseScaling(), 16, True) is not None
     assert fp8_aten.applies("cuda_something", fp8.TensorScaling(), 16, True) is not None
+
+
+def test_fp8_aten_path_with_biases_and_inputs_without_grad(world1, monkeypatch):
+    """Biases go into torch._scaled_mm's epilogue (their gradient stays autograd's sum); a first
+    layer whose input needs no gradient gets no data-gradient GEMM."""
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+    recipe = fp8.TensorScaling()
+
+    def make():
+        return nn.Sequential(Norm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    torch.manual_seed(0)
+    model = make()
+    torch.manual_seed(0)
+    reference = emulated(make(), recipe)
+    compiled = opfuse.optimize(model, fp8=recipe, options=EAGER)
+    x = torch.randn(16, 32)
+    y, want = compiled(x), reference(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3))
+    y.backward(g)
+    want.backward(g)
+    assert relative(y, want) < 1e-5
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert relative(a.grad, b.grad) < 1e-5
