@@ -101,6 +101,15 @@ def _compilers(device: str, decode: bool, fp8: str | None = None):
     return (lambda m: torch.compile(m, mode=mode, dynamic=False), lambda m: opfuse.optimize(m, mode=mode, **fp8_kw))
 
 
+def _with_inductor_options(device: str, options: dict):
+    """The training opfuse variant compiled with Inductor ``options`` (none on CPU: no Inductor)."""
+    import opfuse
+
+    if device != "cuda":
+        return lambda m: opfuse.optimize(m, options={"inductor": False})
+    return lambda m: opfuse.optimize(m, options=dict(options))
+
+
 def _unmerged(device: str):
     """--merge-ab (issue 27): the decode opfuse variant with ``merge_projections=False``."""
     import opfuse
@@ -159,7 +168,31 @@ def _fusions(compiled) -> tuple[str, float]:
 EXTRA_VARIANTS = {
     "opfuse:fuse-all": {"overlap_collectives": "fuse"},
     "opfuse:nccl-norm": {"force_impl": "allreduce_add_rmsnorm=nccl+cuda"},
+    # Diagnosis (issue 26): sequence parallelism's batch > 1 fusions, off for CUDA tensors since
+    # they gave wrong gradients at batch 4 (docs/PERF_NOTES.model.md, session 7), forced on; and
+    # the same without Inductor's async TP (which the bench's sp graphs run with).
+    "opfuse:sp-batch-on": {},
+    "opfuse:sp-batch-on-no-async-tp": {},
 }
+#: Inductor options a variant compiles with (``opfuse.optimize(options=...)``).
+VARIANT_INDUCTOR_OPTIONS = {"opfuse:sp-batch-on-no-async-tp": {"_micro_pipeline_tp": False}}
+SP_BATCH_ON = ("opfuse:sp-batch-on", "opfuse:sp-batch-on-no-async-tp")
+
+
+@contextlib.contextmanager
+def sp_batch_fusions_on(enabled: bool):
+    """The batch > 1 sequence-parallel fusions allowed on CUDA tensors while compiling (diagnosis)."""
+    if not enabled:
+        yield
+        return
+    from opfuse.core.passes import gather_keep, scatter_batch
+
+    saved = gather_keep.batch_fusion_refused, scatter_batch.batch_fusion_refused
+    gather_keep.batch_fusion_refused = scatter_batch.batch_fusion_refused = lambda *args: False
+    try:
+        yield
+    finally:
+        gather_keep.batch_fusion_refused, scatter_batch.batch_fusion_refused = saved
 
 
 def opfuse_settings(**settings):
@@ -316,7 +349,9 @@ def worker(rank, world, opts, out_path):
         row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}
         steps_ = {"eager": models["eager"], "compile": compile_fn(models["compile"]),
                   "opfuse": opfuse_fn(models["opfuse"])}
-        steps_.update({name: opfuse_fn(models[name]) for name in extra if name in EXTRA_VARIANTS})
+        steps_.update({name: (opfuse_fn(models[name]) if name not in VARIANT_INDUCTOR_OPTIONS else
+                              _with_inductor_options(device, VARIANT_INDUCTOR_OPTIONS[name])(models[name]))
+                       for name in extra if name in EXTRA_VARIANTS})
         if "opfuse fp8" in extra:
             steps_["opfuse fp8"] = fp8_fn(models["opfuse fp8"])
         if "torchao fp8" in extra:
@@ -327,7 +362,7 @@ def worker(rank, world, opts, out_path):
             settings = EXTRA_VARIANTS.get(name, {})
 
             def run():
-                with opfuse_settings(**settings):
+                with opfuse_settings(**settings), sp_batch_fusions_on(name in SP_BATCH_ON):
                     return torch.autograd.grad(steps_[name](ids), params, grad)
 
             return run

@@ -33,6 +33,8 @@
 #                                      # train-sp at batch 1 and 4 with FP8
 #   tools/gpu_session.sh s7-final      # 2 GPUs (~7 min): compile FP8/MoE and Lamport NCCL tests, train-tp FP8
 #                                      # profiled (torchao column), train-sp at batch 4
+#   tools/gpu_session.sh s8-next       # 2 GPUs (~9 min): session 7's open questions (Lamport NCCL test, FP8
+#                                      # in the model, train-sp batch 4 with the batch > 1 fusions forced on)
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -318,6 +320,23 @@ case "$stage" in
         echo "=== $name"; grep -E "^(\[|\||note: (train|torchao|--fp8))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600
       done
       echo "=== host profiles"; grep -A8 "^host profile" "$OUT/model_tp_fp8.log" | cut -c1-160
+    }
+    ;;
+  s8-next)  # 2 GPUs (~9 min with the build): what session 7 left open, in one call: the Lamport NCCL test in
+            # full, the compile FP8/MoE tests, train-tp bf16 + FP8 (the Lamport all-reduce and one weight
+            # quantization per step in the model; torchao column), then train-sp at batch 4 with the batch > 1
+            # fusions forced on, with and without Inductor's async TP (which part gives wrong gradients)
+    install_bench_wheels
+    tests lamport_dist 120 -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
+    tests compile_fp8_moe_tests 90 -q --maxfail=3 tests/gpu/test_compile_fp8_moe.py
+    PYTHONPATH=.:/tmp/site-bench step model_tp_fp8 170 python3 bench/model.py --world 2 --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor --json "$OUT/model_tp.json"
+    step model_sp_diag 200 python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
+      --variants opfuse:sp-batch-on opfuse:sp-batch-on-no-async-tp --json "$OUT/model_sp.json"
+    final_summary() {
+      for name in model_tp_fp8 model_sp_diag; do
+        echo "=== $name"; grep -E "^(\[|\||relative error|note: (train|torchao|--fp8|async))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600
+      done
     }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
