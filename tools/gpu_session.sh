@@ -123,6 +123,13 @@ crossover_sweep() {  # crossover_sweep SWEEP-LIMIT TABLE-LIMIT WORLD...
   # The fitted table goes to $OUT for review; copy it to opfuse/families/residual_norm/ to ship it.
   step crossover_table "$table_limit" python3 tools/crossover_table.py "$OUT/allreduce_crossover.json" --out "$OUT/crossovers.json"
 }
+model_lines() {  # model_lines LOG...: bench/model.py's result lines (rows, tables, errors, notes) of each log
+  local name
+  for name in "$@"; do
+    echo "=== $name"
+    grep -E "^(\[|\||relative error|note: (train|torchao|--fp8|async))" "$OUT/$name.log" 2>/dev/null | grep -v "^|---" | cut -c1-600
+  done
+}
 show() {  # show LOG...: the summary part of each bench log that exists
   local name
   for name in "$@"; do
@@ -299,9 +306,7 @@ case "$stage" in
     PYTHONPATH=.:/tmp/site-bench step model_sp 260 python3 bench/model.py --world 2 --cases train-sp --train 2048 \
       --train-batch ${S7_SP_BATCH:-1 4} --fp8 tensor --json "$OUT/model_sp.json"
     final_summary() {
-      for name in model_tp_fp8 model_sp; do
-        echo "=== $name"; grep -E "^(\[|\||note: (train|torchao|--fp8))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600
-      done
+      model_lines model_tp_fp8 model_sp
       echo "=== host profiles"; grep -A19 "^host profile" "$OUT/model_tp_fp8.log" | cut -c1-160
     }
     ;;
@@ -316,9 +321,7 @@ case "$stage" in
     step model_sp 130 python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
       --json "$OUT/model_sp.json"
     final_summary() {
-      for name in model_tp_fp8 model_sp; do
-        echo "=== $name"; grep -E "^(\[|\||note: (train|torchao|--fp8))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600
-      done
+      model_lines model_tp_fp8 model_sp
       echo "=== host profiles"; grep -A8 "^host profile" "$OUT/model_tp_fp8.log" | cut -c1-160
     }
     ;;
@@ -334,9 +337,7 @@ case "$stage" in
     step model_sp_diag 200 python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
       --variants opfuse:sp-batch-on opfuse:sp-batch-on-no-async-tp --json "$OUT/model_sp.json"
     final_summary() {
-      for name in model_tp_fp8 model_sp_diag; do
-        echo "=== $name"; grep -E "^(\[|\||relative error|note: (train|torchao|--fp8|async))" "$OUT/$name.log" | grep -v "^|---" | cut -c1-600
-      done
+      model_lines model_tp_fp8 model_sp_diag
     }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and

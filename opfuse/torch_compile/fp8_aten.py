@@ -20,10 +20,12 @@ scale = fp8_max / amax (1 where amax is 0), data = saturate(x * scale), dequanti
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from ..fp8.numerics import fp8_max
+from ..fp8.numerics import fp8_max, scales_from_amax
 
 __all__ = ["IMPLEMENTATIONS", "applies", "quantize", "scaled_mm", "GemmQuantizing", "GemmFromPayload", "Backward"]
 
@@ -32,9 +34,10 @@ __all__ = ["IMPLEMENTATIONS", "applies", "quantize", "scaled_mm", "GemmQuantizin
 IMPLEMENTATIONS = {"scaled_mm"}
 
 
-def applies(impl: str, recipe, rows, need_fp8_wgrad: bool) -> str | None:
+def applies(impl: str, recipe, shape, need_fp8_wgrad: bool) -> str | None:
     """``None`` where an ``fp8_linear`` fusion on implementation ``impl`` is written as aten ops,
-    else why not. ``rows``: its token count (an int, or a symbolic size)."""
+    else why not. ``shape``: its input's (every leading dim a token dim; sizes may be symbolic)."""
+    rows = math.prod(shape[:-1])
     if impl not in IMPLEMENTATIONS:
         return f"implementation {impl} is not built on torch._scaled_mm"
     if recipe.rowwise:
@@ -50,12 +53,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
     """``(data, scale_inv, data_t)`` of 2-D ``x`` with one scale (``data_t``: the transposed
     bytes, or ``None``)."""
     limit = fp8_max(dtype)
-    amax = x.abs().amax().float().reshape(1, 1)
-    one = torch.ones_like(amax)
-    # Tensor / tensor (correctly rounded), as the definition: not a multiply by a reciprocal.
-    scale = torch.where(amax > 0, torch.full_like(amax, limit) / amax, one)
+    scale, scale_inv = scales_from_amax(x.abs().amax().reshape(1, 1), dtype)
+    # numerics.cast's arithmetic, with an out-of-place clamp (this is traced into the graph).
     data = (x.float() * scale).clamp(-limit, limit).to(dtype)
-    return data, one / scale, (data.t().contiguous() if transpose else None)
+    return data, scale_inv, (data.t().contiguous() if transpose else None)
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

@@ -226,9 +226,7 @@ class JointLowering(_Lowering):
         need_wgrad = grads is not None and grads.wgrad is not None and module.recipe.fp8_wgrad
         payload = self.payloads.get(source.name) if isinstance(source, fx.Node) else None
         x = payload[0] if payload is not None else self.value_of(source)
-        shape = x.meta["val"].shape
-        rows = shape.numel() // shape[-1] if shape[-1] else 0
-        if fp8_aten.applies(module.impl, module.recipe, rows, need_wgrad) is not None:
+        if fp8_aten.applies(module.impl, module.recipe, x.meta["val"].shape, need_wgrad) is not None:
             return False
         # The data gradient's W operand is written by the forward (one quantization of W per step).
         need_dgrad = grads is not None and grads.dgrad is not None
@@ -260,20 +258,16 @@ class JointLowering(_Lowering):
             # A forward left to a custom op (a collective FP8 GEMM, a token count the aten forward
             # does not take) may still have its backward GEMMs written as aten ops.
             impl = self._backward_impl(module, grads, data)
-            shape = data.meta["val"].shape
-            rows = shape.numel() // shape[-1] if shape[-1] else 0
-            aten = fp8_aten.applies(impl, module.recipe, rows, need_dw and module.recipe.fp8_wgrad) is None
+            aten = fp8_aten.applies(impl, module.recipe, data.meta["val"].shape,
+                                    need_dw and module.recipe.fp8_wgrad) is None
         if aten:
             backward = fp8_aten.Backward(module.weight, module.recipe, need_dx, need_dw)
+            args = [grads.dy, data, scale, data_t, *(weight_t or (None, None))]
         else:
             if data_t is not None and impl != module.impl:
                 data_t = None  # transposed bytes are written for the implementation that reads them
             backward = _Backward(module.weight, module.recipe, impl, need_dx, need_dw)
-        args = [grads.dy, data, scale]
-        if weight_t is not None:  # the aten backward's optional arguments, by position
-            args += [data_t, *weight_t]
-        elif data_t is not None:
-            args.append(data_t)
+            args = [grads.dy, data, scale] + ([data_t] if data_t is not None else [])
         dx, dw = self.emit(backward, args, where=node.name + "_backward")
         if need_dx:
             self._swap(grads.dgrad, dx)

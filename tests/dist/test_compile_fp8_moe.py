@@ -41,7 +41,7 @@ def llama_case(rank, world, tp, recipe, seq=8):
 
     import opfuse
 
-    cfg = llama_tp.Config()
+    cfg = llama_tp.Config(kv_heads=max(2, world))  # world 4: one key/value head per rank
     # Sequence parallelism shards the output head over the vocabulary (its weight scale then
     # differs from the hand-sharded model's): compared in high precision there.
     keep = (lambda name: name != "output") if tp == "dtensor-sp" else (lambda name: True)
@@ -112,22 +112,31 @@ def cases(rank, world):
     llama_case(rank, world, "dist", fp8.RowwiseScaling())
     llama_case(rank, world, "dtensor", fp8.TensorScaling())
     llama_case(rank, world, "dtensor-sp", fp8.TensorScaling())
-    # The FP8 linears written as aten ops (the GPU's torch._scaled_mm path; the reference stands in
-    # here), fed by the all-reduce + add + norm + quantize payloads.
+    aten_cases(rank, world)
+    moe_case(rank, world, MixtralSparseMoeBlock)
+    moe_case(rank, world, Qwen2MoeSparseMoeBlock)
+
+
+def aten_cases(rank, world):
+    """The FP8 linears written as aten ops (the GPU's torch._scaled_mm path; the reference stands
+    in here), fed by the all-reduce + add + norm + quantize payloads; under sequence parallelism
+    the collective FP8 GEMMs' forwards stay custom ops and their backward GEMMs are aten ops (16
+    tokens per rank: the FP8 weight gradient's multiple of 16)."""
+    from opfuse import fp8
     from opfuse.torch_compile import fp8_aten
 
     saved = fp8_aten.IMPLEMENTATIONS
     fp8_aten.IMPLEMENTATIONS = {"reference"}
     try:
         llama_case(rank, world, "dist", fp8.TensorScaling())
-        # Sequence parallel: the collective FP8 GEMMs' forwards stay custom ops, their backward
-        # GEMMs are aten ops (32 tokens: 16 per rank, the FP8 weight gradient's multiple of 16).
-        llama_case(rank, world, "dtensor-sp", fp8.TensorScaling(), seq=32)
+        llama_case(rank, world, "dtensor-sp", fp8.TensorScaling(), seq=16 * world)
     finally:
         fp8_aten.IMPLEMENTATIONS = saved
-    moe_case(rank, world, MixtralSparseMoeBlock)
-    moe_case(rank, world, Qwen2MoeSparseMoeBlock)
 
 
 def test_fp8_llama_and_tensor_parallel_moe_match_their_references():
     run(cases, 2, timeout=900)
+
+
+def test_fp8_aten_path_at_world_4():
+    run(aten_cases, 4, timeout=900)

@@ -80,13 +80,13 @@ def relative(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def run_both(make, recipe, x, keep=lambda name: True, train=True, **kwargs):
+def run_both(make, recipe, x, keep=lambda name: True, train=True, options=EAGER, **kwargs):
     """``(compiled FP8 outputs and gradients, reference's, programs)`` of two copies of ``make()``."""
     torch.manual_seed(0)
     model = make()
     torch.manual_seed(0)
     reference = emulated(make(), recipe, keep)
-    compiled = opfuse.optimize(model, fp8=recipe, options=EAGER, **kwargs)
+    compiled = opfuse.optimize(model, fp8=recipe, options=options, **kwargs)
     results = []
     for module in (compiled, reference):
         xi = x.detach().clone().requires_grad_(train)
@@ -318,21 +318,11 @@ def test_fp8_linears_written_as_aten_ops_match_the_recipe(world1, monkeypatch, i
     monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
     x = torch.randn(2, 8, 32)  # 16 tokens: the FP8 weight gradient's multiple of 16
     for recipe in (fp8.TensorScaling(), fp8.TensorScaling(fp8_wgrad=False)):
-        options = {} if inductor else EAGER
-        torch.manual_seed(0)
-        model = Block()
-        torch.manual_seed(0)
-        reference = emulated(Block(), recipe)
-        compiled = opfuse.optimize(model, fp8=recipe, options=options, merge_projections=False)
-        results = []
-        for module, params in ((compiled, model), (reference, reference)):
-            xi = x.detach().clone().requires_grad_()
-            y = module(xi)
-            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(5)))
-            results.append([y, xi.grad] + [p.grad for p in params.parameters()])
-        for got, want in zip(*results):
-            assert relative(got, want) < 1e-5, recipe
-        assert rules(opfuse.programs(compiled), "forward").count("fp8_linear") == 8
+        (y, grads), (want, want_grads), programs = run_both(Block, recipe, x, options={} if inductor else EAGER,
+                                                            merge_projections=False)
+        for got, ref in zip([y, *grads], [want, *want_grads]):
+            assert relative(got, ref) < 1e-5, recipe
+        assert rules(programs, "forward").count("fp8_linear") == 8
 
 
 def test_fp8_aten_path_leaves_the_custom_ops_out_of_the_graph(world1, monkeypatch, tmp_path):
@@ -351,10 +341,10 @@ def test_fp8_aten_path_leaves_the_custom_ops_out_of_the_graph(world1, monkeypatc
     assert after.count("aten.amax") == 8 + 2 + 8
     # 5 tokens cannot take the FP8 weight gradient's GEMM: the custom ops (which pad) stay.
     monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
-    assert fp8_aten.applies("reference", fp8.TensorScaling(), 10, True) is not None
-    assert fp8_aten.applies("reference", fp8.TensorScaling(), 10, False) is None
-    assert fp8_aten.applies("reference", fp8.RowwiseScaling(), 16, True) is not None
-    assert fp8_aten.applies("cuda_something", fp8.TensorScaling(), 16, True) is not None
+    assert fp8_aten.applies("reference", fp8.TensorScaling(), (2, 5, 32), True) is not None
+    assert fp8_aten.applies("reference", fp8.TensorScaling(), (2, 5, 32), False) is None
+    assert fp8_aten.applies("reference", fp8.RowwiseScaling(), (16, 32), True) is not None
+    assert fp8_aten.applies("cuda_something", fp8.TensorScaling(), (16, 32), True) is not None
 
 
 def test_fp8_aten_path_with_biases_and_inputs_without_grad(world1, monkeypatch):
