@@ -14,8 +14,11 @@ without a time (not capable, not timed) counts as 10x slower. Candidate limits l
 measured messages (their geometric mean), or at the largest measured message; ties go to the
 smaller one-shot limit, the larger two-shot limit, and a Lamport limit of 0 when it would pick the
 Lamport kernel nowhere (sweeps from before the Lamport kernel, which have no time for it,
-therefore fit it out). Worlds the sweep did not measure keep their entries from the
-current table. The sweep's automatic choice is not used: it only reports how the old table did.
+therefore fit it out). A Lamport or two-shot limit at the largest measured message is written
+as no limit (null): above the sweep the kernels stay bandwidth-bound, so the implementation that
+wins the largest measured size keeps winning, rather than NCCL taking over at an untested size.
+Worlds the sweep did not measure keep their entries from the current table. The sweep's
+automatic choice is not used: it only reports how the old table did.
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ def fit(sizes: list[tuple[int, dict]]) -> tuple[int, int, float, int]:
     return one, two, worst, lam
 
 
+def _limit(limit: int | None) -> str:
+    return "without limit" if limit is None else "never" if limit <= 0 else f"<= {limit / 2**20:.3g} MiB"
+
+
 def build_table(rows: list[dict], previous: dict | None = None, source: str = "") -> tuple[dict, list[str]]:
     """The table's JSON form from the sweep rows, and a line per fitted point for the report."""
     groups: dict[tuple[int, int], list[tuple[int, dict]]] = {}
@@ -102,17 +109,22 @@ def build_table(rows: list[dict], previous: dict | None = None, source: str = ""
         if not any(t for _, t in sizes):
             continue
         one, two, worst, lam = fit(sizes)
-        worlds.setdefault(str(world), []).append({"row_bytes": row_bytes, "oneshot_max": one, "lamport_max": lam,
-                                                  "twoshot_max": two, "worst_ratio": round(worst, 4)})
+        largest = max(m for m, t in sizes if t)
+        lam_limit = None if lam >= largest else lam
+        two_limit = None if two >= largest else two
+        worlds.setdefault(str(world), []).append({"row_bytes": row_bytes, "oneshot_max": one,
+                                                  "lamport_max": lam_limit, "twoshot_max": two_limit,
+                                                  "worst_ratio": round(worst, 4)})
         report.append(f"world {world}, {row_bytes}-byte rows: one-shot <= {one / 2**20:.3g} MiB, Lamport two-shot "
-                      f"<= {lam / 2**20:.3g} MiB, two-shot <= {two / 2**20:.3g} MiB; worst measured size "
+                      f"{_limit(lam_limit)}, two-shot {_limit(two_limit)}; worst measured size "
                       f"{worst:.3f}x the fastest")
     for world, entries in (previous or {}).get("worlds", {}).items():
         if world not in worlds:
             worlds[world] = entries
             report.append(f"world {world}: not in the sweep, kept from the current table")
-    table = {"comment": ("Largest message (bytes per rank) for the one-shot and two-shot all-reduce + add + norm "
-                         "kernels, by world size and row bytes (lookup rules: crossovers.py). Written by "
+    table = {"comment": ("Largest message (bytes per rank) for the one-shot, the pipelined Lamport two-shot and the "
+                         "flag-based two-shot all-reduce + add + norm kernels (null: no limit; lamport_max 0: "
+                         "never), by world size and row bytes (lookup rules: crossovers.py). Written by "
                          "tools/crossover_table.py; worst_ratio: the fitted limits' worst time over the fastest "
                          "forced implementation at the measured sizes."),
              "machine": (previous or {}).get("machine", ""), "source": source,

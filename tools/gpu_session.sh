@@ -35,6 +35,12 @@
 #                                      # profiled (torchao column), train-sp at batch 4
 #   tools/gpu_session.sh s8-next       # 2 GPUs (~9 min): session 7's open questions (Lamport NCCL test, FP8
 #                                      # in the model, train-sp batch 4 with the batch > 1 fusions forced on)
+#   tools/gpu_session.sh s8-measure    # 2 GPUs (~9 min): issue 27's unmeasured rows: MoE bench, the FP8 loss
+#                                      # check on a GPU, train-sp FP8 profiled, train-tp FP8 at 8192 tokens
+#   tools/gpu_session.sh s8-world4     # 4 GPUs (~9 min): Lamport NCCL test at world 4, all-reduce + norm bench
+#                                      # at world 2 and 4 (FlashInfer column), world-4 compile/residual-norm tests
+#   tools/gpu_session.sh s8-verify     # 2 GPUs (~5 min): the session-8 crossover table at work (NCCL tests,
+#                                      # all-reduce + norm bench, a sweep whose auto column is the new table)
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -67,6 +73,10 @@
 set -uo pipefail
 stage=${1:-single}; shift || true
 export PYTHONPATH=. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Prebuilt modules: the build step takes ~110 s of device time on a fresh machine. Built here instead
+# (no GPU needed: `PYTHONPATH=. OPFUSE_CACHE_DIR=$PWD/.opfuse-cache python3 -m opfuse.runtime.extension
+# --python <a Python of the GPU host's version, with pybind11>`), carried (carry: .opfuse-cache) and
+# named by OPFUSE_CACHE_DIR=$PWD/.opfuse-cache on the device, the build step only finds them.
 export OPFUSE_CACHE_DIR=${OPFUSE_CACHE_DIR:-/tmp/opfuse-cache}
 # The device tool returns only a few files from $OUT: logs and JSON go to a local folder, packed
 # into $OUT/logs.tgz after every step (a call cut off at its time limit still returns what ran).
@@ -338,6 +348,93 @@ case "$stage" in
       --variants opfuse:sp-batch-on opfuse:sp-batch-on-no-async-tp --json "$OUT/model_sp.json"
     final_summary() {
       model_lines model_tp_fp8 model_sp_diag
+    }
+    ;;
+  s8-measure)  # 2 GPUs (~9 min; build it here first, see "Prebuilt modules" above): issue 27's unmeasured
+               # rows: the Mixtral-style MoE bench (GPU 0) beside the 200-step FP8 loss check (GPU 1, untimed),
+               # then train-sp with FP8 profiled (kernel tables: where SP loses to torch.compile) and train-tp
+               # at 8192 tokens with FP8
+    install_bench_wheels
+    CUDA_VISIBLE_DEVICES=1 step loss_check 200 python3 tools/fp8_loss_check.py --device cuda --dtype bfloat16 &
+    CUDA_VISIBLE_DEVICES=0 step moe_bench 230 python3 bench/moe.py --fp8 --json "$OUT/moe.json"
+    wait
+    PYTHONPATH=.:/tmp/site-bench step model_sp_fp8 200 python3 bench/model.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor --profile --json "$OUT/model_sp.json"
+    PYTHONPATH=.:/tmp/site-bench step model_tp_8192 150 python3 bench/model.py --world 2 --cases train-tp --train 8192 \
+      --train-batch 1 --fp8 tensor --json "$OUT/model_tp8192.json"
+    final_summary() {
+      echo "=== loss_check"; tail -4 "$OUT/loss_check.log"
+      show moe_bench
+      grep -E "^(\||relative|note)" "$OUT/moe_bench.log" | grep -v "^|---"
+      model_lines model_sp_fp8 model_tp_8192
+      sed -n '/GPU time per step by kernel category/,/first kernel start/p' "$OUT/model_sp_fp8.log"
+      grep -A8 "^host profile" "$OUT/model_sp_fp8.log" | cut -c1-160
+    }
+    ;;
+  s8-world4)  # 4 GPUs (~9 min; prebuilt modules): issue 30 at world 4 and world 2 on the host lent: the Lamport
+              # protocol's NCCL test at world 4, the all-reduce + norm bench (FlashInfer column) at world 2 and
+              # 4, then the compile backend's and the residual-norm kernels' world-4 tests
+    END=${AR_BUDGET_S:-540}
+    fits() {  # fits LIMIT RESERVE: min(LIMIT, END - RESERVE - now), at least 30
+      local left=$((END - $2 - SECONDS)); [ "$left" -lt 30 ] && left=30
+      echo $(( $1 < left ? $1 : left ))
+    }
+    tests lamport_dist "$(fits 110 430)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "4]"
+    fi_flag=--no-flashinfer
+    if [ -d .thirdparty/flashinfer ]; then
+      step flashinfer_build "$(fits 90 390)" python3 bench/flashinfer_ar/build.py
+      step flashinfer_check "$(fits 60 350)" python3 bench/flashinfer_ar/check.py --world 2 4 --timeout 45
+      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
+    fi
+    step allreduce_quick "$(fits 150 260)" python3 bench/allreduce_norm.py --quick --world 2 4 \
+      --json "$OUT/allreduce_quick.json" $fi_flag
+    step crossover_sweep "$(fits 150 120)" python3 bench/allreduce_crossover.py --world 2 4 \
+      --json "$OUT/allreduce_crossover.json"
+    step crossover_table "$(fits 30 110)" python3 tools/crossover_table.py "$OUT/allreduce_crossover.json" \
+      --out "$OUT/crossovers.json"
+    tests compile_backend "$(fits 80 30)" -x -q tests/gpu/test_compile_backend.py -k "4]"
+    tests residual_norm_dist "$(fits 60 0)" -x -q tests/gpu/test_residual_norm_dist.py -k "4]"
+    final_summary() {
+      echo "=== flashinfer"; tail -2 "$OUT/flashinfer_build.log" "$OUT/flashinfer_check.log" 2>/dev/null
+      if grep -q "^summary" "$OUT/allreduce_quick.log" 2>/dev/null; then
+        show allreduce_quick
+      else
+        echo "=== allreduce_quick (no summary: cut or failed)"; grep "tokens done" "$OUT/allreduce_quick.log" | tail -16
+      fi
+      show crossover_sweep crossover_table
+    }
+    ;;
+  s8-verify)  # 2+ GPUs (~5 min; prebuilt modules): the crossover table fitted in session 8 at work: the
+              # residual-norm and Lamport NCCL tests (automatic choice from the table), the all-reduce + norm
+              # bench (FlashInfer column) and a crossover sweep whose "auto" column is the new table
+    END=${AR_BUDGET_S:-430}
+    fits() {  # fits LIMIT RESERVE: min(LIMIT, END - RESERVE - now), at least 30
+      local left=$((END - $2 - SECONDS)); [ "$left" -lt 30 ] && left=30
+      echo $(( $1 < left ? $1 : left ))
+    }
+    tests lamport_dist "$(fits 80 340)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
+    tests residual_norm_dist "$(fits 60 200)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    fi_flag=--no-flashinfer
+    if [ -d .thirdparty/flashinfer ]; then
+      step flashinfer_build "$(fits 90 180)" python3 bench/flashinfer_ar/build.py
+      step flashinfer_check "$(fits 60 150)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
+      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
+    fi
+    step allreduce_quick "$(fits 90 90)" python3 bench/allreduce_norm.py --quick --world 2 \
+      --json "$OUT/allreduce_quick.json" $fi_flag
+    step crossover_sweep "$(fits 90 60)" python3 bench/allreduce_crossover.py --world 2 \
+      --json "$OUT/allreduce_crossover.json"
+    step crossover_table "$(fits 30 50)" python3 tools/crossover_table.py "$OUT/allreduce_crossover.json" \
+      --out "$OUT/crossovers.json"
+    tests lamport_kernels "$(fits 60 100)" -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
+    # the MoE bench with torch._grouped_mm forced (session 8 measured the automatic choice, Triton
+    # persistent, at 1.03x torch.compile at 16384 tokens): does the choice explain it?
+    OPFUSE_FORCE_IMPL=grouped_linear=torch_grouped_mm CUDA_VISIBLE_DEVICES=0 step moe_grouped_mm "$(fits 110 0)" \
+      python3 bench/moe.py --json "$OUT/moe_grouped_mm.json"
+    final_summary() {
+      echo "=== flashinfer"; tail -2 "$OUT/flashinfer_build.log" "$OUT/flashinfer_check.log" 2>/dev/null
+      show allreduce_quick crossover_sweep crossover_table
+      grep -E "^(\\||relative|note)" "$OUT/moe_grouped_mm.log" 2>/dev/null | grep -v "^|---"
     }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and

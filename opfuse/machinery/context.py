@@ -69,12 +69,17 @@ class PassContext:
         The fused ops run without autograd: torch.compile's aten graphs, whose backward (if any)
         is already traced into the graph. Forward-only fused ops may then be used, and a fused op
         may hand a value it covers to the backward as an extra output.
+    joint_graph:
+        The graph is a joint forward + backward graph (torch.compile training): implementations
+        of fused ops whose backward in the graph follows their choice are chosen for training.
     """
 
-    def __init__(self, graph_module: fx.GraphModule | None = None, recipe=None, without_autograd: bool = False):
+    def __init__(self, graph_module: fx.GraphModule | None = None, recipe=None, without_autograd: bool = False,
+                 joint_graph: bool = False):
         self.graph_module = graph_module
         self.recipe = recipe
         self.without_autograd = bool(without_autograd)
+        self.joint_graph = bool(joint_graph)
         self.fusions: list[FusionRecord] = []
         self.notes: list[tuple[str, str]] = []
         self.current = None

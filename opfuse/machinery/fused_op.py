@@ -35,6 +35,10 @@ class FusedOp(Described, nn.Module):
 
     #: The one name of this fused op (kind, table key, custom op, force key).
     name: ClassVar[str] = ""
+    #: In a joint forward + backward graph (torch.compile training), the backward already in the
+    #: graph runs this op's chosen implementation too, so the choice is made as for training
+    #: (``CallSpec.requires_grad``) although the op itself runs without autograd there.
+    backward_follows_implementation: ClassVar[bool] = False
 
     def __init__(self):
         super().__init__()

@@ -21,12 +21,14 @@ import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
+from typing import NamedTuple
 
 from .. import log
 from ..config import config
@@ -85,34 +87,56 @@ def find_nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-def _suffix() -> str:
-    return sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+class PythonABI(NamedTuple):
+    """What a module is built for: the interpreter's extension suffix and the include folders of
+    its headers and of pybind11's."""
+
+    suffix: str
+    includes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, python: str | None = None) -> "PythonABI":
+        """This interpreter's ABI, or that of the interpreter at path ``python`` (which must have
+        pybind11): lets a host without a GPU build the modules a GPU host's Python loads."""
+        if python is None:
+            try:
+                import pybind11
+            except ImportError:
+                raise ExtensionUnavailable("the CUDA extension build needs pybind11: pip install 'opfuse[cuda]' "
+                                           "(or pip install pybind11)") from None
+            return cls(sysconfig.get_config_var("EXT_SUFFIX") or ".so",
+                       (pybind11.get_include(), sysconfig.get_paths()["include"]))
+        probe = ("import json, sysconfig, pybind11; print(json.dumps([sysconfig.get_config_var('EXT_SUFFIX'), "
+                 "pybind11.get_include(), sysconfig.get_paths()['include']]))")
+        result = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise ExtensionUnavailable(f"--python {python}: cannot read its ABI (it needs pybind11): "
+                                       f"{result.stderr.strip().splitlines()[-1:] or result.returncode}")
+        suffix, *includes = json.loads(result.stdout)
+        return cls(suffix or ".so", tuple(includes))
 
 
-def _digest(family: str) -> str:
+def _suffix(abi: PythonABI | None) -> str:
+    return abi.suffix if abi else (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+
+
+def _digest(family: str, abi: PythonABI | None = None) -> str:
     h = hashlib.sha256()
     for path in sources(family) + _headers(family):
         h.update(os.path.basename(path).encode())
         with open(path, "rb") as handle:
             h.update(handle.read())
     h.update(" ".join(NVCC_FLAGS).encode())
-    h.update(_suffix().encode())
+    h.update(_suffix(abi).encode())
     return h.hexdigest()[:16]
 
 
-def _includes(family: str) -> list[str]:
-    try:
-        import pybind11
-    except ImportError:
-        raise ExtensionUnavailable("the CUDA extension build needs pybind11: pip install 'opfuse[cuda]' "
-                                   "(or pip install pybind11)") from None
-
-    return [f"-I{_csrc(family)}", f"-I{SHARED_CSRC}", f"-I{pybind11.get_include()}",
-            f"-I{sysconfig.get_paths()['include']}"]
+def _includes(family: str, abi: PythonABI) -> list[str]:
+    return [f"-I{_csrc(family)}", f"-I{SHARED_CSRC}", *(f"-I{folder}" for folder in abi.includes)]
 
 
-def _compile(nvcc: str, family: str, source: str, obj: str, extra: list[str]) -> None:
-    cmd = [nvcc, *NVCC_FLAGS, *extra, *_includes(family), "-c", source, "-o", obj]
+def _compile(nvcc: str, family: str, source: str, obj: str, extra: list[str], abi: PythonABI) -> None:
+    cmd = [nvcc, *NVCC_FLAGS, *extra, *_includes(family, abi), "-c", source, "-o", obj]
     if source.endswith(".cpp"):
         cmd += ["-Xcompiler", "-fvisibility=hidden"]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -123,8 +147,10 @@ def _compile(nvcc: str, family: str, source: str, obj: str, extra: list[str]) ->
 
 
 def build(family: str, out_dir: str, nvcc: str | None = None, extra_flags: list[str] | None = None,
-          jobs: int | None = None) -> str:
-    """Compile and link ``family``'s module into ``out_dir``; returns the module path."""
+          jobs: int | None = None, abi: PythonABI | None = None) -> str:
+    """Compile and link ``family``'s module into ``out_dir`` for ``abi`` (default: this
+    interpreter); returns the module path."""
+    abi = abi or PythonABI.of()
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise ExtensionUnavailable("nvcc not found (set NVCC or CUDA_HOME)")
@@ -137,10 +163,10 @@ def build(family: str, out_dir: str, nvcc: str | None = None, extra_flags: list[
             for source in sources(family):
                 obj = os.path.join(tmp, os.path.basename(source) + ".o")
                 objects.append(obj)
-                futures.append(pool.submit(_compile, nvcc, family, source, obj, extra))
+                futures.append(pool.submit(_compile, nvcc, family, source, obj, extra, abi))
             for future in futures:
                 future.result()
-        target = os.path.join(out_dir, module_name(family) + _suffix())
+        target = os.path.join(out_dir, module_name(family) + abi.suffix)
         partial = target + ".partial"
         cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", *objects, "-o", partial]
         result = subprocess.run(cmd, capture_output=True, text=True)
@@ -150,8 +176,8 @@ def build(family: str, out_dir: str, nvcc: str | None = None, extra_flags: list[
     return target
 
 
-def _cached_path(family: str) -> str:
-    return os.path.join(config.cache_dir, "ext", f"{family}-{_digest(family)}", module_name(family) + _suffix())
+def _cached_path(family: str, abi: PythonABI | None = None) -> str:
+    return os.path.join(config.cache_dir, "ext", f"{family}-{_digest(family, abi)}", module_name(family) + _suffix(abi))
 
 
 def _import(family: str, path: str):
@@ -213,13 +239,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opfuse.runtime.extension")
     parser.add_argument("--build", action="store_true", help="build every family into the cache (what first use does)")
     parser.add_argument("--out", help="build into this directory instead of the cache")
+    parser.add_argument("--python", help="build for the interpreter at this path (it needs pybind11), e.g. a GPU "
+                                         "host's Python version, into the cache that host will read")
     args = parser.parse_args(argv)
+    abi = PythonABI.of(args.python) if args.python else None
     for family in families():
         if args.out:
-            print(build(family, args.out))
-        elif args.build:
-            path = _cached_path(family)
-            print(path if os.path.exists(path) else build(family, os.path.dirname(path)))
+            print(build(family, args.out, abi=abi))
+        elif args.build or args.python:
+            path = _cached_path(family, abi)
+            print(path if os.path.exists(path) else build(family, os.path.dirname(path), abi=abi))
         else:
             print(f"{family}: {status(family)}")
     return 0

@@ -69,7 +69,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         op_graph.notes.append(f"{joined} concatenation(s) of parameters stored back to back read as views of "
                               f"their storage (no copy)")
     phases = _phases(op_graph.gm)
-    ctx = PassContext(recipe=settings.fp8, without_autograd=True)  # lowered under no_grad into an aten graph
+    ctx = PassContext(recipe=settings.fp8, without_autograd=True,  # lowered under no_grad into an aten graph
+                      joint_graph=training)
     grads = {}
     if settings.fp8 is not None:
         plan = plan_fp8(op_graph, gm, settings)

@@ -160,3 +160,32 @@ def test_the_all_reduce_after_a_combine_fuses_through_the_reshape(world1):
         for got, want in zip(compiled(x, r), layer(x, r)):
             assert relative(got, want) < 1e-6
     assert rules(opfuse.programs(compiled)) == ["allreduce_add_rmsnorm"]
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_grouped_gemms_of_a_training_graph_are_chosen_for_training(grad, monkeypatch):
+    """In a joint forward + backward graph the grouped GEMM's backward runs the implementation chosen
+    for its forward, so the choice is a training one (the measured order differs: on H100/H200,
+    ``torch_grouped_mm`` first for training, ``triton_persistent`` for the forward alone); without a
+    backward it stays a forward-only choice."""
+    from opfuse.families.grouped_linear import tuning
+
+    seen = []
+    real = tuning.measured_order
+    monkeypatch.setattr(tuning, "measured_order", lambda spec, table=None: seen.append((spec.x.shape[0],
+                                                                                         spec.requires_grad))
+                        or real(spec, table))
+    torch.manual_seed(0)
+    model = MoEDecoder(MixtralSparseMoeBlock)
+    compiled = opfuse.optimize(model, options=EAGER)
+    x = torch.randn(2, 6, 32, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        compiled(x)
+    (program,) = opfuse.programs(compiled)
+    assert program.kind == ("training" if grad else "inference")
+    assert rules([program]).count("grouped_linear") == 4
+    # the rows of this input (12 tokens, top-2); the rewrite's own check of the block runs others
+    chosen = {want for rows, want in seen if rows == 24}
+    assert chosen == {grad}, seen
+    # the backend's pipeline chose after tracing (4 grouped GEMMs), as for training when there is a backward
+    assert sum(rows == 24 for rows, _ in seen) >= 4

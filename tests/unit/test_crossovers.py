@@ -41,19 +41,19 @@ def point(row, one, two, lamport=None, with_lamport=False):
 # The packaged table --------------------------------------------------------------------------------
 
 
-def test_packaged_table_keeps_the_limits_measured_before_the_sweep():
+def test_packaged_table_holds_the_session_8_sweep():
     table = crossovers.table()
     assert sorted(table.worlds) == [2, 3, 4, 8]
-    # hidden 8192 bf16 (16 KiB rows) and hidden 4096 (8 KiB rows), as docs/PERF_NOTES.md v3 measured them;
-    # world 2 at 10 and 16 KiB rows: the Lamport two-shot (issue 30) from 4 MiB up, as session 7
-    # measured it on 2x H200; elsewhere it is not measured and never chosen
-    assert table.limits(2, 16384) == Limits(4 * MiB, 256 * MiB, None)
-    assert table.limits(2, 10240) == Limits(4 * MiB, None, None)
-    assert table.limits(2, 8192) == Limits(8 * MiB, 16 * MiB, 0)
-    assert table.limits(4, 16384) == Limits(1 * MiB, 256 * MiB, 0)
+    # worlds 2 and 4: tools/crossover_table.py on the 4x H200 sweep of session 8 (rows 4-32 KiB): the
+    # one-shot up to a few MiB, the pipelined Lamport two-shot above it without limit (it won every
+    # larger measured size); docs/PERF_NOTES.md, "Issue 30 ... session 8"
+    for world, row, oneshot in ((2, 8192, 2965820), (2, 10240, 3707276), (2, 16384, 5931641), (4, 16384, 2 * MiB),
+                                (4, 8192, 1 * MiB)):
+        assert table.limits(world, row) == Limits(oneshot, None, None), (world, row)
+    # worlds 3 and 8 were not in the sweep: their limits from before it (no Lamport there)
     assert table.limits(3, 8192) == Limits(2 * MiB, 16 * MiB, 0)
-    assert table.limits(2, 4096).twoshot_max == 16 * MiB     # shorter rows: the 8 KiB point
-    assert table.limits(4, 32768).twoshot_max == 256 * MiB   # longer rows: the 16 KiB point
+    assert table.limits(8, 16384).lamport_max == 0
+    assert table.limits(2, 2048).oneshot_max == table.limits(2, 4096).oneshot_max  # shorter rows: the 4 KiB point
     # unlisted worlds take the next larger listed one (the old default for worlds 5-7 and 9+: 512 KiB)
     for world in (5, 6, 7, 16):
         assert table.limits(world, 16384).oneshot_max == 512 << 10
@@ -228,7 +228,7 @@ def test_backend_lamport_limit_follows_the_table_and_the_two_shot_setting(monkey
 
     assert cuda.lamport_limit(2, 16384) == crossovers.table().limits(2, 16384).lamport_max
     with opfuse.config.override(twoshot_max_bytes=67890):  # a setting never turns on a kernel the table keeps off
-        assert cuda.lamport_limit(2, 8192) == 0
+        assert cuda.lamport_limit(3, 8192) == 0
     for limit, bounded in ((None, 67890), (1 << 30, 67890), (1000, 1000)):
         table = crossovers.CrossoverTable.from_dict(
             {"worlds": {"2": [{"row_bytes": 16384, "oneshot_max": 0, "twoshot_max": None, "lamport_max": limit}]}})
@@ -266,19 +266,47 @@ def test_fit_places_the_lamport_kernel_between_one_shot_and_two_shot(n, data):
     table, _ = crossover_table.build_table(
         [{"world": 2, "row_bytes": 16384, "bytes": m, "times": t} for m, t in sizes], None, source="sweep.json")
     limits = CrossoverTable.from_dict(table).limits(2, 16384)
-    assert (limits.oneshot_max, limits.lamport_max, limits.twoshot_max) == (one, lamport, two)
+    above_the_sweep = lambda limit: None if limit >= messages[-1] else limit  # noqa: E731
+    assert (limits.oneshot_max, limits.lamport_max, limits.twoshot_max) == (one, above_the_sweep(lamport),
+                                                                             above_the_sweep(two))
 
 
 def test_a_forced_lamport_kernel_runs_past_the_table_that_keeps_it_off(monkeypatch):
-    """Where the shipped table keeps the Lamport kernel off (not measured: world 4 here), forcing it
+    """Where the shipped table keeps the Lamport kernel off (not measured: world 3 here), forcing it
     is how the bench and the GPU tests reach it, so the table's limit must not refuse a forced call."""
     from opfuse.families.residual_norm import cuda
 
     spec = CallSpec("allreduce_add_rmsnorm", {"x": TensorMeta((4096, 8192), torch.bfloat16, torch.device("cuda", 0))},
-                    {"norm": "rms"}, group_name="tp", world_size=4)
+                    {"norm": "rms"}, group_name="tp", world_size=3)
     monkeypatch.setattr(cuda, "_kernel_reason", lambda spec: None)
     monkeypatch.setattr(cuda.extension, "load", lambda family: type("Ext", (), {"MAX_WORLD": 8}))
     monkeypatch.setattr(cuda.symm_pool, "lookup", lambda group, device=None: (None, "no pool here"))
     assert "not used" in cuda.check_lamport(spec)
     with opfuse.config.override(force_impl="allreduce_add_rmsnorm=cuda_twoshot_lamport"):
         assert cuda.check_lamport(spec) == "no peer memory: no pool here"  # past the limit, on to capability
+
+
+def test_the_winner_of_the_largest_measured_size_keeps_it_above_the_sweep():
+    """A Lamport or two-shot limit at the largest measured message is written as no limit: NCCL must
+    not take over at a size nobody measured just because the sweep stopped there."""
+    messages = [t * 16384 for t in (1, 16, 256, 1024, 4096, 8192)]
+    rows = []
+    for i, m in enumerate(messages):
+        base = 10.0 + m / 1e5
+        winner = ONE if i <= 1 else LAMPORT
+        times = {impl: base * (1.0 if impl == winner else 1.3) for impl in (ONE, LAMPORT, TWO, NCCL)}
+        rows.append({"world": 2, "row_bytes": 16384, "bytes": m, "times": times})
+    # two-shot wins only the largest size of a second row: two-shot above the sweep, Lamport capped
+    for i, m in enumerate(messages):
+        base = 10.0 + m / 1e5
+        winner = ONE if i <= 1 else LAMPORT if i < len(messages) - 1 else TWO
+        times = {impl: base * (1.0 if impl == winner else 1.3) for impl in (ONE, LAMPORT, TWO, NCCL)}
+        rows.append({"world": 2, "row_bytes": 8192, "bytes": m, "times": times})
+    table, report = crossover_table.build_table(rows, None, source="sweep.json")
+    loaded = CrossoverTable.from_dict(table, source="fitted")
+    assert loaded.limits(2, 16384).lamport_max is None and loaded.limits(2, 16384).twoshot_max is None
+    capped = loaded.limits(2, 8192)
+    assert 0 < capped.lamport_max < messages[-1] and capped.twoshot_max is None
+    assert any("without limit" in line for line in report)
+    for m in (messages[-1], 4 * messages[-1]):
+        assert crossover_table.choose(m, capped.oneshot_max, math.inf, capped.lamport_max) == TWO

@@ -8,6 +8,8 @@ pure. The chosen implementation's ``prepare`` runs right after its check (see
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import fx
 
@@ -57,6 +59,8 @@ def select_implementations(gm: fx.GraphModule, ctx) -> None:
             continue
         metas = [a.meta.get("opfuse_meta") if isinstance(a, fx.Node) else None for a in node.args]
         spec = op.call_spec(metas)
+        if getattr(ctx, "joint_graph", False) and op.backward_follows_implementation and not spec.requires_grad:
+            spec = dataclasses.replace(spec, requires_grad=True)
         _open_peer_memory(spec)
         impls = implementations.for_op(op.name, spec)
         want = forced.get(op.name, forced.get(None))

@@ -3,10 +3,11 @@
 At batch > 1 a sequence-sharded model reorders rows around each collective (``split`` + ``cat``);
 the ``all_gather_keep`` and ``linear_reduce_scatter_batch`` passes fold that reorder into the fused
 op. On CPU (gloo, the reference implementations, with and without Inductor) the result equals the
-eager model's to float32 rounding. On 2x H200 the same model's training step at batch 4 gave
-gradients far from eager's (relative error 1.4, docs/PERF_NOTES.model.md, session 7) while the
-fused ops themselves saw the shapes of batch 1 (where they are right): the cause is not found, so
-these fusions stay off for CUDA tensors until a GPU run shows them right. Batch 1 is not affected.
+eager model's to float32 rounding. On GPUs (train-sp at batch 4, world 2; docs/PERF_NOTES.model.md,
+sessions 7 and 8) the training step's gradients match eager's with these fusions on and Inductor's
+async TP (``_micro_pipeline_tp``) off, and are wrong (relative error 1.4) with both on; each alone
+is right. The cause inside that pair is not found, so on CUDA tensors these fusions stay off while
+async TP is on for the graph being compiled. Batch 1 is not affected.
 """
 
 from __future__ import annotations
@@ -14,14 +15,23 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-__all__ = ["batch_fusion_refused"]
+__all__ = ["batch_fusion_refused", "async_tp_on"]
+
+
+def async_tp_on() -> bool:
+    """Whether Inductor's async TP (micro-pipeline TP) runs on the graph being compiled: the pass
+    runs inside Inductor's compile, so its config holds the compile's own options."""
+    from torch._inductor import config as inductor_config
+
+    return bool(getattr(inductor_config, "_micro_pipeline_tp", False))
 
 
 def batch_fusion_refused(ctx, node: fx.Node, what: str) -> bool:
     """``True`` (with a note for ``explain()``) where a batch > 1 fusion at ``node`` must not run."""
     meta = ctx.meta(node)
-    if meta is None or torch.device(meta.device).type != "cuda":
+    if meta is None or torch.device(meta.device).type != "cuda" or not async_tp_on():
         return False
-    ctx.note(f"{node.name}: {what} at batch > 1 left unfused on CUDA tensors (wrong gradients measured on "
-             f"GPUs, cause not found: opfuse/core/passes/sequence_batch.py)")
+    ctx.note(f"{node.name}: {what} at batch > 1 left unfused on CUDA tensors while Inductor's async TP is on "
+             f"(the two together gave wrong gradients on GPUs, cause not found: "
+             f"opfuse/core/passes/sequence_batch.py)")
     return True
