@@ -115,7 +115,10 @@ def measure(opts, fp8: bool):
                     row[f"{name} fusions"] = sorted({f"{f.rule}={f.impl}" for p in opfuse.programs(fn)
                                                      for f in p.fusions})
             except Exception as error:  # noqa: BLE001 - one variant failing is a note, not an abort
-                notes.append(f"T={tokens} {name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+                lines = str(error).splitlines() or [""]
+                where = next((line.strip() for line in lines if line.strip().startswith("target:")), "")
+                notes.append(f"T={tokens} {name}: {type(error).__name__}: {lines[0][:160]}"
+                             + (f" ({where[:120]})" if where else ""))
                 row[name] = None
             torch._dynamo.reset()
             common.progress(f"T={tokens} {name}: done")

@@ -306,7 +306,9 @@ class JointLowering(_Lowering):
                 torch.ops.opfuse.grouped_linear_fp8_backward.default,
                 (dy, x, sizes, weight, bias, fsdp, module.num_groups, module.recipe.key(), need_dx, need_dw, need_db,
                  module.impl))
-        new.meta.update(backward.meta)
+        # Not the old op's ``eager_input_vals``: Inductor normalizes them against the new op's schema
+        # (a different one) to constrain layouts; a node a pass inserted goes without.
+        new.meta.update({k: v for k, v in backward.meta.items() if k != "eager_input_vals"})
         backward.replace_all_uses_with(new)
         self.graph.erase_node(backward)
 
