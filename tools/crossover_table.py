@@ -4,6 +4,7 @@
 
     python3 tools/crossover_table.py sweep.json            # rewrite the packaged table
     python3 tools/crossover_table.py sweep.json --dry-run  # print the fitted limits only
+    python3 tools/crossover_table.py sweep.json --gpu auto # the fit as the sweep's GPU's own entry
 
 For every measured (world, row bytes), the three limits are chosen together so that the order the
 backend applies (one-shot up to ``oneshot_max``, the pipelined Lamport two-shot up to
@@ -17,8 +18,9 @@ Lamport kernel nowhere (sweeps from before the Lamport kernel, which have no tim
 therefore fit it out). A Lamport or two-shot limit at the largest measured message is written
 as no limit (null): above the sweep the kernels stay bandwidth-bound, so the implementation that
 wins the largest measured size keeps winning, rather than NCCL taking over at an untested size.
-Worlds the sweep did not measure keep their entries from the current table. The sweep's
-automatic choice is not used: it only reports how the old table did.
+Worlds the sweep did not measure keep their entries from the current table. With ``--gpu``, the
+fit becomes that GPU's own entry (``gpus`` in the table), used on that GPU for the worlds it
+lists. The sweep's automatic choice is not used: it only reports how the old table did.
 """
 
 from __future__ import annotations
@@ -124,13 +126,28 @@ def build_table(rows: list[dict], previous: dict | None = None, source: str = ""
             report.append(f"world {world}: not in the sweep, kept from the current table")
     table = {"comment": ("Largest message (bytes per rank) for the one-shot, the pipelined Lamport two-shot and the "
                          "flag-based two-shot all-reduce + add + norm kernels (null: no limit; lamport_max 0: "
-                         "never), by world size and row bytes (lookup rules: crossovers.py). Written by "
-                         "tools/crossover_table.py; worst_ratio: the fitted limits' worst time over the fastest "
-                         "forced implementation at the measured sizes."),
+                         "never), by world size and row bytes; 'gpus': worlds measured on that GPU, used there instead "
+                         "of the default's (lookup rules: crossovers.py). Written by tools/crossover_table.py; "
+                         "worst_ratio: the fitted limits' worst time over the fastest forced implementation at the "
+                         "measured sizes."),
              "machine": (previous or {}).get("machine", ""), "source": source,
              "worlds": dict(sorted(worlds.items(), key=lambda kv: int(kv[0])))}
+    if (previous or {}).get("gpus"):
+        table["gpus"] = previous["gpus"]
     crossovers.CrossoverTable.from_dict(table, source="fitted table")  # the lookup must accept it
     return table, report
+
+
+def build_gpu_entry(rows: list[dict], previous: dict, gpu: str, machine: str, source: str) -> tuple[dict, list[str]]:
+    """``previous`` with the sweep's fit stored as GPU ``gpu``'s own worlds (``gpus[gpu]``); the
+    default worlds and other GPUs' entries are kept, and worlds the sweep did not measure fall back
+    to the default at lookup."""
+    fitted, report = build_table(rows, None, source)
+    table = dict(previous)
+    table["gpus"] = dict(previous.get("gpus", {}))
+    table["gpus"][gpu] = {"machine": machine, "source": source, "worlds": fitted["worlds"]}
+    crossovers.CrossoverTable.from_dict(table, source="fitted table")
+    return table, [f"{gpu}: {line}" for line in report]
 
 
 def main() -> int:
@@ -140,6 +157,9 @@ def main() -> int:
     parser.add_argument("--previous", default=crossovers.TABLE_PATH,
                         help="table whose unmeasured worlds are kept (default: the packaged table)")
     parser.add_argument("--machine", default=None, help="machine kind to record (default: the sweep's device)")
+    parser.add_argument("--gpu", default=None,
+                        help="store the fit as this GPU's own entry (the driver's name; 'auto': the sweep's "
+                             "device) instead of the default worlds")
     parser.add_argument("--dry-run", action="store_true", help="print the fitted limits, write nothing")
     args = parser.parse_args()
     with open(args.sweep) as handle:
@@ -151,8 +171,14 @@ def main() -> int:
     meta = sweep.get("meta", {})
     command = meta.get("command", "bench/allreduce_crossover.py")
     source = f"{os.path.basename(args.sweep)}: {command} ({meta.get('date', '?')})"
-    table, report = build_table(sweep["rows"], previous, source)
-    table["machine"] = args.machine or meta.get("device", table["machine"])
+    if args.gpu:
+        gpu = meta.get("device") if args.gpu == "auto" else args.gpu
+        if not gpu or previous is None:
+            parser.error(f"--gpu {args.gpu}: needs the sweep's device name (meta.device) and a --previous table")
+        table, report = build_gpu_entry(sweep["rows"], previous, gpu, args.machine or gpu, source)
+    else:
+        table, report = build_table(sweep["rows"], previous, source)
+        table["machine"] = args.machine or meta.get("device", table["machine"])
     print("\n".join(report))
     if not args.dry_run:
         with open(args.out, "w") as handle:

@@ -7,7 +7,8 @@ import importlib.util
 
 import torch
 
-__all__ = ["dtype_name", "sm_count", "current_stream", "is_capturing", "triton_status", "triton_gpu_reason"]
+__all__ = ["dtype_name", "sm_count", "device_name", "current_stream", "is_capturing", "triton_status",
+           "triton_gpu_reason"]
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -25,6 +26,20 @@ def sm_count(index: int | None = None) -> int:
     if count is None:
         count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return count
+
+
+@functools.lru_cache(maxsize=None)
+def _name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device) -> str | None:
+    """The driver's name of a CUDA device (``NVIDIA H100 80GB HBM3``; read once per device), the key
+    of opfuse's per-GPU measured tables; ``None`` for other devices or without CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _name_of(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def current_stream() -> int:

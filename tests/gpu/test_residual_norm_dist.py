@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
 from opfuse.families.residual_norm.cuda import oneshot_limit  # noqa: E402
+from opfuse.runtime.device import device_name  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -72,7 +73,8 @@ def check_impls(rank, world):
              (1000, 8192, torch.bfloat16), (33, 4096, torch.float32), (4096, 8192, torch.bfloat16)]
     for impl in ("cuda_oneshot", "cuda_twoshot_lamport", "cuda_twoshot", "nccl+cuda", "reference"):
         for tokens, hidden, dtype in cases:
-            if impl == "cuda_oneshot" and tokens * hidden * dtype.itemsize > oneshot_limit(world):
+            limit = oneshot_limit(world, hidden * dtype.itemsize, device_name(torch.cuda.current_device()))
+            if impl == "cuda_oneshot" and tokens * hidden * dtype.itemsize > limit:
                 continue
             for norm in ("rms", "layer"):
                 model = block(hidden, dtype, norm)

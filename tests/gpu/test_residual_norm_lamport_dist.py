@@ -23,6 +23,7 @@ import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
 from opfuse.families.residual_norm import cuda as norm_cuda  # noqa: E402
 from opfuse.cli.launch import run  # noqa: E402
+from opfuse.runtime.device import device_name  # noqa: E402
 
 from .test_residual_norm_dist import TOL, assert_bitwise_across_ranks, block, partials, reference, rel  # noqa: E402
 
@@ -74,7 +75,7 @@ def check_auto_choice(rank, world):
     res = partials(4, 1, tokens, hidden, dtype)[0]
     y, _ = model(xs[rank], res)
     row_bytes, message = hidden * 2, tokens * hidden * 2
-    limit = norm_cuda.lamport_limit(world, row_bytes)
+    limit = norm_cuda.lamport_limit(world, row_bytes, device_name(torch.cuda.current_device()))  # this GPU's
     chosen = opfuse.compile(model, xs[rank], res).fusions[0].impl
     assert (chosen == IMPL) == (limit is None or limit >= message), (chosen, limit)
     assert rel(y, reference(model, xs, res)[0]) < TOL[dtype]

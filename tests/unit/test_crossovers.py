@@ -310,3 +310,59 @@ def test_the_winner_of_the_largest_measured_size_keeps_it_above_the_sweep():
     assert any("without limit" in line for line in report)
     for m in (messages[-1], 4 * messages[-1]):
         assert crossover_table.choose(m, capped.oneshot_max, math.inf, capped.lamport_max) == TWO
+
+
+# Per-GPU tables ----------------------------------------------------------------------------------------
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_a_gpus_own_worlds_replace_the_defaults_world_by_world():
+    table = CrossoverTable.from_dict({
+        "worlds": {"2": [point(16384, 4 * MiB, None)], "4": [point(16384, 1 * MiB, None)]},
+        "gpus": {H100: {"worlds": {"2": [point(16384, 2 * MiB, None)]}}}}, source="t")
+    assert table.limits(2, 16384, H100).oneshot_max == 2 * MiB      # its own world 2
+    assert table.limits(4, 16384, H100).oneshot_max == 1 * MiB      # world 4: the default's
+    assert table.limits(3, 16384, H100).oneshot_max == 1 * MiB      # next larger listed world (4)
+    for gpu in (None, "NVIDIA H200", "some other GPU"):
+        assert table.limits(2, 16384, gpu).oneshot_max == 4 * MiB
+    with pytest.raises(ValueError, match=r"gpus\['x'\] needs a non-empty 'worlds'"):
+        CrossoverTable.from_dict({"worlds": {"2": [point(1, 1, 1)]}, "gpus": {"x": {}}}, source="t")
+    with pytest.raises(ValueError, match=r"gpus\['x'\]: world 2 point 0: oneshot_max"):
+        CrossoverTable.from_dict({"worlds": {"2": [point(1, 1, 1)]}, "gpus": {"x": {"worlds": {"2": [point(8, -1, 1)]}}}})
+
+
+def test_packaged_table_has_the_h100_sweep_for_world_2():
+    table = crossovers.table()
+    assert table.limits(2, 16384, H100) == Limits(2 * MiB, None, None)         # H100's sweep (session 8)
+    assert table.limits(2, 16384, "NVIDIA H200").oneshot_max == 5931641        # the default (4x H200)
+    assert table.limits(4, 16384, H100) == table.limits(4, 16384)              # not measured on H100
+
+
+def test_the_peer_checks_read_the_limits_of_the_spec_s_gpu(monkeypatch):
+    from opfuse.families.residual_norm import cuda
+
+    table = CrossoverTable.from_dict({"worlds": {"2": [point(16384, 8 * MiB, None)]},
+                                      "gpus": {H100: {"worlds": {"2": [point(16384, 1 * MiB, None)]}}}})
+    monkeypatch.setattr(cuda.crossovers, "table", lambda: table)
+    monkeypatch.setattr(cuda, "_kernel_reason", lambda spec: None)
+    monkeypatch.setattr(cuda.extension, "load", lambda family: type("Ext", (), {"MAX_WORLD": 8}))
+    monkeypatch.setattr(cuda.symm_pool, "lookup", lambda group, device=None: (None, "no pool here"))
+    spec = CallSpec("allreduce_add_rmsnorm", {"x": TensorMeta((256, 8192), torch.bfloat16, torch.device("cuda", 0))},
+                    {"norm": "rms"}, group_name="tp", world_size=2)  # 4 MiB
+    for gpu, verdict in ((H100, "exceeds the oneshot limit of 1048576"), ("NVIDIA H200", "no peer memory")):
+        monkeypatch.setattr(cuda, "device_name", lambda device, gpu=gpu: gpu)
+        assert verdict in cuda.check_oneshot(spec), gpu
+
+
+def test_fit_as_a_gpu_entry_keeps_the_default_and_other_gpus(tmp_path):
+    messages = [t * 16384 for t in (1, 16, 256, 1024)]
+    rows = [{"world": 2, "row_bytes": 16384, "bytes": m, "times": t} for m, t in sweep_sizes(messages, 1, 3)]
+    previous = {"machine": "m", "worlds": {"2": [point(16384, 4 * MiB, None)]},
+                "gpus": {"other": {"worlds": {"2": [point(16384, 3 * MiB, None)]}}}}
+    table, report = crossover_table.build_gpu_entry(rows, previous, H100, "2x H100", "sweep.json")
+    assert table["worlds"] == previous["worlds"] and table["gpus"]["other"] == previous["gpus"]["other"]
+    assert table["gpus"][H100]["machine"] == "2x H100" and all(line.startswith(H100) for line in report)
+    loaded = CrossoverTable.from_dict(table)
+    assert 16 * 16384 <= loaded.limits(2, 16384, H100).oneshot_max < 256 * 16384
+    assert loaded.limits(2, 16384).oneshot_max == 4 * MiB

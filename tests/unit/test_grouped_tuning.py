@@ -10,6 +10,7 @@ from opfuse import ops
 from opfuse.core import dispatch as implementations
 from opfuse.families.grouped_linear import persistent, tuning
 from opfuse.machinery.implementation import CallSpec, Implementation, choose
+from opfuse.runtime import device
 from opfuse.ops.base import TensorMeta
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -37,9 +38,9 @@ def on_h100(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", name)
-    tuning._name_of.cache_clear()
+    device._name_of.cache_clear()
     yield calls
-    tuning._name_of.cache_clear()
+    device._name_of.cache_clear()
 
 
 @pytest.mark.parametrize("shape, cls", [

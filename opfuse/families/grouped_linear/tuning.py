@@ -16,11 +16,11 @@ shapes, the tables and the device name, which is read once per device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Mapping, Sequence
 
 import torch
 
+from ...runtime.device import device_name
 from .triton_impl import GemmConfig
 
 __all__ = ["SIZE_CLASSES", "ORDER", "PERSISTENT_TILES", "Tiles", "size_class", "class_key", "device_name",
@@ -99,19 +99,6 @@ def size_class(tokens: int, groups: int, k: int, n: int) -> str:
 def class_key(cls: str, training: bool) -> str:
     """The ``ORDER`` key of a size class, forward only or forward + backward."""
     return f"{cls}+train" if training else cls
-
-
-@functools.lru_cache(maxsize=None)
-def _name_of(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def device_name(device: torch.device) -> str | None:
-    """The driver's name of a CUDA device (read once per device), ``None`` for other devices."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return _name_of(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def _spec_shape(spec) -> tuple[int, int, int, int]:

@@ -9,8 +9,11 @@ exceed. The limits come from
 
 The table holds, per world size, points keyed by row bytes (hidden x element size), each with
 ``oneshot_max`` (bytes; 0: never one-shot), ``lamport_max`` (bytes; 0 or absent: never the Lamport
-two-shot; null: no limit) and ``twoshot_max`` (bytes; null: no limit). Lookup:
+two-shot; null: no limit) and ``twoshot_max`` (bytes; null: no limit). Those top-level ``worlds``
+are the default; ``gpus`` maps a GPU's name as the driver reports it (``NVIDIA H100 80GB HBM3``)
+to worlds measured on that GPU, which replace the default's world by world. Lookup:
 
+- GPU: the device's entry in ``gpus`` for the worlds it lists, the default for the others;
 - world: the smallest listed world >= the group's, else the largest listed (a larger world has
   the smaller one-shot limit, so an unmeasured world gets the more conservative neighbour);
 - row bytes: at or outside the first/last point, that point; between two points, each limit is
@@ -58,19 +61,32 @@ def _between(lo: _Point, hi: _Point, row_bytes: int, pick) -> int | None:
 class CrossoverTable:
     """The crossover points of one machine kind (see the module docstring for the lookup rules)."""
 
-    def __init__(self, worlds: dict[int, list[_Point]], source: str = ""):
+    def __init__(self, worlds: dict[int, list[_Point]], source: str = "",
+                 gpus: dict[str, dict[int, list[_Point]]] | None = None):
         if not worlds:
             raise ValueError(f"crossover table {source or '(unnamed)'}: no world sizes")
         self.worlds = {w: sorted(points, key=lambda p: p.row_bytes) for w, points in sorted(worlds.items())}
         self.source = source
+        self.gpus = {name: {w: sorted(points, key=lambda p: p.row_bytes) for w, points in sorted(listed.items())}
+                     for name, listed in (gpus or {}).items()}
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "") -> "CrossoverTable":
-        """Parse the JSON form (``{"worlds": {"2": [{"row_bytes", "oneshot_max", "twoshot_max"}, ...]}}``),
-        rejecting malformed entries with the file and the entry named."""
+        """Parse the JSON form (``{"worlds": {"2": [{"row_bytes", "oneshot_max", "twoshot_max"}, ...]},
+        "gpus": {name: {"worlds": ...}}}``), rejecting malformed entries with the file and the entry
+        named."""
         where = source or "crossover table"
+        gpus = {}
+        for name, entry in data.get("gpus", {}).items():
+            if not isinstance(entry, dict) or not entry.get("worlds"):
+                raise ValueError(f"{where}: gpus[{name!r}] needs a non-empty 'worlds'")
+            gpus[name] = cls._worlds(entry["worlds"], f"{where}: gpus[{name!r}]")
+        return cls(cls._worlds(data.get("worlds", {}), where), source, gpus)
+
+    @staticmethod
+    def _worlds(listed: dict, where: str) -> dict[int, list[_Point]]:
         worlds: dict[int, list[_Point]] = {}
-        for key, entries in data.get("worlds", {}).items():
+        for key, entries in listed.items():
             try:
                 world = int(key)
             except ValueError:
@@ -95,21 +111,28 @@ class CrossoverTable:
             if len(set(rows)) != len(rows):
                 raise ValueError(f"{where}: world {key} lists a row size twice: {sorted(rows)}")
             worlds[world] = points
-        return cls(worlds, source)
+        return worlds
 
     @classmethod
     def load(cls, path: str) -> "CrossoverTable":
         with open(path) as handle:
             return cls.from_dict(json.load(handle), source=path)
 
-    def world_for(self, world: int) -> int:
-        """The listed world size whose points serve ``world``."""
-        larger = [w for w in self.worlds if w >= world]
-        return min(larger) if larger else max(self.worlds)
+    def worlds_of(self, gpu: str | None) -> dict[int, list[_Point]]:
+        """The worlds that serve GPU ``gpu``: its own where measured, the default's elsewhere."""
+        own = self.gpus.get(gpu) if gpu else None
+        return self.worlds if not own else dict(sorted({**self.worlds, **own}.items()))
 
-    def limits(self, world: int, row_bytes: int) -> Limits:
-        """The one-shot and two-shot limits for a group of ``world`` ranks and rows of ``row_bytes``."""
-        points = self.worlds[self.world_for(world)]
+    def world_for(self, world: int, gpu: str | None = None) -> int:
+        """The listed world size whose points serve ``world`` (on GPU ``gpu``)."""
+        worlds = self.worlds_of(gpu)
+        larger = [w for w in worlds if w >= world]
+        return min(larger) if larger else max(worlds)
+
+    def limits(self, world: int, row_bytes: int, gpu: str | None = None) -> Limits:
+        """The one-shot, two-shot and Lamport limits for a group of ``world`` ranks and rows of
+        ``row_bytes`` on GPU ``gpu`` (the driver's name; ``None``: the default)."""
+        points = self.worlds_of(gpu)[self.world_for(world, gpu)]
         if row_bytes <= points[0].row_bytes:
             return points[0].limits
         if row_bytes >= points[-1].row_bytes:

@@ -37,7 +37,7 @@ from ...config import config, parse_force_impl
 from ...ops import group as groups
 from ...ops.base import dtype_name
 from ...runtime import extension, peer_watch, symm_pool
-from ...runtime.device import current_stream, is_capturing, sm_count
+from ...runtime.device import current_stream, device_name, is_capturing, sm_count
 from . import crossovers, reference
 
 __all__ = ["check_oneshot", "check_twoshot", "check_lamport", "check_nccl_then_kernel", "check_local",
@@ -56,27 +56,27 @@ KINDS = ("oneshot", "lamport", "twoshot")
 _MIN_CAPACITY = {"oneshot": 256 << 10, "twoshot": 8 << 20, "lamport": 1 << 20}
 
 
-def oneshot_limit(world: int, row_bytes: int = 0) -> int:
-    """Largest message the one-shot kernel takes at ``world`` ranks with rows of ``row_bytes``
-    (``OPFUSE_ONESHOT_MAX_BYTES``, else the crossover table; 0: none)."""
+def oneshot_limit(world: int, row_bytes: int = 0, gpu: str | None = None) -> int:
+    """Largest message the one-shot kernel takes at ``world`` ranks with rows of ``row_bytes`` on GPU
+    ``gpu`` (``OPFUSE_ONESHOT_MAX_BYTES``, else the crossover table; 0: none)."""
     if config.oneshot_max_bytes:
         return config.oneshot_max_bytes
-    return crossovers.table().limits(world, row_bytes).oneshot_max
+    return crossovers.table().limits(world, row_bytes, gpu).oneshot_max
 
 
-def twoshot_limit(world: int, row_bytes: int) -> int | None:
+def twoshot_limit(world: int, row_bytes: int, gpu: str | None = None) -> int | None:
     """Largest message the two-shot kernel takes (``OPFUSE_TWOSHOT_MAX_BYTES``, else the crossover
     table; None: no limit); larger ones go to NCCL + the local kernel."""
     if config.twoshot_max_bytes:
         return config.twoshot_max_bytes
-    return crossovers.table().limits(world, row_bytes).twoshot_max
+    return crossovers.table().limits(world, row_bytes, gpu).twoshot_max
 
 
-def lamport_limit(world: int, row_bytes: int) -> int | None:
+def lamport_limit(world: int, row_bytes: int, gpu: str | None = None) -> int | None:
     """Largest message the pipelined Lamport two-shot takes: the crossover table's ``lamport_max``
     (0: never, None: no limit), bounded by ``OPFUSE_TWOSHOT_MAX_BYTES`` when that is set (a setting
     never turns on a kernel the table keeps off: force it with ``OPFUSE_FORCE_IMPL``)."""
-    limit = crossovers.table().limits(world, row_bytes).lamport_max
+    limit = crossovers.table().limits(world, row_bytes, gpu).lamport_max
     if config.twoshot_max_bytes and limit != 0:
         return config.twoshot_max_bytes if limit is None else min(limit, config.twoshot_max_bytes)
     return limit
@@ -153,7 +153,7 @@ def _check_peer(kind: str, limit):
             return reason
         message = spec.x.nbytes
         row_bytes = spec.x.features * torch.empty((), dtype=spec.dtype).element_size()
-        most = limit(spec.world_size, row_bytes)
+        most = limit(spec.world_size, row_bytes, device_name(spec.device))
         if kind == "lamport" and _forced(spec.op, "cuda_twoshot_lamport"):
             most = None  # forced, it runs at any size it holds, also where the table keeps it off (unmeasured)
         if most is not None and message > most:
