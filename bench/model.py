@@ -265,8 +265,17 @@ def worker(rank, world, opts, out_path):
 
     def finish(row):
         keys = [k for k in row if k not in ("case", "shape", "fusions", "err")]  # the same on every rank
+        lowest = [None if v is None else -v for v in block._max_over_ranks(
+            [None if row[k] is None else -row[k] for k in keys])]
         for key, value in zip(keys, block._max_over_ranks([row[k] for k in keys])):
             row[key] = value
+        # The table reports the slowest rank; where the ranks differ by more than 1%, say so (a rank
+        # waiting on a slower peer shows here, and a one-rank profile would not show it).
+        spread = {k: (lo, row[k]) for k, lo in zip(keys, lowest)
+                  if lo and row[k] and not k.endswith(" s") and row[k] > 1.01 * lo}
+        if spread and world > 1:
+            notes.append(f"{row['case']} {row['shape']}: ranks differ (us, fastest rank / slowest): " + ", ".join(
+                f"{k} {lo:.1f} / {hi:.1f}" for k, (lo, hi) in spread.items()))
         row["err"] = dict(zip(row["err"], block._max_over_ranks(list(row["err"].values()))))
         rows.append(row)
         torch._dynamo.reset()

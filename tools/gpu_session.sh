@@ -41,6 +41,8 @@
 #                                      # at world 2 and 4 (FlashInfer column), world-4 compile/residual-norm tests
 #   tools/gpu_session.sh s8-verify     # 2 GPUs (~5 min): the session-8 crossover table at work (NCCL tests,
 #                                      # all-reduce + norm bench, a sweep whose auto column is the new table)
+#   tools/gpu_session.sh s9-next       # 2 GPUs (~8 min): GPU checks of session 8's CPU-only changes (SP batch > 1
+#                                      # fusions, FP8 MoE under Inductor, per-GPU table), MoE bench, train-sp batch 4
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -435,6 +437,23 @@ case "$stage" in
       echo "=== flashinfer"; tail -2 "$OUT/flashinfer_build.log" "$OUT/flashinfer_check.log" 2>/dev/null
       show allreduce_quick crossover_sweep crossover_table
       grep -E "^(\\||relative|note)" "$OUT/moe_grouped_mm.log" 2>/dev/null | grep -v "^|---"
+    }
+    ;;
+  s9-next)  # 2 GPUs (~8 min; prebuild the modules here first): what session 8 changed without a GPU run:
+            # the compile backend test (SP batch > 1 fused without async TP, refused with it), the FP8 MoE
+            # block under Inductor, the per-GPU crossover table in the NCCL tests, then the MoE bench (the
+            # training choice of the grouped GEMM, the FP8 variant) and train-sp at batch 4
+    install_bench_wheels
+    tests compile_backend_tests 150 -x -q tests/gpu/test_compile_backend.py -k "2]"
+    tests compile_fp8_moe_tests 90 -q --maxfail=3 tests/gpu/test_compile_fp8_moe.py
+    tests lamport_dist 60 -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
+    tests residual_norm_dist 50 -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    CUDA_VISIBLE_DEVICES=0 step moe_bench 120 python3 bench/moe.py --fp8 --json "$OUT/moe.json"
+    step model_sp_diag 160 python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
+      --variants opfuse:sp-batch-on-no-async-tp --json "$OUT/model_sp.json"
+    final_summary() {
+      grep -E "^(\\||relative|note)" "$OUT/moe_bench.log" 2>/dev/null | grep -v "^|---"
+      model_lines model_sp_diag
     }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
