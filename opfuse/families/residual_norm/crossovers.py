@@ -59,7 +59,8 @@ def _between(lo: _Point, hi: _Point, row_bytes: int, pick) -> int | None:
 
 
 class CrossoverTable:
-    """The crossover points of one machine kind (see the module docstring for the lookup rules)."""
+    """The crossover points: the default worlds and those measured per GPU kind (see the module
+    docstring for the lookup rules)."""
 
     def __init__(self, worlds: dict[int, list[_Point]], source: str = "",
                  gpus: dict[str, dict[int, list[_Point]]] | None = None):
