@@ -108,7 +108,10 @@ class PythonABI(NamedTuple):
                        (pybind11.get_include(), sysconfig.get_paths()["include"]))
         probe = ("import json, sysconfig, pybind11; print(json.dumps([sysconfig.get_config_var('EXT_SUFFIX'), "
                  "pybind11.get_include(), sysconfig.get_paths()['include']]))")
-        result = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        try:
+            result = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+        except OSError as error:
+            raise ExtensionUnavailable(f"--python {python}: cannot run it ({error.strerror or error})") from None
         if result.returncode != 0:
             raise ExtensionUnavailable(f"--python {python}: cannot read its ABI (it needs pybind11): "
                                        f"{result.stderr.strip().splitlines()[-1:] or result.returncode}")

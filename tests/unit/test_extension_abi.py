@@ -32,3 +32,8 @@ def test_an_interpreter_that_cannot_be_read_is_a_clear_error(tmp_path):
     missing_pybind.chmod(0o755)
     with pytest.raises(extension.ExtensionUnavailable, match="pybind11"):
         extension.PythonABI.of(str(missing_pybind))
+
+
+def test_a_missing_interpreter_is_a_clear_error(tmp_path):
+    with pytest.raises(extension.ExtensionUnavailable, match="cannot run it"):
+        extension.PythonABI.of(str(tmp_path / "no-such-python"))
