@@ -22,7 +22,14 @@ from torch import nn
 from ..ops.base import Described, TensorMeta
 from .implementation import CallSpec, Implementation, ImplementationError
 
-__all__ = ["FusedOp", "FusedCall", "define_fused_op"]
+__all__ = ["FusedOp", "FusedCall", "define_fused_op", "DIRECT_OVERLOADS"]
+
+#: Each fused op's custom op (its ``default`` overload) -> its ``direct`` overload: the same schema,
+#: fake and function, registered straight on the dispatcher (no autograd formula, no
+#: ``torch.library.custom_op`` wrapper layers). Compiled graphs, whose backward is already traced
+#: into the graph, call these (:mod:`opfuse.torch_compile.direct_calls`).
+DIRECT_OVERLOADS: dict = {}
+_FRAGMENTS: dict[str, torch.library.Library] = {}
 
 
 class FusedOp(Described, nn.Module):
@@ -82,6 +89,8 @@ class FusedCall:
         self.fn = fn
         self.op = torch.library.custom_op(qualname, mutates_args=())(fn)
         self.op.register_fake(fake)
+        self.direct = _direct_overload(self.op, fn if getattr(fn, "_opfuse_distinct", False)
+                                       else (lambda *args: _distinct(fn(*args), args)), fake)
         self._function = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)
@@ -115,6 +124,26 @@ class FusedCall:
                 if isinstance(a, _TENSOR) and a.requires_grad:
                     return self._function.apply(*args)
         return self.fn(*args)
+
+
+def _direct_overload(op, fn, fake):
+    """Register ``<op>.direct``: ``op``'s schema with ``fn`` as its kernel for every backend and
+    ``fake`` as its fake. Through ``torch.library.custom_op`` a call passes the autograd wrapper,
+    a redispatch, the backend wrapper with its alias check and a Dynamo-disable frame; registered
+    directly, the dispatcher calls ``fn`` (host cost per call: docs/PERF_NOTES.md, "Host overhead
+    of a compiled block"). ``fn`` returns no input and no tensor twice (the alias check's
+    guarantee)."""
+    namespace, name = op._qualname.split("::")
+    lib = _FRAGMENTS.get(namespace)
+    if lib is None:
+        lib = _FRAGMENTS[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    schema = str(op._opoverload._schema)
+    lib.define(f"{name}.direct{schema[schema.index('('):]}")
+    lib.impl(f"{name}.direct", fn, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{namespace}::{name}.direct", fake, lib=lib)
+    direct = getattr(getattr(torch.ops, namespace), name).direct
+    DIRECT_OVERLOADS[op._opoverload] = direct
+    return direct
 
 
 def _distinct(result, args):
@@ -161,6 +190,8 @@ def _dispatching(qualname: str, prototype: Callable, lookup: Callable[[str], Imp
         if fn is None:
             fn = resolve(args[-1])
         return _distinct(fn(*args[:-1]), args)
+
+    run._opfuse_distinct = True  # its results never alias its arguments or each other
 
     run.__name__ = qualname.split("::")[-1]
     run.__qualname__ = run.__name__

@@ -24,6 +24,7 @@ from ..core.pipeline import PassContext, run_pipeline
 from ..core.recorder import PassRecorder, new_dump_dir
 from .fp8 import CompileSettings, plan_fp8, unfused_fp8
 from .fp8_lower import JointLowering
+from .direct_calls import use_direct_overloads
 from .joins import view_adjacent_concatenations
 from .layout_guard import joined_inputs
 from .lower import lower_fusions
@@ -83,6 +84,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         ctx.notes.append(("fp8", unfused_fp8(op_graph.gm)))
     lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads))
     schedule_overlaps(gm.graph, overlaps)
+    use_direct_overloads(gm.graph)
     gm.recompile()
     settings.joined.extend(joined_inputs(gm.graph))
     _write_aten(dump_dir, "aten_after", gm)

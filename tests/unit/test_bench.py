@@ -40,6 +40,13 @@ def test_host_overhead_json_plot_and_from_json(tmp_path):
     assert again.stdout == run.stdout  # the same tables from the saved numbers
 
 
+def test_compiled_dispatch_times_both_ways_of_calling_the_fused_ops():
+    run = bench("bench/compiled_dispatch.py", "--calls", "5", "--rounds", "1")
+    assert run.returncode == 0, run.stderr
+    assert "| direct overload |" in run.stdout and "| saved by direct |" in run.stdout, run.stdout
+    assert "allreduce_add_rmsnorm=reference" in run.stdout
+
+
 def test_plot_without_matplotlib_is_one_line(tmp_path):
     blocker = tmp_path / "block" / "matplotlib"
     blocker.mkdir(parents=True)

@@ -329,7 +329,8 @@ def test_a_gpus_own_worlds_replace_the_defaults_world_by_world():
     with pytest.raises(ValueError, match=r"gpus\['x'\] needs a non-empty 'worlds'"):
         CrossoverTable.from_dict({"worlds": {"2": [point(1, 1, 1)]}, "gpus": {"x": {}}}, source="t")
     with pytest.raises(ValueError, match=r"gpus\['x'\]: world 2 point 0: oneshot_max"):
-        CrossoverTable.from_dict({"worlds": {"2": [point(1, 1, 1)]}, "gpus": {"x": {"worlds": {"2": [point(8, -1, 1)]}}}})
+        CrossoverTable.from_dict({"worlds": {"2": [point(1, 1, 1)]},
+                                  "gpus": {"x": {"worlds": {"2": [point(8, -1, 1)]}}}})
 
 
 def test_packaged_table_has_the_h100_sweep_for_world_2():

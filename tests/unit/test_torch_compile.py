@@ -312,3 +312,46 @@ def test_inductor_compiles_biased_projections(norm, train):
         (wx,) = torch.autograd.grad(want.sum(), x)
         torch.testing.assert_close(gx, wx, **tolerance(torch.float32))
     assert f"add_{norm}norm" in rules_of(opfuse.programs(compiled))
+
+
+def test_compiled_graphs_call_the_fused_ops_through_their_direct_overloads(world1, tmp_path):
+    """After the graph pass every fused op is called through ``opfuse::<name>.direct`` (same schema,
+    fake and function, without the custom op's autograd and wrapper layers: the backward is already
+    in the graph), in training graphs too, and the results stay eager's."""
+    import re
+
+    from opfuse.machinery.fused_op import DIRECT_OVERLOADS
+
+    for default, direct in DIRECT_OVERLOADS.items():
+        assert [(a.name, str(a.type)) for a in direct._schema.arguments] == \
+            [(a.name, str(a.type)) for a in default._schema.arguments], default
+        assert [str(r.type) for r in direct._schema.returns] == [str(r.type) for r in default._schema.returns]
+    torch.manual_seed(0)
+    model = ReduceAddNorm(HFNorm(torch.float32), world1)
+    x, r = torch.randn(6, H, requires_grad=True), torch.randn(6, H, requires_grad=True)
+    grad = torch.randn(6, H)
+    with opfuse.config.override(dump_dir=str(tmp_path)):
+        compiled = opfuse.optimize(model, options=EAGER)
+        got = compiled(x, r)[0]
+    got_grads = torch.autograd.grad(got, [x, r, *model.parameters()], grad)
+    want = model(x, r)[0]
+    want_grads = torch.autograd.grad(want, [x, r, *model.parameters()], grad)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    (folder,) = os.listdir(tmp_path)
+    after = (tmp_path / folder / "aten_after.py").read_text()
+    calls = re.findall(r"torch\.ops\.opfuse\.(\w+)\.(\w+)\(", after)
+    assert ("allreduce_add_rmsnorm", "direct") in calls, after
+    assert all(overload == "direct" for _, overload in calls), calls
+
+
+def test_a_direct_overload_computes_what_its_custom_op_computes():
+    from opfuse.families.residual_norm import op as residual_norm
+
+    x, r, w = torch.randn(5, H), torch.randn(5, H), torch.randn(H)
+    args = (x, None, r, w, None, 1e-6, "", True, "reference")
+    for a, b in zip(torch.ops.opfuse.add_rmsnorm.default(*args), torch.ops.opfuse.add_rmsnorm.direct(*args)):
+        assert torch.equal(a, b)
+    y, h = torch.ops.opfuse.add_rmsnorm.direct(x, None, r, w, None, 1e-6, "", True, "reference")
+    assert y is not x and h is not r and residual_norm.AddRMSNorm.custom_op.direct is torch.ops.opfuse.add_rmsnorm.direct
