@@ -20,31 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from timing import host_cpu_us  # noqa: E402  (bench/timing.py)
 
 import opfuse  # noqa: E402
 from opfuse.torch_compile import direct_calls, graph_pass  # noqa: E402
-
-
-def best_us(fns: dict, calls: int, rounds: int, sync) -> dict:
-    """Per-call CPU time of each function, best of ``rounds`` interleaved rounds."""
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sync()
-            t0 = time.process_time()
-            for _ in range(calls):
-                fn()
-            sync()
-            best[name] = min(best[name], (time.process_time() - t0) * 1e6 / calls)
-    return best
 
 
 class Block(torch.nn.Module):
@@ -85,36 +70,31 @@ def main() -> int:
 
     fn = residual_norm.AddRMSNorm.custom_op.fn
     with torch.no_grad():
-        single = best_us({"custom op (default)": lambda: torch.ops.opfuse.add_rmsnorm.default(*op_args),
+        single = host_cpu_us({"custom op (default)": lambda: torch.ops.opfuse.add_rmsnorm.default(*op_args),
                           "direct overload": lambda: torch.ops.opfuse.add_rmsnorm.direct(*op_args),
                           "the function": lambda: fn(*op_args)}, args.calls, args.rounds, sync)
     group = dist.group.WORLD
+    xi, ri = torch.randn(4, 64, device=device, dtype=dtype), torch.randn(4, 64, device=device, dtype=dtype)
+    xg, rg = xi.clone().requires_grad_(), ri.clone().requires_grad_()
     blocks, real = {}, direct_calls.use_direct_overloads
     for name, switch in (("direct", real), ("custom op", lambda graph: 0)):
         graph_pass.use_direct_overloads = switch
         torch.manual_seed(0)
-        model = Block(64, group).to(device, dtype)
-        blocks[name] = opfuse.optimize(model, options={"inductor": False})
-        xi = torch.randn(4, 64, device=device, dtype=dtype)
-        ri = torch.randn(4, 64, device=device, dtype=dtype)
+        blocks[name] = opfuse.optimize(Block(64, group).to(device, dtype), options={"inductor": False})
         with torch.no_grad():
             blocks[name](xi, ri)
-        xg, rg = xi.clone().requires_grad_(), ri.clone().requires_grad_()
         blocks[name](xg, rg)[0].sum().backward()  # compiles the training graph now, not in the timed loop
-        blocks[name + " inputs"] = (xi, ri, xg, rg)
     graph_pass.use_direct_overloads = real
 
     def infer(name):
-        xi, ri, _, _ = blocks[name + " inputs"]
         return lambda: blocks[name](xi, ri)
 
     def train(name):
-        _, _, xg, rg = blocks[name + " inputs"]
         return lambda: blocks[name](xg, rg)[0].sum().backward()
 
     with torch.no_grad():
-        inference = best_us({n: infer(n) for n in ("custom op", "direct")}, args.calls, args.rounds, sync)
-    training = best_us({n: train(n) for n in ("custom op", "direct")}, max(1, args.calls // 4), args.rounds, sync)
+        inference = host_cpu_us({n: infer(n) for n in ("custom op", "direct")}, args.calls, args.rounds, sync)
+    training = host_cpu_us({n: train(n) for n in ("custom op", "direct")}, max(1, args.calls // 4), args.rounds, sync)
     print(f"\nadd_rmsnorm called alone ({impl}, 4 x 64 {str(dtype).replace('torch.', '')}, {args.device}), "
           f"CPU us per call, best of {args.rounds} rounds of {args.calls}:")
     print("| call | us | over the function |")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (bench/common.py)
+from timing import host_cpu_us as timed  # noqa: E402  (bench/timing.py)
 
 import opfuse  # noqa: E402
 from opfuse import ops  # noqa: E402
@@ -112,21 +112,6 @@ def _node_inputs(program, target, values):
         elif node.op == "call_function":
             values[node] = node.target(*[values[a] if isinstance(a, torch.fx.Node) else a for a in node.args])
     raise KeyError(target)
-
-
-def timed(variants, calls, rounds, sync):
-    """Best time per call (us) of each ``{label: fn}``, rounds interleaved."""
-    best = {label: float("inf") for label in variants}
-    for _ in range(rounds):
-        for label, fn in variants.items():
-            fn()  # warm
-            sync()
-            start = time.process_time()
-            for _ in range(calls):
-                fn()
-            sync()
-            best[label] = min(best[label], (time.process_time() - start) * 1e6 / calls)
-    return best
 
 
 def main() -> int:

@@ -18,6 +18,9 @@ Also shared: the ceilings a benchmark measures at its start to print floors (``d
 functions (one batch of ``calls`` of each per rep), and returns each one's median per call:
 clock and thermal drift during a run then hit every function alike instead of whichever ran
 first. ``warm_up_gpu()`` runs matmuls until the clocks are up.
+
+``host_cpu_us({name: fn}, calls, rounds, sync)``: the process's CPU time per call of each
+function (host cost, not wall time), best of ``rounds`` interleaved rounds.
 """
 
 from __future__ import annotations
@@ -189,6 +192,22 @@ def interleaved_us(fns: Mapping[str, Callable[[int], object]], reps: int, calls:
             end.synchronize()
             times[name].append(start.elapsed_time(end) * 1e3 / calls)
     return {name: median(values) for name, values in times.items()}
+
+
+def host_cpu_us(variants: Mapping[str, Callable[[], object]], calls: int, rounds: int,
+                sync: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """Best CPU time per call (us) of each ``{label: fn}``, rounds interleaved, one warm call before each."""
+    best = {label: float("inf") for label in variants}
+    for _ in range(rounds):
+        for label, fn in variants.items():
+            fn()  # warm
+            sync()
+            start = time.process_time()
+            for _ in range(calls):
+                fn()
+            sync()
+            best[label] = min(best[label], (time.process_time() - start) * 1e6 / calls)
+    return best
 
 
 def warm_up_gpu(seconds: float = 0.5) -> None:

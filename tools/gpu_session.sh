@@ -114,6 +114,12 @@ install_bench_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-bench \
     .thirdparty/wheels/*.whl > "$OUT/bench_wheels.log" 2>&1 || echo "bench wheel install failed (see bench_wheels.log)"
 }
+# Budgeted stages set END (seconds after the script started, the build included); each step then
+# gets min(its own limit, what is left after the reserves of the steps that come later), at least 30 s.
+fits() {  # fits LIMIT RESERVE: min(LIMIT, END - RESERVE - now), at least 30
+  local left=$((END - $2 - SECONDS)); [ "$left" -lt 30 ] && left=30
+  echo $(( $1 < left ? $1 : left ))
+}
 EXTRA=("$@")  # extra pytest arguments (STAGE -k EXPR)
 tests() {  # tests NAME TIMEOUT PYTEST-ARGS...: a pytest step with the stage's extra arguments
   local name=$1 limit=$2; shift 2
@@ -377,10 +383,6 @@ case "$stage" in
               # protocol's NCCL test at world 4, the all-reduce + norm bench (FlashInfer column) at world 2 and
               # 4, then the compile backend's and the residual-norm kernels' world-4 tests
     END=${AR_BUDGET_S:-540}
-    fits() {  # fits LIMIT RESERVE: min(LIMIT, END - RESERVE - now), at least 30
-      local left=$((END - $2 - SECONDS)); [ "$left" -lt 30 ] && left=30
-      echo $(( $1 < left ? $1 : left ))
-    }
     tests lamport_dist "$(fits 110 430)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "4]"
     fi_flag=--no-flashinfer
     if [ -d .thirdparty/flashinfer ]; then
@@ -410,10 +412,6 @@ case "$stage" in
               # residual-norm and Lamport NCCL tests (automatic choice from the table), the all-reduce + norm
               # bench (FlashInfer column) and a crossover sweep whose "auto" column is the new table
     END=${AR_BUDGET_S:-430}
-    fits() {  # fits LIMIT RESERVE: min(LIMIT, END - RESERVE - now), at least 30
-      local left=$((END - $2 - SECONDS)); [ "$left" -lt 30 ] && left=30
-      echo $(( $1 < left ? $1 : left ))
-    }
     tests lamport_dist "$(fits 80 340)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
     tests residual_norm_dist "$(fits 60 200)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
     fi_flag=--no-flashinfer
@@ -498,15 +496,9 @@ case "$stage" in
     }
     ;;
   ar-bandwidth)
-    # Issue 30 in one device call. Budget: everything ends by END seconds after the script started
-    # (the build above included); each step gets min(its own limit, what is left after the reserves
-    # of the steps that come later), at least 30 s. Most valuable first: the protocol tests catch a
-    # broken kernel (bounded waits: a failure, not a hang), then the benchmark.
+    # Issue 30 in one device call, budgeted (END, fits above). Most valuable first: the protocol
+    # tests catch a broken kernel (bounded waits: a failure, not a hang), then the benchmark.
     END=${AR_BUDGET_S:-520}
-    fits() {  # fits LIMIT RESERVE: min(LIMIT, END - RESERVE - now), at least 30
-      local left=$((END - $2 - SECONDS)); [ "$left" -lt 30 ] && left=30
-      echo $(( $1 < left ? $1 : left ))
-    }
     tests lamport_kernels "$(fits 150 330)" -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
     tests lamport_dist "$(fits 150 270)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
     fi_flag=--no-flashinfer
