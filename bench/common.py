@@ -36,6 +36,7 @@ BENCHMARKS = {
     "overlap": (2, "all-gather + GEMM and GEMM + reduce-scatter overlap vs the GEMM alone and NCCL"),
     "block": (2, "the whole tensor-parallel MLP block vs torch.nn and torch.compile (--cpu: gloo dry run)"),
     "model": (2, "a Llama-style decoder under opfuse's torch.compile backend vs torch.compile and eager (--cpu)"),
+    "model_isolated": (2, "the training cases of model with each variant alone in a process, A B B A (--cpu)"),
     "grouped": (1, "MoE grouped GEMM vs torch._grouped_mm and a dense GEMM"),
     "moe": (1, "Mixtral-style MoE as Hugging Face writes it: opfuse's grouped rewrite vs torch.compile (--fp8, --cpu)"),
     "grouped_tune": (1, "grouped GEMM implementations and persistent tiles per size class: this GPU's table entries"),

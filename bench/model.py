@@ -36,8 +36,13 @@ variant also a steady-state timeline (bench/step_timeline.py) and where its host
 
 Method: CUDA events; training: medians of REPS batches of CALLS back-to-back steps after warm-up,
 every batch after a barrier and one untimed step (the steady state of a training loop, not its
-start from an idle GPU); decode: median of REPS loops of STEPS tokens; max over ranks.
-NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
+start from an idle GPU), the variants' order rotated every round; decode: median of REPS loops of
+STEPS tokens; max over ranks. NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1.
+
+The A/A control: every training case also times ``compile:again``, a second torch.compile model
+(``--no-aa`` leaves it out). Two identical compiled models in one process differ by 3.6-7% on 2x
+H100 (docs/PERF_NOTES.model.md, session 9), so an in-process ratio nearer 1 than the A/A ratio is
+noise; bench/model_isolated.py times each variant alone in its own process (``--only``) instead.
 
 FP8 and merged projections (issue 27): ``--fp8 tensor|row`` adds ``opfuse fp8`` (opfuse.optimize(fp8=
 recipe), output head in bf16) and, where ``torchao`` imports, ``torchao fp8`` (torchao float8 +
@@ -101,13 +106,15 @@ def _compilers(device: str, decode: bool, fp8: str | None = None):
     return (lambda m: torch.compile(m, mode=mode, dynamic=False), lambda m: opfuse.optimize(m, mode=mode, **fp8_kw))
 
 
-def _with_inductor_options(device: str, options: dict):
-    """The training opfuse variant compiled with Inductor ``options`` (none on CPU: no Inductor)."""
+def _optimized_with(device: str, kwargs: dict):
+    """The training opfuse variant compiled with ``opfuse.optimize(**kwargs)`` (``options``: Inductor's;
+    none on CPU, where there is no Inductor)."""
     import opfuse
 
+    kwargs = dict(kwargs)
     if device != "cuda":
-        return lambda m: opfuse.optimize(m, options={"inductor": False})
-    return lambda m: opfuse.optimize(m, options=dict(options))
+        kwargs["options"] = {"inductor": False}
+    return lambda m: opfuse.optimize(m, **kwargs)
 
 
 def _unmerged(device: str):
@@ -173,9 +180,20 @@ EXTRA_VARIANTS = {
     # the same without Inductor's async TP (which the bench's sp graphs run with).
     "opfuse:sp-batch-on": {},
     "opfuse:sp-batch-on-no-async-tp": {},
+    # Where a gap to torch.compile comes from (issue 26, "never slower"): the backend with no rule
+    # applied (with and without the all-reduce overlap schedule and its Inductor settings), without
+    # the standalone add + RMSNorm fusion, and without merged projections.
+    "opfuse:no-fuse": {"fuse": False},
+    "opfuse:no-fuse-no-overlap": {"fuse": False, "overlap_collectives": "fuse"},
+    "opfuse:no-norm": {"disabled_rules": ("add_rmsnorm",)},
+    "opfuse:no-merge": {},
+    # A/A control: a second torch.compile model, timed like the others (the noise and any bias
+    # of the timing between two identical variants).
+    "compile:again": {},
 }
-#: Inductor options a variant compiles with (``opfuse.optimize(options=...)``).
-VARIANT_INDUCTOR_OPTIONS = {"opfuse:sp-batch-on-no-async-tp": {"_micro_pipeline_tp": False}}
+#: ``opfuse.optimize`` arguments a variant compiles with (``options``: Inductor's config).
+VARIANT_OPTIMIZE_KWARGS = {"opfuse:sp-batch-on-no-async-tp": {"options": {"_micro_pipeline_tp": False}},
+                           "opfuse:no-merge": {"merge_projections": False}}
 SP_BATCH_ON = ("opfuse:sp-batch-on", "opfuse:sp-batch-on-no-async-tp")
 
 
@@ -349,18 +367,26 @@ def worker(rank, world, opts, out_path):
             extra.append("opfuse fp8")
             if torchao_fn is not None and mode == "tp":
                 extra.append("torchao fp8")
-        names = ["eager", "compile", "opfuse", *extra]
+        only = opts.get("only")
+        if only:  # --only: one compiled model in this process (eager stays as the reference)
+            extra = []
+        elif opts.get("aa", True) and "compile:again" not in extra:
+            extra.insert(0, "compile:again")  # the A/A control: what two identical models differ by here
+        names = ["eager", only] if only else ["eager", "compile", "opfuse", *extra]
         full = llama_tp.unsharded(cfg, dtype, device)
         models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device, full=full) for v in names}
         full = None
         ids = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(4)).to(device)
         grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, dtype)
         row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}
-        steps_ = {"eager": models["eager"], "compile": compile_fn(models["compile"]),
-                  "opfuse": opfuse_fn(models["opfuse"])}
-        steps_.update({name: (opfuse_fn(models[name]) if name not in VARIANT_INDUCTOR_OPTIONS else
-                              _with_inductor_options(device, VARIANT_INDUCTOR_OPTIONS[name])(models[name]))
-                       for name in extra if name in EXTRA_VARIANTS})
+        steps_ = {"eager": models["eager"]}
+        steps_.update({name: fn(models[name]) for name, fn in (("compile", compile_fn), ("opfuse", opfuse_fn))
+                       if name in names})
+        steps_.update({name: (opfuse_fn(models[name]) if name not in VARIANT_OPTIMIZE_KWARGS else
+                              _optimized_with(device, VARIANT_OPTIMIZE_KWARGS[name])(models[name]))
+                       for name in extra if name in EXTRA_VARIANTS and name != "compile:again"})
+        if "compile:again" in extra:
+            steps_["compile:again"] = compile_fn(models["compile:again"])
         if "opfuse fp8" in extra:
             steps_["opfuse fp8"] = fp8_fn(models["opfuse fp8"])
         if "torchao fp8" in extra:
@@ -378,7 +404,7 @@ def worker(rank, world, opts, out_path):
 
         want = step("eager")()
         errors = {}
-        for name in ("compile", "opfuse", *extra):
+        for name in names[1:]:
             try:
                 got, row[f"{name} s"] = _first_call(step(name))
             except Exception as error:  # noqa: BLE001 - an extra variant that cannot run leaves the others
@@ -395,13 +421,15 @@ def worker(rank, world, opts, out_path):
         calls, reps = opts["calls_train"], opts["reps_train"]
         host = {}
         measured(row, "interleaved", lambda: row.update(
-            model_timing.interleaved_us({n: step(n) for n in names}, calls, reps, device, host)))
+            model_timing.interleaved_us({n: step(n) for n in names if not (only and n == "eager")}, calls, reps,
+                                        device, host)))
         row.pop("interleaved", None)
         if host and rank == 0:  # rank 0's: a host slower than the GPU idles it (issue 26: look here first)
             notes.append(f"{row['case']} {row['shape']}: host time to issue one step (us, rank 0): " + ", ".join(
                 f"{name} {us:.0f}" for name, us in host.items()))
-        profiled(row, {name: step(name) for name in ("compile", "opfuse", *extra)})
-        row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])
+        profiled(row, {name: step(name) for name in names[1:]})
+        if "opfuse" in steps_:
+            row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])
         row["err"] = errors
         models = steps_ = want = None  # free before the next size
         finish(row)
@@ -459,6 +487,11 @@ def main() -> int:
                         help="issue 27: also decode with opfuse.optimize(merge_projections=False)")
     parser.add_argument("--fp8", choices=["tensor", "row"], default=None,
                         help="issue 27: training cases also run opfuse in FP8, and torchao float8 where it imports")
+    parser.add_argument("--only", choices=["compile", "opfuse"], default=None,
+                        help="training cases: compile and time this variant alone in the process (no other "
+                             "compiled model beside it; run once per variant and compare across runs)")
+    parser.add_argument("--no-aa", action="store_true",
+                        help="training cases: leave out the A/A control (a second torch.compile model)")
     parser.add_argument("--variants", nargs="*", choices=sorted(EXTRA_VARIANTS), default=[],
                         help="extra opfuse variants in the training cases (settings in EXTRA_VARIANTS)")
     args = parser.parse_args()
@@ -472,7 +505,7 @@ def main() -> int:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda",
-                    profile=args.profile, variants=args.variants, fp8=args.fp8, merge_ab=args.merge_ab)
+                    profile=args.profile, variants=args.variants, only=args.only, aa=not args.no_aa, fp8=args.fp8, merge_ab=args.merge_ab)
         if args.cases:
             opts["cases"] = args.cases
         if args.layers:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import block
+from timing import round_order
 
 __all__ = ["weight_bytes", "decode_loop", "loop_us", "interleaved_us"]
 
@@ -66,7 +67,9 @@ def loop_us(loop, steps, reps, device):
 
 def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | None = None) -> dict:
     """Per-call time of each function, median of ``reps`` rounds; each round times ``calls``
-    back-to-back calls of every function in turn (clock and power drift hit every variant alike).
+    back-to-back calls of every function in turn (clock and power drift hit every variant alike),
+    the order rotated every round so that no variant always follows the same one
+    (``timing.round_order``).
     On a GPU each round issues one more call first and starts timing behind it (a CUDA event
     queued after it), so the rounds measure the steady state of steps run back to back, as a
     training loop runs them: not the start from an idle GPU after the barrier, whose host
@@ -77,8 +80,9 @@ def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | N
         fn()
     times: dict = {name: [] for name in fns}
     issued: dict = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for rep in range(reps):
+        for name in round_order(fns, rep):
+            fn = fns[name]
             dist.barrier()
             block.sync()
             if device != "cuda":

@@ -31,7 +31,7 @@ from typing import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["graph_replay_us", "graphs_replay_us", "max_over_ranks", "median", "device_copy_gbs", "peer_egress_gbs",
+__all__ = ["round_order", "graph_replay_us", "graphs_replay_us", "max_over_ranks", "median", "device_copy_gbs", "peer_egress_gbs",
            "allreduce_floor_us", "interleaved_us", "warm_up_gpu"]
 
 
@@ -173,17 +173,31 @@ def allreduce_floor_us(message_bytes: int, world: int, peer_gbs: float, hbm_gbs:
     return (nvlink, "nvlink") if nvlink >= hbm else (hbm, "hbm")
 
 
+def round_order(names, round_index: int) -> list:
+    """``names`` rotated by ``round_index``: the order of one round of round-robin timing.
+
+    A fixed order can bias a comparison: the variant timed right after a light one (an eager model
+    the host holds back, an idle GPU behind a barrier) may start with power and clock headroom
+    that the ones behind it do not get (docs/PERF_NOTES.model.md, session 9). Rotating gives
+    every variant every position over ``len(names)`` rounds."""
+    names = list(names)
+    shift = round_index % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
 def interleaved_us(fns: Mapping[str, Callable[[int], object]], reps: int, calls: int,
                    warmup: int = 2) -> dict[str, float]:
     """Median microseconds per call of every ``fns[name](i)`` (``i`` = call index, for rotating
-    inputs), timed round-robin: each rep times one batch of ``calls`` calls of every function."""
+    inputs), timed round-robin: each rep times one batch of ``calls`` calls of every function,
+    in an order rotated every rep (:func:`round_order`)."""
     for fn in fns.values():
         for i in range(warmup):
             fn(i)
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for rep in range(reps):
+        for name in round_order(fns, rep):
+            fn = fns[name]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for i in range(calls):

@@ -43,6 +43,11 @@
 #                                      # all-reduce + norm bench, a sweep whose auto column is the new table)
 #   tools/gpu_session.sh s9-next       # 2 GPUs (~8 min): GPU checks of session 8's CPU-only changes (SP batch > 1
 #                                      # fusions, FP8 MoE under Inductor, per-GPU table), MoE bench, train-sp batch 4
+#   tools/gpu_session.sh s9-diag       # 2 GPUs (~8 min): train-sp (batch 1, 4) and train-tp next to opfuse without
+#                                      # its rules / overlap schedule / add+norm / merged projections
+#   tools/gpu_session.sh s9-aa         # 2 GPUs (~7 min): train-tp (+FP8, torchao) and train-sp with an A/A control,
+#                                      # order rotated every round
+#   tools/gpu_session.sh s9-isolated   # 2 GPUs (~4.5 min): train-sp / train-tp with each variant alone in a process
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -457,6 +462,38 @@ case "$stage" in
       model_lines model_sp_diag model_tp_fp8
       sed -n '/GPU time per step by kernel category/,/first kernel start/p' "$OUT/model_tp_fp8.log"
     }
+    ;;
+  s9-diag)  # 2 GPUs (~8 min): where opfuse loses to torch.compile (issue 26, "never slower"): train-sp at
+            # batch 1 and 4 and train-tp, each next to opfuse with no rule applied (with and without the
+            # all-reduce overlap schedule), without the standalone add + RMSNorm, without merged projections
+    step model_sp_variants 360 python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 4 \
+      --variants opfuse:no-fuse opfuse:no-fuse-no-overlap opfuse:no-norm --json "$OUT/model_sp.json"
+    step model_tp_variants 180 python3 bench/model.py --world 2 --cases train-tp --train 2048 --train-batch 1 \
+      --variants opfuse:no-fuse opfuse:no-merge --json "$OUT/model_tp.json"
+    final_summary() { model_lines model_sp_variants model_tp_variants; }
+    ;;
+  s9-aa)  # 2 GPUs (~7 min): the model table with the variants' order rotated every round and an A/A control
+          # (a second torch.compile model): train-tp 2048 with FP8 and torchao, train-sp 2048 at batch 1 and 4
+    install_bench_wheels
+    PYTHONPATH=.:/tmp/site-bench step model_tp_aa 200 python3 bench/model.py --world 2 --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor --variants compile:again opfuse:no-fuse --json "$OUT/model_tp.json"
+    step model_sp_aa 300 python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 4 \
+      --variants compile:again opfuse:no-fuse --json "$OUT/model_sp.json"
+    final_summary() { model_lines model_tp_aa model_sp_aa; }
+    ;;
+  s9-isolated)  # 2 GPUs (~4.5 min): each variant alone in its own process (--only), A B B A, train-sp 2048
+                # batch 1 then train-tp 2048: the comparison without another compiled model beside it
+    i=0
+    for variant in compile opfuse opfuse compile; do
+      i=$((i + 1))
+      step "sp_${i}_${variant}" 70 python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 \
+        --only "$variant" --json "$OUT/sp_${i}.json"
+    done
+    for variant in compile opfuse; do
+      step "tp_${variant}" 60 python3 bench/model.py --world 2 --cases train-tp --train 2048 --train-batch 1 \
+        --only "$variant" --json "$OUT/tp_${variant}.json"
+    done
+    final_summary() { grep -h "^\[.*world 2" "$OUT"/sp_*.log "$OUT"/tp_*.log | cut -c1-200; }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
                    # train-sp with kernel tables and one step's host + device timeline per variant, then the

@@ -131,3 +131,13 @@ def test_allreduce_quick_rows_print_bandwidth_and_issue_30_targets(tmp_path):
     last = [line for line in summary.splitlines() if line.startswith("| 2 | 8192 | 8192 |")][0]
     assert "| 345 |" in last and "| 370 |" in last and last.endswith("| yes |")
     assert summary.strip().splitlines()[-1] == "targets met at 2 of 3 sizes"  # 1 token: 5.1 us > 4.5
+
+
+def test_moe_cpu_dry_run_takes_the_target_against_the_faster_compile_variant(tmp_path):
+    data = tmp_path / "moe.json"
+    run = bench("bench/moe.py", "--cpu", "--json", str(data))
+    assert run.returncode == 0, run.stderr
+    row = json.loads(data.read_text())["rows"][0]
+    best = min(row["compile"], row["compile dynamic"])
+    assert "| opfuse / best compile |" in run.stdout
+    assert f"| T=64 | opfuse / best compile | {row['opfuse'] / best:.2f} |" in run.stdout, run.stdout

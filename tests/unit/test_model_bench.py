@@ -1,0 +1,75 @@
+"""bench/model.py's timing method on a CPU host: the round-robin order rotates, the A/A control
+(a second torch.compile model) reaches the summary, and bench/model_isolated.py combines its
+A B B A runs into one ratio per case and refuses flags that would break that."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import model_isolated  # noqa: E402
+import model_report  # noqa: E402
+from timing import round_order  # noqa: E402
+
+
+@pytest.mark.parametrize("count", [1, 2, 5, 7])
+def test_every_variant_takes_every_position_over_as_many_rounds(count):
+    names = [f"v{i}" for i in range(count)]
+    rounds = [round_order(names, r) for r in range(count)]
+    assert all(sorted(order) == names for order in rounds)  # each round times every variant once
+    for position in range(count):
+        assert sorted(order[position] for order in rounds) == names
+    assert round_order(names, count) == names and round_order([], 3) == []
+
+
+def _row(case, compile_us, opfuse_us, again_us=None):
+    row = {"case": case, "shape": "2048 tok, batch 1", "eager": 30000.0, "compile": compile_us, "opfuse": opfuse_us,
+           "compile s": 10.0, "opfuse s": 6.0, "err": {"compile": 1e-2, "opfuse": 1e-2}}
+    if again_us is not None:
+        row["compile:again"] = again_us
+    return row
+
+
+def test_the_summary_shows_the_a_a_control_and_the_ratio_to_both_compiled_copies():
+    opts = {"model": {"dim": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "layers": 2}, "device": "cuda"}
+    result = {"rows": [_row("train-sp", 18800.0, 19100.0, again_us=19600.0), _row("train-tp", 19000.0, 18700.0)],
+              "notes": [], "seconds": 1.0}
+    text, summary = model_report.tables("2", result, opts)
+    found = {(case, what): (value, met) for _, case, what, value, _, met in summary}
+    control, met = found[("train-sp 2048 tok, batch 1", "A/A: compile again / compile")]
+    assert control == pytest.approx(19600 / 18800) and met is None  # noise, not a target
+    both, _ = found[("train-sp 2048 tok, batch 1", "opfuse / mean of both compile models")]
+    assert both == pytest.approx(19100 / 19200)
+    assert ("train-tp 2048 tok, batch 1", "A/A: compile again / compile") not in found  # no control, no row
+    assert "| compile:again | 19600.0 |" in text  # the control's own row in the variants table
+
+
+def test_isolated_runs_combine_into_means_spreads_and_one_ratio():
+    def run(variant, us):
+        return variant, {"results": {"2": {"rows": [{"case": "train-sp", "shape": "2048 tok, batch 1", variant: us}]}}}
+
+    order = model_isolated.run_order(1)
+    assert order == ["compile", "opfuse", "opfuse", "compile"] and model_isolated.run_order(2) == order * 2
+    rows = model_isolated.combine([run("compile", 100.0), run("opfuse", 98.0), run("opfuse", 99.0),
+                                   run("compile", 102.0)])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["compile"] == [100.0, 102.0] and row["opfuse"] == [98.0, 99.0]
+    assert row["compile mean"] == pytest.approx(101.0) and row["opfuse mean"] == pytest.approx(98.5)
+    assert row["compile spread"] == pytest.approx(0.02) and row["ratio"] == pytest.approx(98.5 / 101.0)
+    assert "| 2 | train-sp | 2048 tok, batch 1 | 100.0 102.0 | 98.0 99.0 |" in model_isolated.table(rows)
+    with pytest.raises(ValueError, match="--rounds 0"):
+        model_isolated.run_order(0)
+
+
+@pytest.mark.parametrize("flag", ["--only", "--variants", "--decode", "--profile"])
+def test_isolated_runner_refuses_flags_it_sets_itself(flag):
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, "bench/model_isolated.py", "--cpu", flag, "x"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert f"{flag}: not for this script" in run.stderr, run.stderr
