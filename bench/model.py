@@ -191,6 +191,8 @@ EXTRA_VARIANTS = {
     # of the timing between two identical variants).
     "compile:again": {},
 }
+#: The variants ``--only`` accepts (bench/model_isolated.py's ``--pair``).
+ONLY_CHOICES = ("compile", "opfuse", "opfuse fp8", "torchao fp8")
 #: ``opfuse.optimize`` arguments a variant compiles with (``options``: Inductor's config).
 VARIANT_OPTIMIZE_KWARGS = {"opfuse:sp-batch-on-no-async-tp": {"options": {"_micro_pipeline_tp": False}},
                            "opfuse:no-merge": {"merge_projections": False}}
@@ -369,7 +371,12 @@ def worker(rank, world, opts, out_path):
                 extra.append("torchao fp8")
         only = opts.get("only")
         if only:  # --only: one compiled model in this process (eager stays as the reference)
-            extra = []
+            if only not in ("compile", "opfuse") and only not in extra:
+                notes.append(f"train-{mode} {tokens} tok, batch {batch}: --only {only!r} does not run here "
+                             f"({'needs --fp8' if not opts.get('fp8') else 'torchao: train-tp only, where it imports'})"
+                             f"; skipped")
+                return
+            extra = [only] if only not in ("compile", "opfuse") else []
         elif opts.get("aa", True) and "compile:again" not in extra:
             extra.insert(0, "compile:again")  # the A/A control: what two identical models differ by here
         names = ["eager", only] if only else ["eager", "compile", "opfuse", *extra]
@@ -379,18 +386,13 @@ def worker(rank, world, opts, out_path):
         ids = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(4)).to(device)
         grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, dtype)
         row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}
+        builders = {"compile": compile_fn, "opfuse": opfuse_fn, "compile:again": compile_fn, "opfuse fp8": fp8_fn,
+                    "torchao fp8": torchao_fn}
+        builders.update({name: (_optimized_with(device, VARIANT_OPTIMIZE_KWARGS[name])
+                                if name in VARIANT_OPTIMIZE_KWARGS else opfuse_fn)
+                         for name in EXTRA_VARIANTS if name != "compile:again"})
         steps_ = {"eager": models["eager"]}
-        steps_.update({name: fn(models[name]) for name, fn in (("compile", compile_fn), ("opfuse", opfuse_fn))
-                       if name in names})
-        steps_.update({name: (opfuse_fn(models[name]) if name not in VARIANT_OPTIMIZE_KWARGS else
-                              _optimized_with(device, VARIANT_OPTIMIZE_KWARGS[name])(models[name]))
-                       for name in extra if name in EXTRA_VARIANTS and name != "compile:again"})
-        if "compile:again" in extra:
-            steps_["compile:again"] = compile_fn(models["compile:again"])
-        if "opfuse fp8" in extra:
-            steps_["opfuse fp8"] = fp8_fn(models["opfuse fp8"])
-        if "torchao fp8" in extra:
-            steps_["torchao fp8"] = torchao_fn(models["torchao fp8"])
+        steps_.update({name: builders[name](models[name]) for name in names[1:] if builders.get(name) is not None})
 
         def step(name):
             params = [p for p in models[name].parameters() if p.requires_grad]
@@ -487,9 +489,10 @@ def main() -> int:
                         help="issue 27: also decode with opfuse.optimize(merge_projections=False)")
     parser.add_argument("--fp8", choices=["tensor", "row"], default=None,
                         help="issue 27: training cases also run opfuse in FP8, and torchao float8 where it imports")
-    parser.add_argument("--only", choices=["compile", "opfuse"], default=None,
+    parser.add_argument("--only", choices=list(ONLY_CHOICES), default=None,
                         help="training cases: compile and time this variant alone in the process (no other "
-                             "compiled model beside it; run once per variant and compare across runs)")
+                             "compiled model beside it; run once per variant and compare across runs; the fp8 "
+                             "ones need --fp8)")
     parser.add_argument("--no-aa", action="store_true",
                         help="training cases: leave out the A/A control (a second torch.compile model)")
     parser.add_argument("--variants", nargs="*", choices=sorted(EXTRA_VARIANTS), default=[],

@@ -48,6 +48,8 @@
 #   tools/gpu_session.sh s9-aa         # 2 GPUs (~7 min): train-tp (+FP8, torchao) and train-sp with an A/A control,
 #                                      # order rotated every round
 #   tools/gpu_session.sh s9-isolated   # 2 GPUs (~4.5 min): train-sp / train-tp with each variant alone in a process
+#   tools/gpu_session.sh isolated-bf16 # 2 GPUs (~9 min): train-tp, train-sp batch 4, each variant alone in a process
+#   tools/gpu_session.sh isolated-fp8  # 2 GPUs (~9 min): opfuse FP8 vs torchao float8 and vs compile bf16, same way
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -494,6 +496,24 @@ case "$stage" in
         --only "$variant" --json "$OUT/tp_${variant}.json"
     done
     final_summary() { grep -h "^\[.*world 2" "$OUT"/sp_*.log "$OUT"/tp_*.log | cut -c1-200; }
+    ;;
+  isolated-bf16)  # 2 GPUs (~9 min): issue 26's training ratios with each variant alone in its own process
+                  # (bench/model_isolated.py, A B B A): train-tp 2048 and train-sp 2048 at batch 4
+    step isolated_tp 270 python3 bench/model_isolated.py --world 2 --cases train-tp --train 2048 --train-batch 1 \
+      --run-timeout 90 --json "$OUT/isolated_tp.json"
+    step isolated_sp_b4 290 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
+      --run-timeout 90 --json "$OUT/isolated_sp_b4.json"
+    final_summary() { grep -h -E "^(\||note)" "$OUT"/isolated_*.log | grep -v "^|---"; }
+    ;;
+  isolated-fp8)  # 2 GPUs (~9 min): issue 27's FP8 ratios the same way: opfuse FP8 against torchao float8, then
+                 # against torch.compile bf16 (train-tp, 2048 tokens)
+    install_bench_wheels
+    PYTHONPATH=.:/tmp/site-bench step isolated_fp8_torchao 280 python3 bench/model_isolated.py --world 2 \
+      --cases train-tp --train 2048 --train-batch 1 --fp8 tensor --pair "torchao fp8" "opfuse fp8" \
+      --run-timeout 90 --json "$OUT/isolated_fp8_torchao.json"
+    step isolated_fp8_compile 260 python3 bench/model_isolated.py --world 2 --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor --pair compile "opfuse fp8" --run-timeout 90 --json "$OUT/isolated_fp8_compile.json"
+    final_summary() { grep -h -E "^(\||note)" "$OUT"/isolated_*.log | grep -v "^|---"; }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
                    # train-sp with kernel tables and one step's host + device timeline per variant, then the

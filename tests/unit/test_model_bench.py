@@ -73,3 +73,24 @@ def test_isolated_runner_refuses_flags_it_sets_itself(flag):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     assert f"{flag}: not for this script" in run.stderr, run.stderr
+
+
+def test_isolated_runs_compare_any_pair_of_variants():
+    order = model_isolated.run_order(1, ("torchao fp8", "opfuse fp8"))
+    assert order == ["torchao fp8", "opfuse fp8", "opfuse fp8", "torchao fp8"]
+    runs = [(v, {"results": {"2": {"rows": [{"case": "train-tp", "shape": "2048 tok, batch 1", v: us}]}}})
+            for v, us in zip(order, (100.0, 90.0, 92.0, 104.0))]
+    (row,) = model_isolated.combine(runs, ("torchao fp8", "opfuse fp8"))
+    assert row["ratio"] == pytest.approx(91.0 / 102.0)
+    assert "opfuse fp8 / torchao fp8 |" in model_isolated.table([row], ("torchao fp8", "opfuse fp8"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--pair", "opfuse", "opfuse"], "two different variants"),
+    (["--pair", "compile", "opfuse fp8"], "the fp8 variants need --fp8"),
+])
+def test_isolated_runner_refuses_a_pair_it_cannot_compare(args, message):
+    env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, "bench/model_isolated.py", "--cpu", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
