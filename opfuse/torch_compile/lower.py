@@ -23,6 +23,7 @@ from ..machinery.fused_op import FusedOp
 from ..machinery.aten import c10d, calls, is_static_size, known_equal, same_shape
 from ..machinery.aten import value as fake_value
 from .op_graph import OpGraph, param_source
+from .view_layouts import refresh_layouts, same_layout
 
 __all__ = ["LoweringError", "lower_fusions"]
 
@@ -58,6 +59,7 @@ class _Lowering:
         self.fake_mode = _fake_mode(self.graph)
         self.values: dict[str, fx.Node] = {}   # op-graph node name -> aten node now holding its value
         self.covered: set[fx.Node] = set()
+        self.restrided: set[fx.Node] = set()  # replacements whose strides differ (view_layouts)
 
     # Values ----------------------------------------------------------------------------------
 
@@ -140,6 +142,8 @@ class _Lowering:
             with self.fake_mode:
                 view.meta["val"] = got.view(want.shape)
             new = view
+        if not same_layout(fake_value(new), want):
+            self.restrided.add(new)
         old.replace_all_uses_with(new)
 
     def size_args(self, dims, before: fx.Node) -> list:
@@ -255,5 +259,6 @@ def lower_fusions(op_graph: OpGraph, aten_gm: fx.GraphModule, lowering: "_Loweri
     lowering.reemit_split()
     stable_topological_sort(aten_gm.graph)
     lowering.erase_covered()
+    refresh_layouts(aten_gm.graph, lowering.fake_mode, lowering.restrided)
     aten_gm.graph.lint()
     aten_gm.recompile()

@@ -204,3 +204,64 @@ def test_merged_groups_replace_their_gemms_in_the_lowered_graph(train, monkeypat
     gemms_apart, merged_apart = _lowered_gemms(Attention(), x, train, monkeypatch, merge_projections=False)
     assert (merged, merged_apart) == (2, 0)
     assert gemms == gemms_apart - 5  # q, k, v, gate, up: two merged GEMMs instead
+
+
+class HFRMSNorm(nn.Module):
+    """Hugging Face's RMSNorm: pointwise ops, so its output keeps its input's layout."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class PerHeadNormAttention(nn.Module):
+    """Qwen3 / OLMo-style projections: q and k normalised per head right after their GEMM
+    (``view(..., heads, head_dim)``, then a norm whose decomposition flattens the leading dims);
+    with ``transposed``, Gemma 3's order: the norm of ``[B, heads, S, head_dim]`` after
+    ``transpose(1, 2)``, transposed back and viewed as ``[B, S, features]``."""
+
+    def __init__(self, hidden=32, heads=4, kv_heads=2, head_dim=8, transposed=False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.transposed = heads, kv_heads, head_dim, transposed
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.q_norm, self.k_norm = HFRMSNorm(head_dim), HFRMSNorm(head_dim)
+
+    def forward(self, x):
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        shape = x.shape[:-1]
+        if self.transposed:
+            q = self.q_norm(self.q_proj(x).view(*shape, -1, self.head_dim).transpose(1, 2))
+            q = q.transpose(1, 2).view(*shape, -1)
+        else:
+            q = self.q_norm(self.q_proj(x).view(*shape, -1, self.head_dim)).view(-1, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(*shape, -1, self.head_dim))
+        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim).view(-1, self.kv_heads * self.head_dim)
+        return q.sum() + (k.flatten(0, -2).float() ** 2).sum() + v.view(-1).square().sum()
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("tokens", [(2, 5), (7,)], ids=["batch-seq", "tokens"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["qwen3", "gemma3"])
+def test_merged_outputs_that_the_model_views_as_if_contiguous(train, tokens, transposed):
+    """q/k/v's users view them as the contiguous tensors their own GEMMs returned; the merged
+    GEMM's outputs are column slices of one tensor, and the fused per-head norm returns a
+    contiguous tensor where the unfused one kept its transposed input's layout: views the model
+    takes further on cannot flatten those (Qwen3 and Gemma 3 raised "view size is not compatible
+    with input tensor's size and stride")."""
+    torch.manual_seed(0)
+    model = PerHeadNormAttention(transposed=transposed)
+    want_model = copy.deepcopy(model)
+    x = torch.randn(*tokens, 32, requires_grad=train)
+    compiled = opfuse.optimize(model, options=EAGER)
+    with torch.set_grad_enabled(train):
+        got, want = compiled(x), want_model(x)
+    torch.testing.assert_close(got, want)
+    if train:
+        torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
+    assert "horizontal_gemm" in rules(opfuse.programs(compiled))

@@ -1,0 +1,113 @@
+"""Keeping the graph's views valid where fused ops return other strides than the ops they replace.
+
+AOTAutograd traced the model's views (``view``, ``_unsafe_view``) on the values its own ops
+returned, with their strides, and recorded those strides in every node's fake value. A fused op
+may return the same values with other strides: the merged q/k/v GEMM returns column slices of one
+``[tokens, q + k + v]`` tensor where three GEMMs returned three contiguous tensors, and a fused norm
+returns a contiguous tensor where the unfused norm of a transposed input kept its input's layout.
+Pointwise ops after it then produce other strides too, and a view further on that flattens dims
+across them (Qwen3's per-head norm, ``view(-1, head_dim)``; Gemma 3's ``transpose(1, 2)`` then
+``view(B, S, -1)``) fails when the graph runs.
+
+:func:`refresh_layouts` replays the fake values downstream of the values whose layout changed (a
+worklist that stops where the layout comes out as before), and hands a view that cannot be taken
+a contiguous copy of its input instead (Inductor folds such a copy into the neighbouring kernels;
+the eager path pays one copy where the model's own layout would have needed none). A view that
+reads storage directly (``as_strided``) of a value whose layout changed cannot be mended that way:
+it is an error naming the node, never a silently different result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ..machinery.aten import aten, calls, known_equal
+from ..machinery.aten import value as fake_value
+
+__all__ = ["LayoutError", "refresh_layouts", "same_layout"]
+
+#: Views that need strides compatible with their shape: given a contiguous input when not.
+_STRICT_VIEWS = (aten.view, aten._unsafe_view)
+#: Views whose result is defined by the input's storage, not by its values.
+_STORAGE_VIEWS = (aten.as_strided,)
+
+
+class LayoutError(RuntimeError):
+    """A fused op's output layout breaks a view of the graph that no copy can mend."""
+
+
+def same_layout(a, b) -> bool:
+    """Equal shapes, strides and storage offsets (known equal for every size, no guards); for
+    tuples, item by item; other values are compared with ``==`` only when both are not tensors."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dim() != b.dim() or a.dtype != b.dtype:
+            return False
+        pairs = list(zip(a.shape, b.shape)) + list(zip(a.stride(), b.stride()))
+        pairs.append((a.storage_offset(), b.storage_offset()))
+        return all(known_equal(x, y) for x, y in pairs)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same_layout(x, y) for x, y in zip(a, b))
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor)
+
+
+def refresh_layouts(graph: fx.Graph, fake_mode, changed: set[fx.Node]) -> int:
+    """Bring the fake values downstream of ``changed`` (nodes whose value now has another layout
+    than the graph was traced with; their own fake values are current) up to date, mending views
+    that cannot be taken. Returns the number of contiguous copies inserted."""
+    copies = 0
+    dirty = set(changed)
+    for node in list(graph.nodes):
+        if node in changed or node.op != "call_function":
+            continue
+        if not any(arg in dirty for arg in node.all_input_nodes):
+            continue
+        old = fake_value(node)
+        if calls(node, *_STORAGE_VIEWS):
+            raise LayoutError(f"opfuse: {node.name} (as_strided) reads {node.args[0].name}, whose layout a fusion "
+                              f"changed; as_strided would read other elements")
+        new = _run(node, fake_mode)
+        if new is _FAILED and calls(node, *_STRICT_VIEWS):
+            source = node.args[0]
+            with graph.inserting_before(node):
+                copy = graph.call_function(aten.clone.default, (source,), {"memory_format": torch.contiguous_format})
+            with fake_mode:
+                copy.meta["val"] = fake_value(source).clone(memory_format=torch.contiguous_format)
+            node.replace_input_with(source, copy)
+            copies += 1
+            new = _run(node, fake_mode)
+        if new is _FAILED or new is _UNKNOWN:
+            # Not replayable on fake tensors (no fake value recorded, a data-dependent op): it keeps
+            # the value it was traced with, and what follows it is not revisited through it.
+            continue
+        node.meta["val"] = new
+        if not same_layout(old, new):
+            dirty.add(node)
+    return copies
+
+
+_FAILED, _UNKNOWN = object(), object()
+
+
+def _run(node: fx.Node, fake_mode):
+    """``node``'s fake value computed from its inputs' current ones; ``_FAILED`` when the op
+    raises, ``_UNKNOWN`` when an input has no fake value."""
+    missing = []
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            val = fake_value(a)
+            if val is None:
+                missing.append(a)
+            return val
+        return a
+
+    args = fx.node.map_aggregate(node.args, arg)
+    kwargs = fx.node.map_aggregate(node.kwargs, arg)
+    if missing:
+        return _UNKNOWN
+    try:
+        with fake_mode:
+            return node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - the op cannot run on these layouts (or not without a guard)
+        return _FAILED
