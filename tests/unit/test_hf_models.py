@@ -1,0 +1,89 @@
+"""The torch.compile backend on real Hugging Face models (tiny configurations of each
+architecture, randomly initialised): outputs, the loss and every parameter's gradient equal the
+same model run eagerly, at two sequence lengths, and the fusions each architecture should get are
+there. The architectures differ where opfuse's recognition and lowering can go wrong: GPT-2's
+Conv1D projections with biases and LayerNorm, Qwen3's and OLMo 2's per-head q/k norms, Gemma 3's
+norm of the transposed heads, mixture-of-experts blocks (Mixtral, Qwen2-MoE), DeepSeek-V3's
+low-rank attention, Phi's parallel attention and MLP, GPT-J's interleaved rotary embedding.
+
+``options={"inductor": False}``: the fused graphs run without code generation (minutes of C++
+compilation on a CI host otherwise); Inductor's own code is not what these tests check.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import opfuse
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+_DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=96)
+
+#: architecture -> (config overrides, fusions every compiled graph set must include)
+ARCHITECTURES = {
+    "llama": ({}, {"add_rmsnorm", "horizontal_gemm"}),
+    "gpt2": (dict(n_embd=32, n_layer=2, n_head=4, vocab_size=96), {"add_layernorm"}),
+    "qwen3": (dict(head_dim=8), {"add_rmsnorm", "horizontal_gemm"}),
+    "olmo2": ({}, {"add_rmsnorm", "horizontal_gemm"}),
+    "gemma3_text": (dict(head_dim=8), {"add_rmsnorm", "horizontal_gemm"}),
+    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), {"add_rmsnorm", "horizontal_gemm"}),
+    "qwen2_moe": (dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
+                       num_experts_per_tok=2), {"add_rmsnorm", "horizontal_gemm"}),
+    "deepseek_v3": (dict(num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                         n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8), {"add_rmsnorm"}),
+    "phi": (dict(num_key_value_heads=4), {"add_layernorm"}),
+    "gptj": (dict(n_embd=32, n_layer=2, n_head=4, vocab_size=96, rotary_dim=4), {"add_layernorm"}),
+}
+
+
+def _model(name: str):
+    overrides, _ = ARCHITECTURES[name]
+    settings = dict(overrides) if "n_embd" in overrides else {**_DECODER, **overrides}
+    config = transformers.AutoConfig.for_model(name, **settings)
+    config._attn_implementation = "sdpa" if name not in ("gptj",) else "eager"
+    torch.manual_seed(0)
+    # eval(): the same function in both copies (no dropout); gradients still flow.
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_a_hugging_face_model_trains_as_it_does_eagerly(name):
+    model = _model(name)
+    eager = copy.deepcopy(model)
+    compiled = opfuse.optimize(model, options={"inductor": False})
+    generator = torch.Generator().manual_seed(1)
+    for length in (12, 7):
+        tokens = torch.randint(0, 96, (2, length), generator=generator)
+        got, want = compiled(tokens, labels=tokens), eager(tokens, labels=tokens)
+        torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-5)
+        got.loss.backward()
+        want.loss.backward()
+        for (key, param), reference in zip(model.named_parameters(), eager.parameters()):
+            assert (param.grad is None) == (reference.grad is None), key
+            if param.grad is not None:
+                torch.testing.assert_close(param.grad, reference.grad, atol=2e-5, rtol=1e-4, msg=key)
+        model.zero_grad()
+        eager.zero_grad()
+    fused = {f.rule for program in opfuse.programs(compiled) for f in program.fusions}
+    assert ARCHITECTURES[name][1] <= fused, fused
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mixtral"])
+def test_a_hugging_face_model_generates_as_it_does_eagerly(name):
+    """Inference under ``torch.no_grad`` with a KV cache (``generate``: a prefill graph, then
+    one-token steps)."""
+    model = _model(name)
+    eager = copy.deepcopy(model)
+    model.forward = opfuse.optimize(model.forward, options={"inductor": False})
+    prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **settings), eager.generate(prompt, **settings))
