@@ -77,6 +77,9 @@ class GatedLinear(BasicOp):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GatedLinear: {name}={value!r}; expected a positive int")
+        for name, value in (("bias", bias), ("sequence_parallel", sequence_parallel)):
+            if not isinstance(value, bool):
+                raise TypeError(f"GatedLinear: {name}={value!r}; expected True or False")
         self.in_features, self.out_features = in_features, out_features
         self.parallel, self.sequence_parallel = parallel, bool(sequence_parallel)
         self.group = groups.check(group, "GatedLinear")

@@ -221,6 +221,9 @@ class Linear(BasicOp):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Linear: {name}={value!r}; expected a positive int")
+        for name, value in (("bias", bias), ("sequence_parallel", sequence_parallel)):
+            if not isinstance(value, bool):
+                raise TypeError(f"Linear: {name}={value!r}; expected True or False")
         self.in_features = in_features
         self.out_features = out_features
         self.parallel = parallel

@@ -197,6 +197,8 @@ def optimize(model, *, fp8=None, fp8_filter=None, merge_projections: bool = True
     """
     if "backend" in compile_kwargs:
         raise TypeError("opfuse.optimize: backend= is opfuse's; call torch.compile for another backend")
+    if model is not None and not callable(model):
+        raise TypeError(f"opfuse.optimize: model is a {type(model).__name__}; expected a torch.nn.Module or a function")
     if _is_compiled(model):
         # torch.compile of a compiled model nests two compilers: the outer one traces through the
         # inner one, whose backend never sees a graph (its programs stay empty).

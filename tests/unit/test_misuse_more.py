@@ -195,3 +195,20 @@ def test_sequence_parallel_fused_ops_refuse_bad_arguments():
     with pytest.raises(RuntimeError, match="all_gather_linear_keep has no backward"):
         keep(torch.randn(2, 3, requires_grad=True))
 
+
+
+def test_optimize_refuses_what_is_not_a_model():
+    with pytest.raises(TypeError, match=r"opfuse.optimize: model is a str; expected a torch.nn.Module or a function"):
+        opfuse.optimize("model")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: opfuse.ops.Linear(4, 4, bias="yes"),
+    lambda: opfuse.ops.Linear(4, 4, parallel="row", sequence_parallel=1),
+    lambda: opfuse.ops.GatedLinear(4, 4, bias=None),
+    lambda: opfuse.ops.GroupedLinear(2, 4, 4, bias="x"),
+], ids=["linear-bias", "linear-sequence-parallel", "gated-bias", "grouped-bias"])
+def test_linear_flags_must_be_booleans(make):
+    """``bias="yes"`` was taken as truthy: a flag of another type is an error naming it."""
+    with pytest.raises(TypeError, match=r"=('yes'|1|None|'x'); expected True or False"):
+        make()
