@@ -1,9 +1,10 @@
 """The torch.compile backend on real Hugging Face models sharded by transformers itself
 (``from_pretrained(..., tp_plan="auto")``, DTensor parameters, 2 gloo ranks): the loss, the
 logits and every parameter's gradient equal the unsharded model's, and each row-parallel
-projection's all-reduce fuses with the residual add and the next norm. Llama (SwiGLU, GQA),
-Qwen2-MoE (experts, a shared expert, biased q/k/v) and Starcoder2 (biased output projections,
-LayerNorm).
+projection's all-reduce fuses with the residual add and the next norm. Qwen2-MoE (experts, a
+shared expert, biased q/k/v) and Starcoder2 (biased output projections, LayerNorm);
+Llama is ``tests/dist/test_compile_backend.py::test_transformers_llama_with_its_tp_plan``, Qwen2's
+inference ``tests/dist/test_compile_hf.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ _DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_a
 #: attention and MLP all-reduces with the next norm. Qwen2-MoE's plan leaves the experts unsharded
 #: (transformers says its MLP rules "match nothing"): no all-reduce after them, an add + norm.
 ARCHITECTURES = {
-    "llama": ({}, "allreduce_add_rmsnorm", 5),
     "qwen2_moe": (dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
                        num_experts_per_tok=2), "allreduce_add_rmsnorm", 3),
     "starcoder2": ({}, "allreduce_add_layernorm", 5),
