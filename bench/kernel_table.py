@@ -22,7 +22,7 @@ __all__ = ["CATEGORIES", "category_of", "profile_step", "format_tables"]
 
 #: ``(category, pattern)`` in the order tried: the first pattern found in a kernel's name wins.
 CATEGORIES = (
-    ("opfuse all-reduce+norm", re.compile(r"oneshot_kernel|twoshot_kernel|fill_sentinel")),
+    ("opfuse all-reduce+norm", re.compile(r"oneshot_kernel|twoshot_kernel|lamport_kernel|fill_sentinel")),
     ("opfuse norm", re.compile(r"add_norm_kernel|rms_backward_kernel|layer_backward|sum_partials")),
     ("nccl", re.compile(r"nccl", re.I)),
     ("symm_mem / p2p copy", re.compile(r"symm|two_shot|one_shot|multimem|Memcpy PtoP|memcpy.*peer", re.I)),

@@ -141,3 +141,14 @@ def test_moe_cpu_dry_run_takes_the_target_against_the_faster_compile_variant(tmp
     best = min(row["compile"], row["compile dynamic"])
     assert "| opfuse / best compile |" in run.stdout
     assert f"| T=64 | opfuse / best compile | {row['opfuse'] / best:.2f} |" in run.stdout, run.stdout
+
+
+def test_every_peer_kernel_of_opfuse_has_its_kernel_table_category():
+    """The Lamport two-shot was counted under "other" in the model profiles (session 9)."""
+    sys.path.insert(0, ROOT)
+    from bench.kernel_table import category_of
+
+    for kernel in ("void opfuse::(anonymous namespace)::lamport_kernel<__nv_bfloat16, 1, (opfuse::QuantMode)0>(...)",
+                   "void opfuse::(anonymous namespace)::oneshot_kernel<float, 2, (opfuse::QuantMode)1>(...)",
+                   "void opfuse::(anonymous namespace)::twoshot_kernel<__half, 1, (opfuse::QuantMode)0>(...)"):
+        assert category_of(kernel) == "opfuse all-reduce+norm", kernel
