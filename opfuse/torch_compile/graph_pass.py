@@ -25,6 +25,7 @@ from ..core.recorder import PassRecorder, new_dump_dir
 from .fp8 import CompileSettings, plan_fp8, unfused_fp8
 from .fp8_lower import JointLowering
 from .direct_calls import use_direct_overloads
+from .group_counts import integer_histogram_counts
 from .joins import view_adjacent_concatenations
 from .layout_guard import joined_inputs
 from .lower import lower_fusions
@@ -64,6 +65,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     dump_dir = new_dump_dir("graph")
     _write_aten(dump_dir, "aten_before", gm)
     joined = view_adjacent_concatenations(gm.graph)
+    integer_histogram_counts(gm.graph)
     overlaps = plan_overlaps(gm.graph) if config.overlap_collectives == "auto" else []
     op_graph = build_op_graph(gm, exclude={node for o in overlaps for node in (o.issue, o.wait)})
     if joined:

@@ -57,7 +57,7 @@ from ..ops.base import TensorMeta
 from ..ops.packing import join_rows
 from .merge_projections import PackedParameters
 
-__all__ = ["MoESpec", "describe_moe_block", "rewrite_moe_", "grouped_experts"]
+__all__ = ["MoESpec", "describe_moe_block", "rewrite_moe_", "grouped_experts", "stacked_experts_router"]
 
 _PROJECTIONS = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
@@ -81,6 +81,28 @@ class MoESpec:
 def _linear(module, name) -> nn.Linear | None:
     child = getattr(module, name, None)
     return child if isinstance(child, nn.Linear) else None
+
+
+def stacked_experts_router(block: nn.Module) -> nn.Module | None:
+    """The router of a block whose experts are already stacked, else ``None``: ``experts`` is one
+    module holding ``[E, N, K]`` weights (transformers 5's grouped experts, torchtitan's) and
+    ``gate`` / ``router`` has a ``[E, hidden]`` weight. Such a block needs no rewrite: its
+    ``torch._grouped_mm`` calls are recognised in the graph
+    (:mod:`opfuse.families.grouped_linear.recognizers`)."""
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module) or isinstance(experts, (nn.ModuleList, nn.Sequential)):
+        return None
+    stacked = [p for p in experts.parameters(recurse=False) if p.dim() == 3]
+    if not stacked:
+        return None
+    count = stacked[0].shape[0]
+    for name in ("gate", "router"):
+        router = getattr(block, name, None)
+        weight = getattr(router, "weight", None)
+        if isinstance(router, nn.Module) and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+                and weight.shape[0] == count:
+            return router
+    return None
 
 
 def describe_moe_block(block: nn.Module) -> MoESpec | str | None:

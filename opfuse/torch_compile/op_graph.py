@@ -120,9 +120,10 @@ def _annotate(node: fx.Node, meta, sharding: Sharding = REPLICATED) -> None:
     node.meta["opfuse_sharding"] = sharding
 
 
-def _inferred_metas(regions: list[Region]) -> dict[int, TensorMeta]:
+def _inferred_metas(regions: list[Region], notes: list[str]) -> dict[int, TensorMeta]:
     """What each region's op computes from its inputs' metadata (what verify checks the op graph
-    against); regions whose op refuses its inputs are left out (their nodes stay opaque)."""
+    against); regions whose op refuses its inputs are left out (their nodes stay opaque, and
+    ``notes`` says why, for ``explain()``)."""
     metas: dict[int, TensorMeta] = {}
     pending = None  # the GEMM half of an addmm, for its bias half
     for region in regions:
@@ -135,7 +136,9 @@ def _inferred_metas(regions: list[Region]) -> dict[int, TensorMeta]:
             continue
         try:
             meta = region.op.infer_meta(*inputs)
-        except OpInputError:
+        except OpInputError as error:
+            where = region.position.name
+            notes.append(f"{where}: recognised as {region.kind}, left unfused: {error}")
             continue
         if region.value is None:
             pending = meta
@@ -192,7 +195,7 @@ def build_op_graph(aten_gm: fx.GraphModule, exclude=frozenset()) -> OpGraph:
         notes.append(f"{len(regions) - len(static)} op(s) with a symbolic feature (last) dim left unfused: "
                      f"opfuse's ops take varying token counts, not varying feature sizes (mark only the "
                      f"sequence dim dynamic, e.g. torch._dynamo.mark_dynamic(x, 1))")
-    metas = _inferred_metas(static)
+    metas = _inferred_metas(static, notes)
     regions = [r for r in static if id(r) in metas]
     at_position: dict[fx.Node, list[Region]] = {}
     for region in regions:

@@ -15,7 +15,7 @@ import dataclasses
 from torch import nn
 
 from .merge_projections import PackedParameters, find_projection_groups, merge_projections_
-from .moe import rewrite_moe_
+from .moe import rewrite_moe_, stacked_experts_router
 
 __all__ = ["Prepared", "prepare_model"]
 
@@ -56,6 +56,13 @@ def prepare_model(model: nn.Module, *, merge_projections: bool = True, moe: bool
             spec = getattr(module, "_opfuse_moe", None)
             if spec is not None:
                 prepared.routers.add(id(getattr(module, spec.router)))
+    for name, block in model.named_modules():
+        router = stacked_experts_router(block)
+        if router is not None:  # routing stays in high precision under FP8, rewritten block or not
+            prepared.routers.add(id(router))
+            prepared.notes.append(f"moe: {name or '(model)'} ({type(block).__name__}): experts stored stacked, "
+                                  f"no rewrite needed (their torch._grouped_mm calls are fused in the graph); "
+                                  f"router kept in high precision under FP8")
     if merge_projections:
         experts = {id(module) for block in model.modules() if getattr(block, "_opfuse_moe", None) is not None
                    for module in block.experts.modules()}

@@ -87,3 +87,40 @@ def test_a_hugging_face_model_generates_as_it_does_eagerly(name):
     settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(model.generate(prompt, **settings), eager.generate(prompt, **settings))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_hugging_face_grouped_mm_experts_become_grouped_gemms(name):
+    """transformers 5 runs bf16 experts as ``torch._grouped_mm`` over offsets from a ``histc`` of
+    the expert ids (float counts on CPU), one offsets tensor for every grouped GEMM: each becomes
+    opfuse's ``grouped_linear`` (its implementation chosen per shape), with eager's loss and
+    gradients."""
+    model = _model(name).bfloat16()
+    eager = copy.deepcopy(model)
+    compiled = opfuse.optimize(model, options={"inductor": False})
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    got, want = compiled(tokens, labels=tokens), eager(tokens, labels=tokens)
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-2, rtol=2e-2)
+    got.loss.backward()
+    want.loss.backward()
+    for (key, param), reference in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(param.grad, reference.grad, atol=2e-2, rtol=2e-2, msg=key)
+    rules = [f.rule for program in opfuse.programs(compiled) for f in program.fusions]
+    # gate + up (one grouped GEMM over [E, 2F, H]) and down, per MoE layer, in the forward.
+    assert rules.count("grouped_linear") == 2 * 2, rules
+
+
+def test_hugging_face_stacked_experts_under_fp8_keep_their_router_in_high_precision():
+    """FP8 inference of a transformers 5 Mixtral: the experts' grouped GEMMs run in FP8, the router
+    (a plain [experts, hidden] linear, not rewritten by opfuse) stays in high precision."""
+    model = _model("mixtral").bfloat16()
+    compiled = opfuse.optimize(model, fp8=opfuse.fp8.TensorScaling(), options={"inductor": False})
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = compiled(tokens).logits.float(), _model("mixtral").bfloat16()(tokens).logits.float()
+    assert ((got - want).norm() / want.norm()).item() < 0.1  # the recipe's rounding (e4m3), not a wrong result
+    (program,) = opfuse.programs(compiled)
+    assert [f.rule for f in program.fusions].count("grouped_linear_fp8") == 2 * 2
+    text = program.explain()
+    assert "model.layers.0.mlp.gate (MoE router: routing stays in high precision)" in text, text
+    assert "experts stored stacked, no rewrite needed" in text, text

@@ -135,6 +135,48 @@ def test_rules_over_grouped_linear_fire_under_torch_compile(request, user):
         torch.testing.assert_close(got, want)
 
 
+class TitanExperts(nn.Module):
+    """torchtitan's grouped experts: the group offsets computed once, read by all three grouped
+    GEMMs (gate, up, down); ``counts`` from ``histc`` of float expert ids (Hugging Face 5 on CPU)
+    or integer counts."""
+
+    def __init__(self, experts=4, hidden=8, ffn=16, histogram=False):
+        super().__init__()
+        self.histogram = histogram
+        self.w1 = nn.Parameter(torch.randn(experts, ffn, hidden, dtype=torch.bfloat16) / 4)
+        self.w3 = nn.Parameter(torch.randn(experts, ffn, hidden, dtype=torch.bfloat16) / 4)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, ffn, dtype=torch.bfloat16) / 4)
+
+    def forward(self, x, counts):
+        if self.histogram:  # counts holds each row's expert id here
+            counts = torch.histc(counts.float(), bins=self.w1.shape[0], min=0, max=self.w1.shape[0] - 1)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs)) * \
+            torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+
+
+@pytest.mark.parametrize("histogram", [False, True], ids=["integer-counts", "histc-counts"])
+def test_every_grouped_gemm_reading_shared_offsets_is_recognised(histogram):
+    """The three grouped GEMMs of an MoE block read one ``cumsum``: the first region claimed it, so
+    the others overlapped and were dropped (only one of three fused); Hugging Face 5 on CPU counts
+    tokens per expert with ``histc`` of float ids, float counts the op refused without a word."""
+    torch.manual_seed(0)
+    model = TitanExperts(histogram=histogram)
+    x = torch.randn(24, 8, dtype=torch.bfloat16)
+    counts = torch.tensor([6, 2, 9, 7])
+    if histogram:
+        counts = torch.repeat_interleave(torch.arange(4), counts)
+    y_eager, grads_eager = _run(model, x, counts)
+    compiled = opfuse.optimize(model, options={"inductor": False})
+    y, grads = _run(compiled, x, counts)
+    fusions = [f.rule for program in opfuse.programs(compiled) for f in program.fusions]
+    assert fusions.count("grouped_linear") == 3, [p.explain() for p in opfuse.programs(compiled)]
+    torch.testing.assert_close(y, y_eager)
+    for got, want in zip(grads, grads_eager):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_biased_gelu_gate_keeps_the_gemm_bias_gelu_fusion():
     """GELU(x @ Wg.T + bg) * up: the gated recognizer leaves the GELU to linear_bias_activation
     (which fuses in inference graphs, where nothing else reads the pre-activation)."""
@@ -178,3 +220,17 @@ def test_recognizer_registry_errors_name_the_recognizer():
         Recognizer("bad", Phase.ADDS, lambda node: None)
     with pytest.raises(RecognizerError, match="phase='late'"):
         Recognizer("bad", "late", lambda node, found: None)
+
+
+def test_an_op_that_refuses_what_was_recognised_says_so_in_explain():
+    """A region whose op refuses its inputs stays unfused; explain() names it and the reason (a
+    grouped GEMM over float group sizes that are not a histogram's counts)."""
+    model = Experts()
+    compiled = opfuse.optimize(model, options={"inductor": False})
+    x, counts = torch.randn(24, 8, dtype=torch.bfloat16), torch.tensor([6.0, 2.0, 9.0, 7.0])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, counts), model(x, counts))
+    (program,) = opfuse.programs(compiled)
+    assert not program.fusions
+    assert "recognised as BasicGroupedLinear, left unfused" in program.explain()
+    assert "group_sizes has dtype float32, expected int32 or int64" in program.explain()

@@ -13,7 +13,8 @@ op                       aten form
 =======================  ==========================================================================
 
 ``_grouped_mm``: the op takes the group sizes (its extra input), so the offsets must be their
-cumulative sum in the graph (a model that passes precomputed offsets is left alone). Rows past
+cumulative sum in the graph (a model that passes precomputed offsets is left alone); counts that
+``torch.histc`` returns as floats are read as integers first (:mod:`opfuse.torch_compile.group_counts`). Rows past
 ``offs[-1]``, which ``torch._grouped_mm`` leaves unspecified, are zeros in the op. Backward graphs
 multiply by the weight without the transpose (or by a transposed activation) and are not raised.
 
@@ -64,7 +65,9 @@ def grouped_mm(node: fx.Node, found: Found | None = None) -> Region | None:
         return None
     weight_standin = standin((groups, n, k), dtype(weight))
     op = BasicGroupedLinear(groups, k, n, weight=weight_standin)
-    return Region(frozen(op), (x, sizes), node, frozenset({node, b, offs}), {weight_standin: ParamSource(weight)})
+    # The offsets stay outside the region: an MoE block's grouped GEMMs (gate, up, down, and the
+    # backward's) all read one cumsum, and a node claimed by one region would drop the others.
+    return Region(frozen(op), (x, sizes), node, frozenset({node, b}), {weight_standin: ParamSource(weight)})
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.as_strided.default,
