@@ -80,6 +80,13 @@ class Config:
     #: backward all-reduce next to the weight-gradient GEMMs), and fuses it elsewhere; ``fuse``
     #: fuses every collective a rule matches.
     overlap_collectives: str = "auto"
+    #: Fusions in graphs Inductor compiles that only their reference implementation could run
+    #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they
+    #: cover (add + norm, all-reduce + add + norm, GEMM + bias + activation): Inductor's own code for
+    #: those is as good or better, so ``auto`` leaves them to Inductor on CUDA devices (e.g. an add
+    #: + norm over a float32 residual and bfloat16 activations, which the kernels refuse),
+    #: ``inductor`` does so on every device, ``keep`` always fuses. ``explain()`` lists them.
+    reference_fusions: str = "auto"
     #: Launch the all-reduce + norm peer kernels with programmatic dependent launch, so their launch
     #: overlaps the tail of the kernel before them (``OPFUSE_PDL``). Off until measured on GPUs
     #: (docs/PERF_NOTES.md, issue 30).
@@ -269,6 +276,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "overlap_chunks": _integer(0),
     "overlap_alternate_streams": _choice("auto", "on", "off"),
     "overlap_collectives": _choice("auto", "fuse"),
+    "reference_fusions": _choice("auto", "inductor", "keep"),
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
     "log": _choice("warning", "info", "debug"),
@@ -291,6 +299,7 @@ _ENV_NAMES = {
     "overlap_chunks": "OVERLAP_CHUNKS",
     "overlap_alternate_streams": "OVERLAP_ALTERNATE_STREAMS",
     "overlap_collectives": "OVERLAP_COLLECTIVES",
+    "reference_fusions": "REFERENCE_FUSIONS",
     "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",

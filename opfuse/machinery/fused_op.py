@@ -46,6 +46,11 @@ class FusedOp(Described, nn.Module):
     #: graph runs this op's chosen implementation too, so the choice is made as for training
     #: (``CallSpec.requires_grad``) although the op itself runs without autograd there.
     backward_follows_implementation: ClassVar[bool] = False
+    #: Its reference implementation runs the very ops the fusion covers (no merged GEMM, no
+    #: collective saved): where Inductor compiles the graph, Inductor's code for those ops is as
+    #: good or better, so a fusion that only the reference could run is left to it
+    #: (``opfuse.config.reference_fusions``, :mod:`opfuse.torch_compile.reference_fusions`).
+    reference_is_unfused: ClassVar[bool] = False
 
     def __init__(self):
         super().__init__()

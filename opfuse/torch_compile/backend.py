@@ -46,7 +46,7 @@ class OpfuseBackend:
             program.notes.extend(("optimize", note) for note in self.prepared.notes)
         self.programs.append(program)
 
-    def _settings(self, gm, example_inputs, options: dict):
+    def _settings(self, gm, example_inputs, options: dict, inductor: bool = True):
         from .fp8 import CompileSettings, check_filter, check_recipe
         from .inputs import describe_inputs
 
@@ -58,7 +58,7 @@ class OpfuseBackend:
             fp8_filter = check_filter(options.pop("fp8_filter", None), recipe)
         inputs = describe_inputs(gm, example_inputs, [self.model] if self.model is not None else ())
         routers = self.prepared.routers if self.prepared is not None else set()
-        return CompileSettings(fp8=recipe, fp8_filter=fp8_filter, inputs=inputs, routers=routers)
+        return CompileSettings(fp8=recipe, fp8_filter=fp8_filter, inputs=inputs, routers=routers, inductor=inductor)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
         from .graph_pass import FusionPass, PassChain
@@ -67,7 +67,7 @@ class OpfuseBackend:
         inductor = options.pop("inductor", True)
         if not isinstance(inductor, bool):
             raise TypeError(f"opfuse backend: options['inductor']={inductor!r}; expected True or False")
-        settings = self._settings(gm, example_inputs, options)
+        settings = self._settings(gm, example_inputs, options, inductor)
         fusion = FusionPass(self._record, settings)
         if not inductor:
             if mode not in (None, "default"):

@@ -61,8 +61,8 @@ def check_filter(fn, recipe, who: str = "opfuse backend: options['fp8_filter']")
 
 @dataclasses.dataclass
 class CompileSettings:
-    """What one backend call compiles with: the FP8 recipe and filter, and which model parameter
-    each input of the Dynamo graph is."""
+    """What one backend call compiles with: the FP8 recipe and filter, which model parameter each
+    input of the Dynamo graph is, and whether Inductor compiles the result."""
 
     fp8: Recipe | None = None
     fp8_filter: Callable | None = None
@@ -71,6 +71,8 @@ class CompileSettings:
     joined: list = dataclasses.field(default_factory=list)
     #: ``id`` of the linears that route rewritten MoE blocks (kept in high precision).
     routers: set = dataclasses.field(default_factory=set)
+    #: Inductor compiles the fused graphs (``False``: ``options={"inductor": False}``, run eagerly).
+    inductor: bool = True
 
     def input_of(self, placeholder: fx.Node) -> GraphInput | None:
         """The Dynamo input a joint-graph placeholder stands for."""

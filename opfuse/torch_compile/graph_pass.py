@@ -32,6 +32,7 @@ from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
 from .overlap import plan_overlaps, schedule_overlaps
 from .program import GraphProgram
+from .reference_fusions import left_to_inductor
 
 __all__ = ["FusionPass", "PassChain", "fuse_graph"]
 
@@ -84,7 +85,11 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     run_pipeline(op_graph.gm, ctx, recorder)
     if settings.fp8 is not None and unfused_fp8(op_graph.gm):
         ctx.notes.append(("fp8", unfused_fp8(op_graph.gm)))
-    lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads))
+    left = left_to_inductor(op_graph.gm, op_graph.aten) if settings.inductor else {}
+    lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads), left=left)
+    if left:
+        ctx.fusions[:] = [record for record in ctx.fusions if record.fused_node not in left]
+        ctx.notes.extend(("reference_fusions", why) for why in left.values())
     schedule_overlaps(gm.graph, overlaps)
     use_direct_overloads(gm.graph)
     gm.recompile()

@@ -23,6 +23,7 @@ from ..machinery.fused_op import FusedOp
 from ..machinery.aten import c10d, calls, is_static_size, known_equal, same_shape
 from ..machinery.aten import value as fake_value
 from .op_graph import OpGraph, param_source
+from .reference_fusions import fused_values
 from .view_layouts import refresh_layouts, same_layout
 
 __all__ = ["LoweringError", "lower_fusions"]
@@ -215,6 +216,14 @@ class _Lowering:
             elif self.op_graph.aten.get(name) is not None:  # a plain aten op a pass fused (a split, a cat)
                 self.covered.add(self.op_graph.aten[name])
 
+    def leave(self, node: fx.Node) -> None:
+        """Leave fused node ``node`` unlowered (:mod:`.reference_fusions`): the aten nodes it covers
+        stay, and what reads its values reads the aten values they stand for."""
+        for value in fused_values(node):
+            replaced = self.op_graph.aten.get(value.meta.get("opfuse_replaces"))
+            if replaced is not None:
+                self.values[value.name] = replaced
+
     def reemit_split(self) -> None:
         """The bias half of an ``addmm`` whose GEMM a fusion took computes ``GEMM + bias`` itself:
         emit it again on the fused op's output."""
@@ -243,10 +252,12 @@ class _Lowering:
             raise LoweringError(f"opfuse: fused collectives are still used after fusion: {users}")
 
 
-def lower_fusions(op_graph: OpGraph, aten_gm: fx.GraphModule, lowering: "_Lowering | None" = None) -> None:
+def lower_fusions(op_graph: OpGraph, aten_gm: fx.GraphModule, lowering: "_Lowering | None" = None,
+                  left=frozenset()) -> None:
     """Replace every fused op of ``op_graph`` (after the pass pipeline) in ``aten_gm``
     (``lowering``: a :class:`_Lowering` subclass instance for fused ops that need more, e.g. the
-    FP8 ones of :mod:`.fp8_lower`)."""
+    FP8 ones of :mod:`.fp8_lower`), but those named in ``left``, whose aten nodes stay
+    (:mod:`.reference_fusions`)."""
     from torch._inductor.pattern_matcher import stable_topological_sort
 
     lowering = lowering or _Lowering(op_graph, aten_gm)
@@ -255,7 +266,10 @@ def lower_fusions(op_graph: OpGraph, aten_gm: fx.GraphModule, lowering: "_Loweri
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
             if isinstance(module, FusedOp):
-                lowering.lower_fused(node, module)
+                if node.name in left:
+                    lowering.leave(node)
+                else:
+                    lowering.lower_fused(node, module)
     lowering.reemit_split()
     stable_topological_sort(aten_gm.graph)
     lowering.erase_covered()

@@ -60,6 +60,7 @@ class LinearBiasActivation(FusedOp):
     """``y = gelu(x @ weight.T + bias)``."""
 
     name = "linear_bias_activation"
+    reference_is_unfused = True  # addmm then GELU: what the model wrote
 
     def __init__(self, *, weight, bias, approximate: str = "none"):
         super().__init__()

@@ -162,6 +162,7 @@ class _ResidualNorm(FusedOp):
 
     reduces: bool = True
     norm: str = "rms"
+    reference_is_unfused = True  # torch.distributed all-reduce, add, norm: what the model wrote
 
     def __init__(self, *, group=None, bias=None, weight=None, norm_bias=None, eps: float = 1e-6,
                  has_residual: bool = True, export_residual: bool = False):
@@ -258,6 +259,7 @@ class _NormQuantize(_ResidualNorm):
     per row or per tensor; ``amax_group``: ranks that share one scale)."""
 
     reduces = False
+    reference_is_unfused = False  # its FP8 payload feeds the FP8 GEMMs after it: no aten form to go back to
 
     def __init__(self, *, dtype: str = "e4m3", rowwise: bool = False, amax_group=None, **kwargs):
         super().__init__(**kwargs)

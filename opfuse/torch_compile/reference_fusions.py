@@ -1,0 +1,77 @@
+"""Fusions a compiled graph is better without: those only their reference implementation can run.
+
+A fused op's reference implementation is plain torch ops (and ``torch.distributed``), called from
+inside an opaque custom op. For some fused ops it is exactly the aten ops the fusion covers: an
+add + RMSNorm, an all-reduce + add + norm, a GEMM + bias + GELU (``FusedOp.reference_is_unfused``).
+Where their kernels refuse a call (a float32 residual stream next to bfloat16 activations, as
+``torch.autocast`` training gives; rows of an odd size; a dtype the kernels lack), keeping the
+fusion would replace what Inductor fuses into one generated kernel by the same ops run one by one
+through a custom op's Python: slower than not using opfuse at all. In a graph Inductor compiles,
+such a fusion is therefore not made: its aten nodes stay as they were and ``explain()`` says why
+(``opfuse.config.reference_fusions``: ``auto`` on CUDA devices, ``inductor`` on every device,
+``keep`` never). Fused ops whose reference still does less than the ops it replaces (one GEMM for
+merged projections, one collective instead of two) are made whatever implementation runs them.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..config import config
+from ..machinery.fused_op import FusedOp
+
+__all__ = ["left_to_inductor", "fused_values"]
+
+
+def _device(node: fx.Node):
+    for arg in node.args:
+        meta = arg.meta.get("opfuse_meta") if isinstance(arg, fx.Node) else None
+        if meta is not None:
+            return torch.device(meta.device)
+    return None
+
+
+def _applies(device) -> bool:
+    if config.reference_fusions == "keep":
+        return False
+    if config.reference_fusions == "inductor":
+        return True
+    return device is not None and device.type == "cuda"
+
+
+def fused_values(node: fx.Node) -> list[fx.Node]:
+    """The op-graph values of fused node ``node``: itself (one output), or its ``getitem`` users."""
+    if "opfuse_replaces" in node.meta:
+        return [node]
+    return [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+
+
+def _outputs_map_back(node: fx.Node, aten: dict) -> bool:
+    """Every value of ``node`` that something reads stands for an aten value of the graph (so its
+    readers can be given that value instead)."""
+    values = fused_values(node)
+    if "opfuse_replaces" not in node.meta and len(values) != len(node.users):
+        return False
+    return all(v.meta.get("opfuse_replaces") in aten for v in values if v.users)
+
+
+def left_to_inductor(gm: fx.GraphModule, aten: dict) -> dict[str, str]:
+    """Fused node name -> why it is left to Inductor (see the module docstring), for the fused
+    ops of op graph ``gm`` (after implementation choice; ``aten``: op-graph name -> aten node)."""
+    left = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, FusedOp) or not module.reference_is_unfused or module.impl != "reference":
+            continue
+        if not _applies(_device(node)) or not _outputs_map_back(node, aten):
+            continue
+        refused = "; ".join(f"{impl}: {reason}" for impl, reason in module.skipped) or "no other implementation"
+        left[node.name] = (f"{node.name}: {module.name} left to Inductor: only its reference implementation can run it "
+                           f"here ({refused}), and Inductor's code for the same ops is as good or better "
+                           f"(OPFUSE_REFERENCE_FUSIONS=keep fuses it anyway)")
+    return left

@@ -1,0 +1,86 @@
+"""Fusions that only their reference implementation could run are left to Inductor in the graphs
+it compiles (opfuse/torch_compile/reference_fusions.py): on CUDA by default, on every device with
+``reference_fusions="inductor"`` (how these CPU tests make the decision happen), never with
+``keep``; the graph then computes what eager does, and ``explain()`` says which and why."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opfuse
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class Block(nn.Module):
+    """Merged q/k projections (their reference is one GEMM: always fused), then two residual add +
+    RMSNorm in a row (the second reads the first's new residual), then a biased GEMM + GELU."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.q, self.k = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.norm1, self.norm2 = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x, residual):
+        residual = residual + torch.tanh(self.q(x)) * self.k(x)
+        h = self.norm1(residual)
+        residual = residual + h * 2
+        h = self.norm2(residual)
+        return self.down(F.gelu(self.up(h))), residual
+
+
+def _rules(compiled):
+    return sorted(f.rule for program in opfuse.programs(compiled) for f in program.fusions)
+
+
+def _check(setting, train, options):
+    torch.manual_seed(0)
+    model = Block()
+    eager = copy.deepcopy(model)
+    x, residual = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+    with opfuse.config.override(reference_fusions=setting):
+        compiled = opfuse.optimize(model, options=options)
+        inputs = [t.clone().requires_grad_(train) for t in (x, residual)]
+        with torch.set_grad_enabled(train):
+            got = compiled(*inputs)
+    want_inputs = [t.clone().requires_grad_(train) for t in (x, residual)]
+    with torch.set_grad_enabled(train):
+        want = eager(*want_inputs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    if train:
+        sum(t.sum() for t in got).backward()
+        sum(t.sum() for t in want).backward()
+        for a, b in zip(inputs + list(model.parameters()), want_inputs + list(eager.parameters())):
+            torch.testing.assert_close(a.grad, b.grad, atol=2e-5, rtol=2e-5)
+    return compiled
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_reference_only_fusions_are_left_to_inductor(train):
+    compiled = _check("inductor", train, {})
+    rules = _rules(compiled)
+    assert "horizontal_gemm" in rules, rules  # one GEMM for two: worth it whatever runs it
+    assert "add_rmsnorm" not in rules and "linear_bias_activation" not in rules, rules
+    text = "\n".join(p.explain() for p in opfuse.programs(compiled))
+    assert "add_rmsnorm left to Inductor: only its reference implementation can run it here" in text, text
+
+
+def test_without_inductor_or_with_keep_they_are_made():
+    """No Inductor (the fused graph runs eagerly): nothing would fuse the ops, so the fusions stay;
+    ``keep`` keeps them under Inductor too; ``auto`` leaves them only on CUDA devices."""
+    assert _rules(_check("inductor", False, {"inductor": False})).count("add_rmsnorm") == 2
+    torch._dynamo.reset()
+    assert _rules(_check("keep", False, {})).count("add_rmsnorm") == 2
+    torch._dynamo.reset()
+    assert _rules(_check("auto", False, {})).count("add_rmsnorm") == 2  # CPU tensors
+
+
+def test_the_setting_names_its_values():
+    with pytest.raises(ValueError, match="reference_fusions.*'auto', 'inductor', 'keep'"):
+        opfuse.config.reference_fusions = "sometimes"
