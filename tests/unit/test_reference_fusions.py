@@ -84,3 +84,12 @@ def test_without_inductor_or_with_keep_they_are_made():
 def test_the_setting_names_its_values():
     with pytest.raises(ValueError, match="reference_fusions.*'auto', 'inductor', 'keep'"):
         opfuse.config.reference_fusions = "sometimes"
+
+
+@pytest.mark.parametrize("setting,device,left", [("auto", "cuda", True), ("auto", "cpu", False),
+                                                 ("inductor", "cpu", True), ("keep", "cuda", False)])
+def test_which_devices_each_setting_leaves_to_inductor(setting, device, left):
+    from opfuse.torch_compile.reference_fusions import _applies
+
+    with opfuse.config.override(reference_fusions=setting):
+        assert _applies(torch.device(device)) is left
