@@ -258,9 +258,8 @@ class GroupedLinear(BasicOp):
                             ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GroupedLinear: {name}={value!r}; expected a positive int")
-        for name, value in (("bias", bias),):
-            if not isinstance(value, bool):
-                raise TypeError(f"GroupedLinear: {name}={value!r}; expected True or False")
+        if not isinstance(bias, bool):
+            raise TypeError(f"GroupedLinear: bias={bias!r}; expected True or False")
         if parallel not in _PARALLEL_MODES:
             raise ValueError(
                 f"GroupedLinear: parallel={parallel!r}; accepted: None, 'expert', 'fsdp', 'expert+fsdp'")
