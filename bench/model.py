@@ -49,6 +49,11 @@ recipe), output head in bf16) and, where ``torchao`` imports, ``torchao fp8`` (t
 torch.compile, tp cases) to the training cases (targets: <= 0.75x compile bf16, <= 0.92x torchao);
 ``--merge-ab`` adds ``opfuse unmerged`` (merge_projections=False) to decode (target: merged <= 0.97x).
 
+Mixed precision: ``--autocast`` builds the training models in float32 and runs each step under
+``torch.autocast(bfloat16)``: a float32 residual stream next to bfloat16 GEMM outputs, the add +
+norm calls opfuse's kernels refuse (they take one dtype) and leave to Inductor
+(opfuse/torch_compile/reference_fusions.py); the fusions column counts them ("left to Inductor").
+
 Targets (issue 26): train-tp <= 0.92x compile; train-sp <= 0.90x compile with async TP; decode
 <= 0.93x compile and <= 1.05x its weight-streaming floor; no case slower than compile; compile
 time <= 1.0x compile's.
@@ -165,6 +170,10 @@ def _fusions(compiled) -> tuple[str, float]:
         for name, note in getattr(program, "overlap_decisions", ()):
             key = f"left to NCCL: {name}"
             counts[key] = counts.get(key, 0) + 1
+        for source, note in program.notes:
+            if source == "reference_fusions":  # "<node>: <fused op> left to Inductor: ..."
+                key = f"left to Inductor: {note.split(': ')[1].split(' left')[0]}"
+                counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{n}x {k}" for k, n in sorted(counts.items())), seconds
 
 
@@ -362,6 +371,15 @@ def worker(rank, world, opts, out_path):
                      f"torchao column: {torchao_note}")
     async_tp = None
 
+    train_dtype = torch.float32 if opts.get("autocast") else dtype
+    if opts.get("autocast"):
+        notes.append("--autocast: training models in float32, each step under torch.autocast(bfloat16)")
+
+    def mixed_precision():
+        if not opts.get("autocast"):
+            return contextlib.nullcontext()
+        return torch.autocast(device, dtype=torch.bfloat16)
+
     def train_case(mode, tp, tokens, batch):
         seq = tokens // batch
         extra = list(opts.get("variants", ()))
@@ -380,11 +398,11 @@ def worker(rank, world, opts, out_path):
         elif opts.get("aa", True) and "compile:again" not in extra:
             extra.insert(0, "compile:again")  # the A/A control: what two identical models differ by here
         names = ["eager", only] if only else ["eager", "compile", "opfuse", *extra]
-        full = llama_tp.unsharded(cfg, dtype, device)
-        models = {v: llama_tp.build(tp, rank, world, cfg, dtype, device, full=full) for v in names}
+        full = llama_tp.unsharded(cfg, train_dtype, device)
+        models = {v: llama_tp.build(tp, rank, world, cfg, train_dtype, device, full=full) for v in names}
         full = None
         ids = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(4)).to(device)
-        grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+        grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, train_dtype)
         row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}
         builders = {"compile": compile_fn, "opfuse": opfuse_fn, "compile:again": compile_fn, "opfuse fp8": fp8_fn,
                     "torchao fp8": torchao_fn}
@@ -399,8 +417,9 @@ def worker(rank, world, opts, out_path):
             settings = EXTRA_VARIANTS.get(name, {})
 
             def run():
-                with opfuse_settings(**settings), sp_batch_fusions_on(name in SP_BATCH_ON):
-                    return torch.autograd.grad(steps_[name](ids), params, grad)
+                with opfuse_settings(**settings), sp_batch_fusions_on(name in SP_BATCH_ON), mixed_precision():
+                    out = steps_[name](ids)
+                return torch.autograd.grad(out, params, grad.to(out.dtype))
 
             return run
 
@@ -493,6 +512,9 @@ def main() -> int:
                         help="training cases: compile and time this variant alone in the process (no other "
                              "compiled model beside it; run once per variant and compare across runs; the fp8 "
                              "ones need --fp8)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="training cases: a float32 model under torch.autocast(bfloat16), as mixed-precision "
+                             "training runs (float32 residual stream, bfloat16 GEMMs)")
     parser.add_argument("--no-aa", action="store_true",
                         help="training cases: leave out the A/A control (a second torch.compile model)")
     parser.add_argument("--variants", nargs="*", choices=sorted(EXTRA_VARIANTS), default=[],
@@ -508,7 +530,8 @@ def main() -> int:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda",
-                    profile=args.profile, variants=args.variants, only=args.only, aa=not args.no_aa, fp8=args.fp8, merge_ab=args.merge_ab)
+                    profile=args.profile, variants=args.variants, only=args.only, aa=not args.no_aa, fp8=args.fp8,
+                    merge_ab=args.merge_ab, autocast=args.autocast)
         if args.cases:
             opts["cases"] = args.cases
         if args.layers:

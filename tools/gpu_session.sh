@@ -50,8 +50,9 @@
 #   tools/gpu_session.sh s9-isolated   # 2 GPUs (~4.5 min): train-sp / train-tp with each variant alone in a process
 #   tools/gpu_session.sh isolated-bf16 # 2 GPUs (~9 min): train-tp, train-sp batch 4, each variant alone in a process
 #   tools/gpu_session.sh isolated-fp8  # 2 GPUs (~9 min): opfuse FP8 vs torchao float8 and vs compile bf16, same way
-#   tools/gpu_session.sh s10-next      # 2 GPUs (~9 min): which fusion of "SP batch > 1 + async TP" gives wrong
-#                                      # gradients (tools/sp_async_tp_bisect.py), compile-backend test, isolated train-tp
+#   tools/gpu_session.sh s10-next      # 2 GPUs (~8 min): which fusion of "SP batch > 1 + async TP" gives wrong
+#                                      # gradients (tools/sp_async_tp_bisect.py), compile-backend test, train-tp autocast
+#   tools/gpu_session.sh s10-isolated  # 2 GPUs (~5 min): train-tp, each variant alone in its own process (A B B A)
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -517,18 +518,24 @@ case "$stage" in
       --train-batch 1 --fp8 tensor --pair compile "opfuse fp8" --run-timeout 90 --json "$OUT/isolated_fp8_compile.json"
     final_summary() { grep -h -E "^(\||note)" "$OUT"/isolated_*.log | grep -v "^|---"; }
     ;;
-  s10-next)  # 2 GPUs (~9 min; prebuilt modules): session 10 had no device time, so this is its GPU work: which
+  s10-next)  # 2 GPUs (~8 min; prebuilt modules): session 10 had no device time, so this is its GPU work: which
              # fusion of the pair "SP batch > 1 fusions + async TP" gives the wrong gradients
-             # (tools/sp_async_tp_bisect.py, ~3 min), the compile-backend GPU test, then issue 26's training
-             # ratios with each variant alone in its own process (train-tp 2048, A B B A)
-    step sp_async_tp_bisect 220 python3 tools/sp_async_tp_bisect.py --world 2 --batch 4
-    tests compile_backend_tests 120 -x -q tests/gpu/test_compile_backend.py -k "2]"
-    step isolated_tp 240 python3 bench/model_isolated.py --world 2 --cases train-tp --train 2048 --train-batch 1 \
-      --run-timeout 90 --json "$OUT/isolated_tp.json"
+             # (tools/sp_async_tp_bisect.py), the compile-backend GPU test, then train-tp under autocast (float32
+             # residual stream: the add + norm fusions the kernels refuse are now left to Inductor), profiled
+    step sp_async_tp_bisect 200 python3 tools/sp_async_tp_bisect.py --world 2 --batch 4
+    tests compile_backend_tests 100 -x -q tests/gpu/test_compile_backend.py -k "2]"
+    step model_autocast 170 python3 bench/model.py --world 2 --cases train-tp --train 2048 --train-batch 1 \
+      --autocast --no-aa --profile --json "$OUT/model_autocast.json"
     final_summary() {
       echo "=== sp_async_tp_bisect"; grep -v -E "^(W[0-9]|  warnings)" "$OUT/sp_async_tp_bisect.log" | tail -12
-      grep -h -E "^(\||note)" "$OUT"/isolated_tp.log | grep -v "^|---"
+      model_lines model_autocast
+      sed -n '/GPU time per step by kernel category/,/first kernel start/p' "$OUT/model_autocast.log"
     }
+    ;;
+  s10-isolated)  # 2 GPUs (~5 min): issue 26's train-tp ratio with each variant alone in its own process (A B B A)
+    step isolated_tp 280 python3 bench/model_isolated.py --world 2 --cases train-tp --train 2048 --train-batch 1 \
+      --run-timeout 90 --json "$OUT/isolated_tp.json"
+    final_summary() { grep -h -E "^(\||note)" "$OUT"/isolated_tp.log | grep -v "^|---"; }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
                    # train-sp with kernel tables and one step's host + device timeline per variant, then the
