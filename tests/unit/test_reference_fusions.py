@@ -16,8 +16,9 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class Block(nn.Module):
-    """Merged q/k projections (their reference is one GEMM: always fused), then two residual add +
-    RMSNorm in a row (the second reads the first's new residual), then a biased GEMM + GELU."""
+    """A residual add + RMSNorm whose output feeds merged q/k projections (their reference is one
+    GEMM: always fused), then a second add + RMSNorm (reading the first's new residual), then a
+    biased GEMM + GELU."""
 
     def __init__(self, hidden=16):
         super().__init__()
@@ -27,9 +28,9 @@ class Block(nn.Module):
         self.down = nn.Linear(2 * hidden, hidden, bias=False)
 
     def forward(self, x, residual):
-        residual = residual + torch.tanh(self.q(x)) * self.k(x)
+        residual = residual + x
         h = self.norm1(residual)
-        residual = residual + h * 2
+        residual = residual + torch.tanh(self.q(h)) * self.k(h)
         h = self.norm2(residual)
         return self.down(F.gelu(self.up(h))), residual
 
