@@ -20,7 +20,7 @@ import operator
 import torch
 from torch import fx
 
-from ..config import config
+from ..config import config, parse_force_impl
 from ..machinery.fused_op import FusedOp
 
 __all__ = ["left_to_inductor", "fused_values"]
@@ -60,13 +60,17 @@ def _outputs_map_back(node: fx.Node, aten: dict) -> bool:
 
 def left_to_inductor(gm: fx.GraphModule, aten: dict) -> dict[str, str]:
     """Fused node name -> why it is left to Inductor (see the module docstring), for the fused
-    ops of op graph ``gm`` (after implementation choice; ``aten``: op-graph name -> aten node)."""
+    ops of op graph ``gm`` (after implementation choice; ``aten``: op-graph name -> aten node).
+    A reference that ``OPFUSE_FORCE_IMPL`` asked for runs as asked."""
     left = {}
+    forced = parse_force_impl(config.force_impl)
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
         if not isinstance(module, FusedOp) or not module.reference_is_unfused or module.impl != "reference":
+            continue
+        if forced.get(module.name, forced.get(None)) == "reference":
             continue
         if not _applies(_device(node)) or not _outputs_map_back(node, aten):
             continue

@@ -94,3 +94,9 @@ def test_which_devices_each_setting_leaves_to_inductor(setting, device, left):
 
     with opfuse.config.override(reference_fusions=setting):
         assert _applies(torch.device(device)) is left
+
+
+def test_a_forced_reference_runs_as_asked():
+    with opfuse.config.override(force_impl="add_rmsnorm=reference"):
+        compiled = _check("inductor", False, {})
+    assert _rules(compiled).count("add_rmsnorm") == 2
