@@ -21,6 +21,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from ..transformers_support import tp_auto
 from .harness import run
 
 F32 = dict(atol=2e-5, rtol=2e-5)
@@ -268,7 +269,7 @@ def transformers_case(rank, world, path, layers):
         os.environ.setdefault(name, str(value))
 
     def load():
-        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **tp_auto())
         model.config._attn_implementation = "sdpa"
         return model
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..transformers_support import tp_auto
 from .harness import run
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
@@ -31,14 +32,6 @@ ARCHITECTURES = {
 }
 
 
-def _tp_auto() -> dict:
-    """``from_pretrained``'s arguments for ``tp_plan="auto"`` (``distributed_config`` from
-    transformers 5, where passing ``tp_plan`` directly is deprecated)."""
-    if hasattr(transformers, "DistributedConfig"):
-        return {"distributed_config": transformers.DistributedConfig(tp_plan="auto")}
-    return {"tp_plan": "auto"}
-
-
 def _check(rank, world, folder):
     import opfuse
 
@@ -46,7 +39,7 @@ def _check(rank, world, folder):
         torch._dynamo.reset()
         path = f"{folder}/{name}"
         whole = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-        sharded = transformers.AutoModelForCausalLM.from_pretrained(path, **_tp_auto()).eval()
+        sharded = transformers.AutoModelForCausalLM.from_pretrained(path, **tp_auto()).eval()
         compiled = opfuse.optimize(sharded, options={"inductor": False})
         tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
         got, want = compiled(tokens, labels=tokens), whole(tokens, labels=tokens)
