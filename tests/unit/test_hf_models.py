@@ -59,7 +59,8 @@ def test_a_hugging_face_model_trains_as_it_does_eagerly(name):
     eager = copy.deepcopy(model)
     compiled = opfuse.optimize(model, options={"inductor": False})
     generator = torch.Generator().manual_seed(1)
-    for length in (12, 7):
+    # A second length recompiles (static shapes): checked where shapes matter most (CI time).
+    for length in (12, 7) if name in ("qwen3", "mixtral") else (12,):
         tokens = torch.randint(0, 96, (2, length), generator=generator)
         got, want = compiled(tokens, labels=tokens), eager(tokens, labels=tokens)
         torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-5)
@@ -88,12 +89,13 @@ def test_a_hugging_face_model_generates_as_it_does_eagerly(name):
         assert torch.equal(model.generate(prompt, **settings), eager.generate(prompt, **settings))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen2_moe"])
 def test_hugging_face_grouped_mm_experts_become_grouped_gemms(name):
     """transformers 5 runs bf16 experts as ``torch._grouped_mm`` over offsets from a ``histc`` of
     the expert ids (float counts on CPU), one offsets tensor for every grouped GEMM: each becomes
     opfuse's ``grouped_linear`` (its implementation chosen per shape), with eager's loss and
-    gradients."""
+    gradients; Qwen2-MoE adds a gated shared expert beside them (Mixtral's experts: the FP8 test
+    below)."""
     model = _model(name).bfloat16()
     eager = copy.deepcopy(model)
     compiled = opfuse.optimize(model, options={"inductor": False})
