@@ -184,8 +184,8 @@ def _fusions(compiled) -> tuple[str, float]:
 EXTRA_VARIANTS = {
     "opfuse:fuse-all": {"overlap_collectives": "fuse"},
     "opfuse:nccl-norm": {"force_impl": "allreduce_add_rmsnorm=nccl+cuda"},
-    # Diagnosis (issue 26): sequence parallelism's batch > 1 fusions, off for CUDA tensors since
-    # they gave wrong gradients at batch 4 (docs/PERF_NOTES.model.md, session 7), forced on; and
+    # Diagnosis (issue 26): sequence parallelism's batch > 1 gather fusion, off for CUDA tensors
+    # under async TP since the pair gave wrong gradients at batch 4 (docs/PERF_NOTES.model.md), forced on; and
     # the same without Inductor's async TP (which the bench's sp graphs run with).
     "opfuse:sp-batch-on": {},
     "opfuse:sp-batch-on-no-async-tp": {},
@@ -214,14 +214,14 @@ def sp_batch_fusions_on(enabled: bool):
     if not enabled:
         yield
         return
-    from opfuse.core.passes import gather_keep, scatter_batch
+    from opfuse.core.passes import sequence_batch
 
-    saved = gather_keep.batch_fusion_refused, scatter_batch.batch_fusion_refused
-    gather_keep.batch_fusion_refused = scatter_batch.batch_fusion_refused = lambda *args: False
+    saved = sequence_batch.async_tp_on
+    sequence_batch.async_tp_on = lambda: False  # what batch_fusion_refused reads at call time
     try:
         yield
     finally:
-        gather_keep.batch_fusion_refused, scatter_batch.batch_fusion_refused = saved
+        sequence_batch.async_tp_on = saved
 
 
 def opfuse_settings(**settings):

@@ -81,6 +81,14 @@ def table(rows: list[dict], pair=("compile", "opfuse")) -> str:
     return "\n".join(out)
 
 
+def run_times(data: dict, variant: str) -> str:
+    """One run's step times (us), printed as the run ends, so a call cut off at its time limit still
+    reports the runs it finished."""
+    times = [f"{row['case']} {row['shape']}: {fmt(row.get(variant))} us"
+             for result in data["results"].values() for row in result["rows"]]
+    return "; ".join(times) or "no rows"
+
+
 def measure(args, passthrough: list[str]) -> dict:
     runs, failed = [], []
     with tempfile.TemporaryDirectory() as scratch:
@@ -88,7 +96,12 @@ def measure(args, passthrough: list[str]) -> dict:
             path = os.path.join(scratch, f"run{index}.json")
             command = [sys.executable, os.path.join(HERE, "model.py"), "--only", variant, "--no-aa", "--json", path,
                        *passthrough]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout)
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout)
+            except subprocess.TimeoutExpired:
+                failed.append(f"run {index + 1} ({variant}): still running after --run-timeout {args.run_timeout} s")
+                common.progress(f"run {index + 1} {variant}: TIMED OUT")
+                continue
             if done.returncode != 0 or not os.path.exists(path):
                 tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
                 failed.append(f"run {index + 1} ({variant}): exit {done.returncode}: {' | '.join(tail)[:300]}")
@@ -96,7 +109,7 @@ def measure(args, passthrough: list[str]) -> dict:
                 continue
             with open(path) as handle:
                 runs.append((variant, json.load(handle)))
-            common.progress(f"run {index + 1} {variant}: done")
+            common.progress(f"run {index + 1} {variant}: {run_times(runs[-1][1], variant)}")
     return {"order": run_order(args.rounds, args.pair), "pair": list(args.pair), "rows": combine(runs, args.pair),
             "failed": failed}
 

@@ -53,6 +53,8 @@
 #   tools/gpu_session.sh s10-next      # 2 GPUs (~8 min): which fusion of "SP batch > 1 + async TP" gives wrong
 #                                      # gradients (tools/sp_async_tp_bisect.py), compile-backend test, train-tp autocast
 #   tools/gpu_session.sh s10-isolated  # 2 GPUs (~5 min): train-tp, each variant alone in its own process (A B B A)
+#   tools/gpu_session.sh s11-next      # 2 GPUs (~9 min): the SP batch > 1 + async TP bisect, train-tp isolated A B B A
+#   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -536,6 +538,24 @@ case "$stage" in
     step isolated_tp 280 python3 bench/model_isolated.py --world 2 --cases train-tp --train 2048 --train-batch 1 \
       --run-timeout 90 --json "$OUT/isolated_tp.json"
     final_summary() { grep -h -E "^(\||note)" "$OUT"/isolated_tp.log | grep -v "^|---"; }
+    ;;
+  s11-next)  # 2 GPUs (~9 min; prebuilt modules): the bisect again with the refusal really lifted (session 10's
+             # patch did not reach the passes), then train-tp's A B B A isolated runs (each run's time printed as it ends)
+    step sp_async_tp_bisect 170 python3 tools/sp_async_tp_bisect.py --world 2 --batch 4 \
+      --variants both keep-only scatter-only neither
+    step isolated_tp 370 python3 bench/model_isolated.py --world 2 --cases train-tp --train 2048 --train-batch 1 \
+      --run-timeout 95 --json "$OUT/isolated_tp.json"
+    final_summary() {
+      echo "=== sp_async_tp_bisect"; grep -v -E "^(W[0-9]|  warnings)|Warning|enable\(" "$OUT/sp_async_tp_bisect.log" | tail -10
+      echo "=== isolated_tp"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_tp.log | grep -v "^|---"
+    }
+    ;;
+  s11-sp)  # 2 GPUs (~7.5 min): the batch > 1 GEMM + reduce-scatter fusion now runs next to async TP: the GPU test
+           # (gradients vs eager at batch 2), then train-sp at batch 4 in isolated A B B A runs
+    tests compile_backend_tests 100 -x -q tests/gpu/test_compile_backend.py -k "2]"
+    step isolated_sp4 330 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
+      --run-timeout 95 --json "$OUT/isolated_sp4.json"
+    final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
                    # train-sp with kernel tables and one step's host + device timeline per variant, then the

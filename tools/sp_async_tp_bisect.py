@@ -79,8 +79,10 @@ def check_variant(rank: int, world: int, variant: str, batch: int, seq: int, cpu
     from opfuse.core.passes import sequence_batch
 
     disabled, async_tp = VARIANTS[variant]
-    refusal = sequence_batch.batch_fusion_refused
-    sequence_batch.batch_fusion_refused = lambda ctx, node, what: False  # lift the refusal under test
+    # Lift the refusal under test through the predicate it reads at call time (the passes import
+    # batch_fusion_refused by name, so replacing that function here would not reach them).
+    refusal = sequence_batch.async_tp_on
+    sequence_batch.async_tp_on = lambda: False
     stand_ins = _cpu_stand_ins() if cpu else None
     found: list = []
     _count_async_tp(found)
@@ -100,7 +102,7 @@ def check_variant(rank: int, world: int, variant: str, batch: int, seq: int, cpu
     finally:
         if stand_ins is not None:
             stand_ins[1].__exit__(None, None, None)
-        sequence_batch.batch_fusion_refused = refusal
+        sequence_batch.async_tp_on = refusal
     return errors, sorted(f.rule for p in programs for f in p.fusions), found
 
 

@@ -2,6 +2,7 @@
 (a second torch.compile model) reaches the summary, and bench/model_isolated.py combines its
 A B B A runs into one ratio per case and refuses flags that would break that."""
 
+import json
 import os
 import subprocess
 import sys
@@ -94,3 +95,32 @@ def test_isolated_runner_refuses_a_pair_it_cannot_compare(args, message):
     run = subprocess.run([sys.executable, "bench/model_isolated.py", "--cpu", *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and message in run.stderr, run.stderr
+
+
+def test_isolated_runner_records_a_run_past_its_time_limit_and_goes_on(monkeypatch):
+    """A run still compiling at --run-timeout is a failed run of the table, not a crash that loses the
+    runs already done; each finished run's time is printed as it ends."""
+    import types
+
+    calls = []
+
+    def fake_run(command, **kwargs):
+        calls.append(command[command.index("--only") + 1])
+        if len(calls) == 1:
+            raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+        path = command[command.index("--json") + 1]
+        variant = calls[-1]
+        with open(path, "w") as handle:
+            json.dump({"results": {"2": {"rows": [{"case": "train-sp", "shape": "2048 tok, batch 4",
+                                                   variant: 100.0 + len(calls)}]}}}, handle)
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(model_isolated.subprocess, "run", fake_run)
+    args = types.SimpleNamespace(rounds=1, pair=("compile", "opfuse"), run_timeout=7.0)
+    data = model_isolated.measure(args, [])
+    assert calls == ["compile", "opfuse", "opfuse", "compile"]
+    assert data["failed"] == ["run 1 (compile): still running after --run-timeout 7.0 s"]
+    (row,) = data["rows"]
+    assert row["compile"] == [104.0] and row["opfuse"] == [102.0, 103.0]
+    assert model_isolated.run_times({"results": {"2": {"rows": [{"case": "train-sp", "shape": "s", "opfuse": 5.0}]}}},
+                                    "opfuse") == "train-sp s: 5.0 us"

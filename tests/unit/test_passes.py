@@ -326,9 +326,9 @@ def test_extending_writing_a_pass_example_runs(registered, rng):
 
 
 def test_batch_above_one_sequence_fusions_stay_off_for_cuda_tensors_under_async_tp():
-    """The batch > 1 gather / scatter fusions (all_gather_keep's regroup, linear_reduce_scatter_batch)
-    are off for CUDA tensors while Inductor's async TP is on (the pair gave wrong gradients at batch 4
-    on GPUs; each alone was right), and explain() says so; CPU values are unaffected."""
+    """The batch > 1 gather fusion (all_gather_keep's regroup) is off for CUDA tensors while Inductor's
+    async TP is on (the pair gave wrong k/v weight gradients at batch 4 on GPUs; each alone was right),
+    and explain() says so; CPU values are unaffected."""
     from torch import fx
     from torch._inductor import config as inductor_config
 

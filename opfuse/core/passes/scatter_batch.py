@@ -23,7 +23,6 @@ from torch import fx
 from ...config import config
 from ...families.collective_linear.op import LinearReduceScatter
 from ...machinery.rewrite import reorder_topologically
-from .sequence_batch import batch_fusion_refused
 
 __all__ = ["linear_reduce_scatter_batch"]
 
@@ -83,8 +82,6 @@ def linear_reduce_scatter_batch(gm: fx.GraphModule, ctx) -> None:
         if found is None:
             continue
         linear, between, batch = found
-        if batch_fusion_refused(ctx, scatter, "GEMM + reduce-scatter"):
-            continue
         module = LinearReduceScatter(weight=ctx.op(linear).weight, group=ctx.op(scatter).group, bias_after=True,
                                      batch=batch)
         with graph.inserting_after(scatter):

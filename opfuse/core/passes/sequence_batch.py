@@ -1,13 +1,14 @@
-"""Where sequence parallelism's batch > 1 fusions may run.
+"""Where sequence parallelism's batch > 1 gather fusion may run.
 
 At batch > 1 a sequence-sharded model reorders rows around each collective (``split`` + ``cat``);
 the ``all_gather_keep`` and ``linear_reduce_scatter_batch`` passes fold that reorder into the fused
 op. On CPU (gloo, the reference implementations, with and without Inductor) the result equals the
-eager model's to float32 rounding. On GPUs (train-sp at batch 4, world 2; docs/PERF_NOTES.model.md,
-sessions 7 and 8) the training step's gradients match eager's with these fusions on and Inductor's
-async TP (``_micro_pipeline_tp``) off, and are wrong (relative error 1.4) with both on; each alone
-is right. The cause inside that pair is not found, so on CUDA tensors these fusions stay off while
-async TP is on for the graph being compiled. Batch 1 is not affected.
+eager model's to float32 rounding. On GPUs (train-sp at batch 4, world 2) the gradients of the k and
+v projections' weights are wrong (relative error 1.4-1.6) when ``all_gather_keep``'s regroup runs in
+a graph that Inductor's async TP (``_micro_pipeline_tp``) also rewrites; without async TP, and for
+``linear_reduce_scatter_batch`` with it, they match eager's (``tools/sp_async_tp_bisect.py``;
+docs/PERF_NOTES.model.md). The cause inside that pair is not found, so on CUDA tensors the batch > 1
+gather fusion stays off while async TP is on for the graph being compiled. Batch 1 is not affected.
 """
 
 from __future__ import annotations
@@ -32,6 +33,6 @@ def batch_fusion_refused(ctx, node: fx.Node, what: str) -> bool:
     if meta is None or torch.device(meta.device).type != "cuda" or not async_tp_on():
         return False
     ctx.note(f"{node.name}: {what} at batch > 1 left unfused on CUDA tensors while Inductor's async TP is on "
-             f"(the two together gave wrong gradients on GPUs, cause not found: "
+             f"(the two together gave wrong weight gradients on GPUs, cause not found: "
              f"opfuse/core/passes/sequence_batch.py)")
     return True
