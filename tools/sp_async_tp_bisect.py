@@ -36,12 +36,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 BATCH_PASSES = ("all_gather_keep", "linear_reduce_scatter_batch")
-VARIANTS = {  # name -> (passes disabled, async TP)
-    "both": ((), True),
-    "keep-only": (("linear_reduce_scatter_batch",), True),
-    "scatter-only": (("all_gather_keep",), True),
-    "neither": (BATCH_PASSES, True),
-    "both-no-async-tp": ((), False),
+VARIANTS = {  # name -> (passes disabled, async TP, forced implementations)
+    "both": ((), True, ""),
+    "keep-only": (("linear_reduce_scatter_batch",), True, ""),
+    # the gather keep run by its reference (NCCL all-gather, then a GEMM) instead of the peer-memory
+    # pipeline: whether the pair's fault needs opfuse's symmetric-memory implementation
+    "keep-only-reference": (("linear_reduce_scatter_batch",), True, "all_gather_linear_keep=reference"),
+    "scatter-only": (("all_gather_keep",), True, ""),
+    "neither": (BATCH_PASSES, True, ""),
+    "both-no-async-tp": ((), False, ""),
 }
 
 
@@ -78,7 +81,7 @@ def check_variant(rank: int, world: int, variant: str, batch: int, seq: int, cpu
     from opfuse.config import config
     from opfuse.core.passes import sequence_batch
 
-    disabled, async_tp = VARIANTS[variant]
+    disabled, async_tp, force_impl = VARIANTS[variant]
     # Lift the refusal under test through the predicate it reads at call time (the passes import
     # batch_fusion_refused by name, so replacing that function here would not reach them).
     refusal = sequence_batch.async_tp_on
@@ -95,7 +98,7 @@ def check_variant(rank: int, world: int, variant: str, batch: int, seq: int, cpu
     try:
         if stand_ins is not None:
             stand_ins[1].__enter__()
-        with config.override(disabled_passes=tuple(disabled)):
+        with config.override(disabled_passes=tuple(disabled), force_impl=force_impl):
             errors, programs = llama_tp.run_check(rank, world, "dtensor-sp", True, True, cfg=cfg, dtype=dtype,
                                                   batch=batch, seq=seq, verbose=False,
                                                   options={"_micro_pipeline_tp": async_tp})
@@ -103,7 +106,7 @@ def check_variant(rank: int, world: int, variant: str, batch: int, seq: int, cpu
         if stand_ins is not None:
             stand_ins[1].__exit__(None, None, None)
         sequence_batch.async_tp_on = refusal
-    return errors, sorted(f.rule for p in programs for f in p.fusions), found
+    return errors, sorted(f"{f.rule}={f.impl}" for p in programs for f in p.fusions), found
 
 
 def _worker(rank: int, world: int, variant: str, batch: int, seq: int, cpu: bool) -> None:

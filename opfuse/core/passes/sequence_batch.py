@@ -7,8 +7,11 @@ eager model's to float32 rounding. On GPUs (train-sp at batch 4, world 2) the gr
 v projections' weights are wrong (relative error 1.4-1.6) when ``all_gather_keep``'s regroup runs in
 a graph that Inductor's async TP (``_micro_pipeline_tp``) also rewrites; without async TP, and for
 ``linear_reduce_scatter_batch`` with it, they match eager's (``tools/sp_async_tp_bisect.py``;
-docs/PERF_NOTES.model.md). The cause inside that pair is not found, so on CUDA tensors the batch > 1
-gather fusion stays off while async TP is on for the graph being compiled. Batch 1 is not affected.
+docs/PERF_NOTES.model.md). The keep's reference implementation (no peer memory) is as wrong as its
+peer-memory one, and on CPU the same async-TP rewrites with torch's reference symm-mem ops are
+right, so the fault lies in the CUDA path of the rewrites async TP makes around the keep; until it
+is found, on CUDA tensors the batch > 1 gather fusion stays off while async TP is on for the graph
+being compiled. Batch 1 is not affected.
 """
 
 from __future__ import annotations
