@@ -87,7 +87,7 @@ def stacked_experts_router(block: nn.Module) -> nn.Module | None:
     """The router of a block whose experts are already stacked, else ``None``: ``experts`` is one
     module holding ``[E, N, K]`` weights (transformers 5's grouped experts, torchtitan's) and
     ``gate`` / ``router`` has a ``[E, hidden]`` weight. Such a block needs no rewrite: its
-    ``torch._grouped_mm`` calls are recognised in the graph
+    ``torch._grouped_mm`` (or transformers' ``grouped_mm_fallback``) calls are recognised in the graph
     (:mod:`opfuse.families.grouped_linear.recognizers`)."""
     experts = getattr(block, "experts", None)
     if not isinstance(experts, nn.Module) or isinstance(experts, (nn.ModuleList, nn.Sequential)):

@@ -61,7 +61,8 @@ def prepare_model(model: nn.Module, *, merge_projections: bool = True, moe: bool
         if router is not None:  # routing stays in high precision under FP8, rewritten block or not
             prepared.routers.add(id(router))
             prepared.notes.append(f"moe: {name or '(model)'} ({type(block).__name__}): experts stored stacked, "
-                                  f"no rewrite needed (their torch._grouped_mm calls are fused in the graph); "
+                                  f"no rewrite needed (their grouped GEMMs, torch._grouped_mm or transformers' "
+                                  f"grouped_mm_fallback, are recognised in the graph; the fusions list says which fused); "
                                   f"router kept in high precision under FP8")
     if merge_projections:
         experts = {id(module) for block in model.modules() if getattr(block, "_opfuse_moe", None) is not None

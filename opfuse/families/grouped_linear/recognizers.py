@@ -7,6 +7,9 @@ op                       aten form
 ``BasicGroupedLinear``   ``_grouped_mm(x, permute(W, [0, 2, 1]), offs)`` with ``x [T, K]``, ``W [G, N, K]``
                          a graph input (a parameter) and ``offs = cumsum(group_sizes, 0)`` computed in
                          the graph from the device group sizes; no bias, no ``out_dtype``
+``BasicGroupedLinear``   ``transformers::grouped_mm_fallback(x, permute(W, [0, 2, 1]), offs)``, the same
+                         form: what transformers 5 calls instead of ``_grouped_mm`` for experts that are
+                         not bfloat16 under torch.compile (a loop over host offsets, one sync per call)
 ``BasicGroupedLinear``   ``opfuse::grouped_linear(x, group_sizes, weight, None, "", impl)``: what a
                          rewritten mixture-of-experts block calls (:mod:`opfuse.torch_compile.moe`),
                          its weight a graph input or a view of graph inputs (the stacked experts)
@@ -34,7 +37,7 @@ from ...machinery.recognizer import Found, Phase, Recognizer
 from ...machinery.region import ParamSource, Region, frozen, is_input, standin
 from ...ops.grouped import BasicGroupedLinear
 
-__all__ = ["grouped_mm", "grouped_linear", "grouped_backward", "weight_source", "RECOGNIZERS"]
+__all__ = ["grouped_mm", "transformers_grouped_mm", "grouped_linear", "grouped_backward", "weight_source", "RECOGNIZERS"]
 
 
 def _group_sizes(offs) -> fx.Node | None:
@@ -54,6 +57,29 @@ def grouped_mm(node: fx.Node, found: Found | None = None) -> Region | None:
     x, b, offs = args[0], args[1], node.kwargs.get("offs", args[2])
     if node.kwargs.get("bias") is not None or node.kwargs.get("out_dtype") is not None or len(node.args) > 3:
         return None
+    return _offsets_region(node, x, b, offs)
+
+
+def _transformers_fallback():
+    """transformers' ``grouped_mm_fallback`` custom op, or ``None`` where transformers has not
+    registered it (not installed, or a version without it)."""
+    try:
+        return torch.ops.transformers.grouped_mm_fallback.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def transformers_grouped_mm(node: fx.Node, found: Found | None = None) -> Region | None:
+    """``BasicGroupedLinear`` anchored at transformers' ``grouped_mm_fallback`` (module docstring):
+    ``_grouped_mm``'s arguments and meaning, zeros past ``offs[-1]`` included."""
+    op = _transformers_fallback()
+    if op is None or not calls(node, op) or len(node.args) != 3 or node.kwargs:
+        return None
+    return _offsets_region(node, *node.args)
+
+
+def _offsets_region(node: fx.Node, x, b, offs) -> Region | None:
+    """The region of a grouped GEMM ``x @ permute(W, [0, 2, 1])`` per group of ``offs``."""
     if not (calls(b, aten.permute.default) and list(b.args[1]) == [0, 2, 1] and is_input(b.args[0])):
         return None
     weight, sizes = b.args[0], _group_sizes(offs)
@@ -114,6 +140,9 @@ def grouped_backward(forward: fx.Node) -> fx.Node | None:
 RECOGNIZERS = (
     Recognizer("grouped_mm", Phase.GEMMS, grouped_mm,
                "BasicGroupedLinear: torch._grouped_mm(x, W.transpose(-2, -1), offs=cumsum(group_sizes))"),
+    Recognizer("transformers_grouped_mm", Phase.GEMMS, transformers_grouped_mm,
+               "BasicGroupedLinear: transformers::grouped_mm_fallback(x, W.transpose(-2, -1), offs=cumsum(group_sizes)) "
+               "(transformers' experts that are not bfloat16 under torch.compile)"),
     Recognizer("grouped_linear_op", Phase.GEMMS, grouped_linear,
                "BasicGroupedLinear: opfuse::grouped_linear (a rewritten mixture-of-experts block)"),
 )
