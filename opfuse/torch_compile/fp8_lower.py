@@ -17,6 +17,8 @@ two things more, which :class:`Fp8Lowering` adds:
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx, nn
 
@@ -25,7 +27,7 @@ from ..core.passes.select import forced_implementations
 from ..families.collective_linear.fp8.op import AllGatherLinearFp8, LinearReduceScatterFp8
 from ..families.grouped_linear.fp8.op import GroupedGemmFp8
 from ..families.grouped_linear.op import GroupedGemm
-from ..families.grouped_linear.recognizers import grouped_backward
+from ..families.grouped_linear.recognizers import grouped_backward, transformers_grouped_backward
 from ..families.linear.fp8.op import Fp8Linear
 from ..families.quantize.op import QuantizeActivation
 from ..families.residual_norm.op import _NormQuantize
@@ -296,6 +298,8 @@ class JointLowering(_Lowering):
                        if name in self.op_graph.regions), None)
         backward = grouped_backward(region.value) if region is not None else None
         if backward is None:
+            if region is not None and not isinstance(module, GroupedGemmFp8):
+                self._replace_transformers_backward(region.value, module)
             return
         dy, x, sizes, weight, bias, fsdp, _impl, need_dx, need_dw, need_db = backward.args
         if not isinstance(module, GroupedGemmFp8):
@@ -310,6 +314,35 @@ class JointLowering(_Lowering):
         # (a different one) to constrain layouts; a node a pass inserted goes without.
         new.meta.update({k: v for k, v in backward.meta.items() if k != "eager_input_vals"})
         backward.replace_all_uses_with(new)
+        self.graph.erase_node(backward)
+
+    def _replace_transformers_backward(self, forward: fx.Node, module) -> None:
+        """transformers' ``grouped_mm_fallback_backward`` (a loop over offsets read on the host) of
+        the recognised ``forward``, replaced by ``grouped_linear_backward`` on the chosen
+        implementation; its weight gradient is laid out as the op's weight argument, ``W``'s
+        transpose, hence the permute. Under FP8 it stays: the forward's FP8 payloads are not its."""
+        backward = transformers_grouped_backward(forward)
+        if backward is None:
+            return
+        x, weight_t, offs, dy = backward.args
+        weight, sizes = weight_t.args[0], offs.args[0]
+        args = (dy, x, sizes, weight, None, "", module.impl, True, True, False)
+        with self.graph.inserting_before(backward):
+            new = self.graph.call_function(torch.ops.opfuse.grouped_linear_backward.default, args)
+            dx = self.graph.call_function(operator.getitem, (new, 0))
+            dw = self.graph.call_function(operator.getitem, (new, 1))
+            dw_t = self.graph.call_function(torch.ops.aten.permute.default, (dw, [0, 2, 1]))
+        with self.fake_mode:
+            fake = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+            out = torch.ops.opfuse.grouped_linear_backward.default(*fake)
+            new.meta["val"], dx.meta["val"], dw.meta["val"] = out, out[0], out[1]
+            dw_t.meta["val"] = out[1].permute(0, 2, 1)
+        for user in list(backward.users):
+            if not (user.op == "call_function" and user.target is operator.getitem):
+                raise LoweringError(f"{backward.name}: transformers' grouped backward read other than by index "
+                                    f"({user.name}: {user.target})")
+            user.replace_all_uses_with(dx if user.args[1] == 0 else dw_t)
+            self.graph.erase_node(user)
         self.graph.erase_node(backward)
 
     def _backward_impl(self, module, grads: LinearGrads, data) -> str:

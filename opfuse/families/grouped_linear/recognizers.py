@@ -25,6 +25,9 @@ multiply by the weight without the transpose (or by a transposed activation) and
 (and, with an FP8 recipe, makes it ``grouped_linear_fp8``). The backward the joint graph already
 holds (``opfuse::grouped_linear_backward`` on the same ``x``, ``group_sizes`` and ``weight``) is
 found by :func:`grouped_backward` for the lowering, which points it at the chosen implementation.
+transformers' fallback op brings its own backward (``grouped_mm_fallback_backward``, the same host
+loop); :func:`transformers_grouped_backward` finds it, and the lowering replaces it by
+``opfuse::grouped_linear_backward`` on the chosen implementation.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from ...machinery.recognizer import Found, Phase, Recognizer
 from ...machinery.region import ParamSource, Region, frozen, is_input, standin
 from ...ops.grouped import BasicGroupedLinear
 
-__all__ = ["grouped_mm", "transformers_grouped_mm", "grouped_linear", "grouped_backward", "weight_source", "RECOGNIZERS"]
+__all__ = ["grouped_mm", "transformers_grouped_mm", "grouped_linear", "grouped_backward",
+           "transformers_grouped_backward", "weight_source", "RECOGNIZERS"]
 
 
 def _group_sizes(offs) -> fx.Node | None:
@@ -134,6 +138,32 @@ def grouped_backward(forward: fx.Node) -> fx.Node | None:
     x, sizes, weight = forward.args[:3]
     found = [u for u in x.users if calls(u, _op("grouped_linear_backward"))
              and u.args[1] is x and u.args[2] is sizes and u.args[3] is weight]
+    return found[0] if len(found) == 1 else None
+
+
+def _transposed_input(node) -> fx.Node | None:
+    """``W`` of ``permute(W, [0, 2, 1])`` with ``W`` a graph input, else ``None``."""
+    if calls(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1] and is_input(node.args[0]):
+        return node.args[0]
+    return None
+
+
+def transformers_grouped_backward(forward: fx.Node) -> fx.Node | None:
+    """transformers' ``grouped_mm_fallback_backward(x, weight, offs, dy)`` of the joint graph that
+    differentiates the ``grouped_mm_fallback`` call ``forward`` (the same ``x`` and offsets, the
+    same weight transposed; the backward takes its own permute of it), if any. It returns
+    ``(dx, dweight)``, ``dweight`` laid out as the op's weight argument."""
+    try:
+        op = torch.ops.transformers.grouped_mm_fallback_backward.default
+    except (AttributeError, RuntimeError):
+        return None
+    fallback = _transformers_fallback()
+    if fallback is None or not calls(forward, fallback):
+        return None
+    x, b, offs = forward.args
+    weight = _transposed_input(b)
+    found = [u for u in x.users if calls(u, op) and len(u.args) == 4 and u.args[0] is x and u.args[2] is offs
+             and weight is not None and _transposed_input(u.args[1]) is weight]
     return found[0] if len(found) == 1 else None
 
 
