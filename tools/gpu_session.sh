@@ -55,6 +55,7 @@
 #   tools/gpu_session.sh s10-isolated  # 2 GPUs (~5 min): train-tp, each variant alone in its own process (A B B A)
 #   tools/gpu_session.sh s11-next      # 2 GPUs (~9 min): the SP batch > 1 + async TP bisect, train-tp isolated A B B A
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
+#   tools/gpu_session.sh s12-next      # 2 GPUs (~7 min): train-sp batch 4 isolated A B B A (scatter fusion + async TP)
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -555,6 +556,12 @@ case "$stage" in
     tests compile_backend_tests 100 -x -q tests/gpu/test_compile_backend.py -k "2]"
     step isolated_sp4 330 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
       --run-timeout 95 --json "$OUT/isolated_sp4.json"
+    final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
+    ;;
+  s12-next)  # 2 GPUs (~7 min; prebuilt modules): train-sp at batch 4 with the GEMM + reduce-scatter fusion next
+             # to async TP, isolated A B B A (batch 4 compiles take more than 95 s)
+    step isolated_sp4 400 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
+      --run-timeout 150 --json "$OUT/isolated_sp4.json"
     final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
