@@ -90,10 +90,10 @@ def test_a_hugging_face_model_generates_as_it_does_eagerly(name):
         assert torch.equal(model.generate(prompt, **settings), eager.generate(prompt, **settings))
 
 
-@pytest.mark.parametrize("name, dtype", [("qwen2_moe", torch.bfloat16), ("qwen2_moe", torch.float32)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name, dtype", [("qwen2_moe", torch.bfloat16), ("qwen2_moe", torch.float16)], ids=["bf16", "fp16"])
 def test_hugging_face_grouped_mm_experts_become_grouped_gemms(name, dtype, tmp_path):
     """transformers 5 runs bf16 experts as ``torch._grouped_mm`` over offsets from a ``histc`` of
-    the expert ids (float counts on CPU), one offsets tensor for every grouped GEMM; other dtypes
+    the expert ids (float counts on CPU), one offsets tensor for every grouped GEMM; float16 experts
     under torch.compile call its ``grouped_mm_fallback`` op (a loop over host offsets) the same way.
     Each becomes opfuse's ``grouped_linear`` (its implementation chosen per shape), with eager's loss
     and gradients; Qwen2-MoE adds a gated shared expert beside them (Mixtral's experts: the FP8
@@ -105,7 +105,7 @@ def test_hugging_face_grouped_mm_experts_become_grouped_gemms(name, dtype, tmp_p
     with opfuse.config.override(dump_dir=str(tmp_path)):
         got = compiled(tokens, labels=tokens)
     want = eager(tokens, labels=tokens)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     torch.testing.assert_close(got.logits, want.logits, atol=tol, rtol=tol)
     got.loss.backward()
     want.loss.backward()
@@ -119,6 +119,16 @@ def test_hugging_face_grouped_mm_experts_become_grouped_gemms(name, dtype, tmp_p
     rules = [f.rule for program in opfuse.programs(compiled) for f in program.fusions]
     # gate + up (one grouped GEMM over [E, 2F, H]) and down, per MoE layer, in the forward.
     assert rules.count("grouped_linear") == 2 * 2, rules
+
+
+def test_hugging_face_float32_experts_stay_with_transformers():
+    """Float32 experts (transformers' ``grouped_mm_fallback`` too) are left as they are: a float32
+    grouped GEMM on FMA units is not known to beat transformers' per-expert SGEMMs."""
+    compiled = opfuse.optimize(_model("qwen2_moe"), options={"inductor": False})
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    compiled(tokens, labels=tokens).loss.backward()
+    rules = [f.rule for program in opfuse.programs(compiled) for f in program.fusions]
+    assert "grouped_linear" not in rules, rules
 
 
 def test_hugging_face_stacked_experts_under_fp8_keep_their_router_in_high_precision():

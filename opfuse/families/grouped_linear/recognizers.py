@@ -9,7 +9,10 @@ op                       aten form
                          the graph from the device group sizes; no bias, no ``out_dtype``
 ``BasicGroupedLinear``   ``transformers::grouped_mm_fallback(x, permute(W, [0, 2, 1]), offs)``, the same
                          form: what transformers 5 calls instead of ``_grouped_mm`` for experts that are
-                         not bfloat16 under torch.compile (a loop over host offsets, one sync per call)
+                         not bfloat16 under torch.compile (a loop over host offsets, one sync per call);
+                         16-bit weights only (float16 in practice): opfuse's grouped kernels are measured
+                         on tensor cores, and against transformers' per-expert cuBLAS SGEMMs a float32
+                         grouped GEMM on FMA units is not known to win, so float32 experts stay as they are
 ``BasicGroupedLinear``   ``opfuse::grouped_linear(x, group_sizes, weight, None, "", impl)``: what a
                          rewritten mixture-of-experts block calls (:mod:`opfuse.torch_compile.moe`),
                          its weight a graph input or a view of graph inputs (the stacked experts)
@@ -78,6 +81,8 @@ def transformers_grouped_mm(node: fx.Node, found: Found | None = None) -> Region
     ``_grouped_mm``'s arguments and meaning, zeros past ``offs[-1]`` included."""
     op = _transformers_fallback()
     if op is None or not calls(node, op) or len(node.args) != 3 or node.kwargs:
+        return None
+    if dtype(node.args[1]) not in (torch.float16, torch.bfloat16):
         return None
     return _offsets_region(node, *node.args)
 
@@ -172,7 +177,7 @@ RECOGNIZERS = (
                "BasicGroupedLinear: torch._grouped_mm(x, W.transpose(-2, -1), offs=cumsum(group_sizes))"),
     Recognizer("transformers_grouped_mm", Phase.GEMMS, transformers_grouped_mm,
                "BasicGroupedLinear: transformers::grouped_mm_fallback(x, W.transpose(-2, -1), offs=cumsum(group_sizes)) "
-               "(transformers' experts that are not bfloat16 under torch.compile)"),
+               "(transformers' float16 experts under torch.compile)"),
     Recognizer("grouped_linear_op", Phase.GEMMS, grouped_linear,
                "BasicGroupedLinear: opfuse::grouped_linear (a rewritten mixture-of-experts block)"),
 )
