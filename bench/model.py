@@ -208,22 +208,6 @@ VARIANT_OPTIMIZE_KWARGS = {"opfuse:sp-batch-on-no-async-tp": {"options": {"_micr
 SP_BATCH_ON = ("opfuse:sp-batch-on", "opfuse:sp-batch-on-no-async-tp")
 
 
-@contextlib.contextmanager
-def sp_batch_fusions_on(enabled: bool):
-    """The batch > 1 sequence-parallel fusions allowed on CUDA tensors while compiling (diagnosis)."""
-    if not enabled:
-        yield
-        return
-    from opfuse.core.passes import sequence_batch
-
-    saved = sequence_batch.async_tp_on
-    sequence_batch.async_tp_on = lambda: False  # what batch_fusion_refused reads at call time
-    try:
-        yield
-    finally:
-        sequence_batch.async_tp_on = saved
-
-
 def opfuse_settings(**settings):
     import opfuse
 
@@ -413,11 +397,14 @@ def worker(rank, world, opts, out_path):
         steps_.update({name: builders[name](models[name]) for name in names[1:] if builders.get(name) is not None})
 
         def step(name):
+            from opfuse.core.passes import sequence_batch
+
             params = [p for p in models[name].parameters() if p.requires_grad]
             settings = EXTRA_VARIANTS.get(name, {})
 
             def run():
-                with opfuse_settings(**settings), sp_batch_fusions_on(name in SP_BATCH_ON), mixed_precision():
+                with opfuse_settings(**settings), sequence_batch.refusal_lifted(name in SP_BATCH_ON), \
+                        mixed_precision():
                     out = steps_[name](ids)
                 return torch.autograd.grad(out, params, grad.to(out.dtype))
 

@@ -82,10 +82,6 @@ def check_variant(rank: int, world: int, variant: str, batch: int, seq: int, cpu
     from opfuse.core.passes import sequence_batch
 
     disabled, async_tp, force_impl = VARIANTS[variant]
-    # Lift the refusal under test through the predicate it reads at call time (the passes import
-    # batch_fusion_refused by name, so replacing that function here would not reach them).
-    refusal = sequence_batch.async_tp_on
-    sequence_batch.async_tp_on = lambda: False
     stand_ins = _cpu_stand_ins() if cpu else None
     found: list = []
     _count_async_tp(found)
@@ -98,14 +94,14 @@ def check_variant(rank: int, world: int, variant: str, batch: int, seq: int, cpu
     try:
         if stand_ins is not None:
             stand_ins[1].__enter__()
-        with config.override(disabled_passes=tuple(disabled), force_impl=force_impl):
+        with config.override(disabled_passes=tuple(disabled), force_impl=force_impl), \
+                sequence_batch.refusal_lifted():  # the pair under test
             errors, programs = llama_tp.run_check(rank, world, "dtensor-sp", True, True, cfg=cfg, dtype=dtype,
                                                   batch=batch, seq=seq, verbose=False,
                                                   options={"_micro_pipeline_tp": async_tp})
     finally:
         if stand_ins is not None:
             stand_ins[1].__exit__(None, None, None)
-        sequence_batch.async_tp_on = refusal
     return errors, sorted(f"{f.rule}={f.impl}" for p in programs for f in p.fusions), found
 
 

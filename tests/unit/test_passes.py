@@ -354,3 +354,10 @@ def test_batch_above_one_sequence_fusions_stay_off_for_cuda_tensors_under_async_
             assert bool(cuda.notes) == async_tp
     assert "gathered: all-gather + GEMM at batch > 1 left unfused on CUDA tensors while Inductor's async TP" \
         in cuda.notes[0]
+    from opfuse.core.passes.sequence_batch import refusal_lifted
+
+    with inductor_config.patch(_micro_pipeline_tp=True):
+        with refusal_lifted():  # the diagnosis tools' way to compile the pair
+            assert not batch_fusion_refused(Ctx("cuda"), node, "all-gather + GEMM")
+        with refusal_lifted(False):
+            assert batch_fusion_refused(Ctx("cuda"), node, "all-gather + GEMM")

@@ -16,10 +16,14 @@ being compiled. Batch 1 is not affected.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import fx
 
-__all__ = ["batch_fusion_refused", "async_tp_on"]
+__all__ = ["batch_fusion_refused", "async_tp_on", "refusal_lifted"]
+
+_lifted = False
 
 
 def async_tp_on() -> bool:
@@ -33,9 +37,21 @@ def async_tp_on() -> bool:
 def batch_fusion_refused(ctx, node: fx.Node, what: str) -> bool:
     """``True`` (with a note for ``explain()``) where a batch > 1 fusion at ``node`` must not run."""
     meta = ctx.meta(node)
-    if meta is None or torch.device(meta.device).type != "cuda" or not async_tp_on():
+    if _lifted or meta is None or torch.device(meta.device).type != "cuda" or not async_tp_on():
         return False
     ctx.note(f"{node.name}: {what} at batch > 1 left unfused on CUDA tensors while Inductor's async TP is on "
              f"(the two together gave wrong weight gradients on GPUs, cause not found: "
              f"opfuse/core/passes/sequence_batch.py)")
     return True
+
+
+@contextlib.contextmanager
+def refusal_lifted(lifted: bool = True):
+    """Compile with the refusal above lifted (``lifted=False``: as it is), to diagnose the pair on
+    GPUs (tools/sp_async_tp_bisect.py, bench/model.py's ``opfuse:sp-batch-on`` variants)."""
+    global _lifted
+    saved, _lifted = _lifted, lifted or _lifted
+    try:
+        yield
+    finally:
+        _lifted = saved

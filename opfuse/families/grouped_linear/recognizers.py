@@ -67,11 +67,11 @@ def grouped_mm(node: fx.Node, found: Found | None = None) -> Region | None:
     return _offsets_region(node, x, b, offs)
 
 
-def _transformers_fallback():
-    """transformers' ``grouped_mm_fallback`` custom op, or ``None`` where transformers has not
+def _transformers_op(name: str):
+    """transformers' custom op ``transformers::<name>``, or ``None`` where transformers has not
     registered it (not installed, or a version without it)."""
     try:
-        return torch.ops.transformers.grouped_mm_fallback.default
+        return getattr(torch.ops.transformers, name).default
     except (AttributeError, RuntimeError):
         return None
 
@@ -79,7 +79,7 @@ def _transformers_fallback():
 def transformers_grouped_mm(node: fx.Node, found: Found | None = None) -> Region | None:
     """``BasicGroupedLinear`` anchored at transformers' ``grouped_mm_fallback`` (module docstring):
     ``_grouped_mm``'s arguments and meaning, zeros past ``offs[-1]`` included."""
-    op = _transformers_fallback()
+    op = _transformers_op("grouped_mm_fallback")
     if op is None or not calls(node, op) or len(node.args) != 3 or node.kwargs:
         return None
     if dtype(node.args[1]) not in (torch.float16, torch.bfloat16):
@@ -87,11 +87,18 @@ def transformers_grouped_mm(node: fx.Node, found: Found | None = None) -> Region
     return _offsets_region(node, *node.args)
 
 
+def _transposed_input(node) -> fx.Node | None:
+    """``W`` of ``permute(W, [0, 2, 1])`` with ``W`` a graph input, else ``None``."""
+    if calls(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1] and is_input(node.args[0]):
+        return node.args[0]
+    return None
+
+
 def _offsets_region(node: fx.Node, x, b, offs) -> Region | None:
     """The region of a grouped GEMM ``x @ permute(W, [0, 2, 1])`` per group of ``offs``."""
-    if not (calls(b, aten.permute.default) and list(b.args[1]) == [0, 2, 1] and is_input(b.args[0])):
+    weight, sizes = _transposed_input(b), _group_sizes(offs)
+    if weight is None:
         return None
-    weight, sizes = b.args[0], _group_sizes(offs)
     x_shape, w_shape = shape(x), shape(weight)
     if sizes is None or x_shape is None or w_shape is None or len(x_shape) != 2 or len(w_shape) != 3:
         return None
@@ -146,29 +153,20 @@ def grouped_backward(forward: fx.Node) -> fx.Node | None:
     return found[0] if len(found) == 1 else None
 
 
-def _transposed_input(node) -> fx.Node | None:
-    """``W`` of ``permute(W, [0, 2, 1])`` with ``W`` a graph input, else ``None``."""
-    if calls(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1] and is_input(node.args[0]):
-        return node.args[0]
-    return None
-
-
 def transformers_grouped_backward(forward: fx.Node) -> fx.Node | None:
     """transformers' ``grouped_mm_fallback_backward(x, weight, offs, dy)`` of the joint graph that
     differentiates the ``grouped_mm_fallback`` call ``forward`` (the same ``x`` and offsets, the
     same weight transposed; the backward takes its own permute of it), if any. It returns
     ``(dx, dweight)``, ``dweight`` laid out as the op's weight argument."""
-    try:
-        op = torch.ops.transformers.grouped_mm_fallback_backward.default
-    except (AttributeError, RuntimeError):
-        return None
-    fallback = _transformers_fallback()
-    if fallback is None or not calls(forward, fallback):
+    op, fallback = _transformers_op("grouped_mm_fallback_backward"), _transformers_op("grouped_mm_fallback")
+    if op is None or fallback is None or not calls(forward, fallback):
         return None
     x, b, offs = forward.args
     weight = _transposed_input(b)
+    if weight is None:
+        return None
     found = [u for u in x.users if calls(u, op) and len(u.args) == 4 and u.args[0] is x and u.args[2] is offs
-             and weight is not None and _transposed_input(u.args[1]) is weight]
+             and _transposed_input(u.args[1]) is weight]
     return found[0] if len(found) == 1 else None
 
 
