@@ -1,4 +1,4 @@
-"""The FP8 variants of bench/model.py (``--fp8 tensor|row``, issue 27): opfuse.optimize with the
+"""The FP8 variants of bench/model.py (``--fp8 tensor|tensor-pow2|row``, issue 27): opfuse.optimize with the
 recipe (the output head kept in bfloat16), and torchao's float8 training + torch.compile with the
 same recipe and filter as a baseline column where ``torchao`` imports.
 
@@ -10,9 +10,12 @@ hosts in ``.thirdparty/wheels/`` (tools/gpu_session.sh ``install_bench_wheels``)
 
 from __future__ import annotations
 
-__all__ = ["recipe", "keep_high_precision", "torchao_compiler"]
+__all__ = ["RECIPE_NAMES", "recipe", "keep_high_precision", "torchao_compiler"]
 
-_TORCHAO_RECIPES = {"tensor": "tensorwise", "row": "rowwise"}
+#: ``--fp8`` choices -> torchao's recipe for its column (``tensor-pow2``: opfuse's power-of-two weight
+#: scales, quantized in one read; torchao runs its standard tensorwise recipe beside it).
+_TORCHAO_RECIPES = {"tensor": "tensorwise", "tensor-pow2": "tensorwise", "row": "rowwise"}
+RECIPE_NAMES = tuple(_TORCHAO_RECIPES)
 
 
 def recipe(name: str | None):
@@ -21,7 +24,8 @@ def recipe(name: str | None):
         return None
     import opfuse
 
-    return {"tensor": opfuse.fp8.TensorScaling(), "row": opfuse.fp8.RowwiseScaling()}[name]
+    return {"tensor": opfuse.fp8.TensorScaling(), "tensor-pow2": opfuse.fp8.TensorScaling(pow2_weight_scales=True),
+            "row": opfuse.fp8.RowwiseScaling()}[name]
 
 
 def keep_high_precision(fqn: str, module) -> bool:

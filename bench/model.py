@@ -44,7 +44,7 @@ The A/A control: every training case also times ``compile:again``, a second torc
 H100 (docs/PERF_NOTES.model.md, session 9), so an in-process ratio nearer 1 than the A/A ratio is
 noise; bench/model_isolated.py times each variant alone in its own process (``--only``) instead.
 
-FP8 and merged projections (issue 27): ``--fp8 tensor|row`` adds ``opfuse fp8`` (opfuse.optimize(fp8=
+FP8 and merged projections (issue 27): ``--fp8 tensor|tensor-pow2|row`` adds ``opfuse fp8`` (opfuse.optimize(fp8=
 recipe), output head in bf16) and, where ``torchao`` imports, ``torchao fp8`` (torchao float8 +
 torch.compile, tp cases) to the training cases (targets: <= 0.75x compile bf16, <= 0.92x torchao);
 ``--merge-ab`` adds ``opfuse unmerged`` (merge_projections=False) to decode (target: merged <= 0.97x).
@@ -493,7 +493,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="a kernel table per variant and case")
     parser.add_argument("--merge-ab", action="store_true",
                         help="issue 27: also decode with opfuse.optimize(merge_projections=False)")
-    parser.add_argument("--fp8", choices=["tensor", "row"], default=None,
+    parser.add_argument("--fp8", choices=fp8_variants.RECIPE_NAMES, default=None,
                         help="issue 27: training cases also run opfuse in FP8, and torchao float8 where it imports")
     parser.add_argument("--only", choices=list(ONLY_CHOICES), default=None,
                         help="training cases: compile and time this variant alone in the process (no other "

@@ -12,10 +12,10 @@ order cancels a linear drift of the GPU's clocks across the runs.
     python3 bench/model_isolated.py --cpu --cases train-tp --train 16   # the code paths (gloo; no timings)
 
 Method: ``--rounds`` repetitions of A B B A (``--pair A B``; default A = torch.compile, B = opfuse;
-``--pair "torchao fp8" "opfuse fp8" --fp8 tensor`` compares the FP8 variants); every run is a fresh
-``bench/model.py --only`` process (its own NCCL group, compile and round-robin timing). Reported per
-case: each run's time, the mean per variant, the spread (max / min - 1) within a variant, and
-B / A of the means.
+``--pair "torchao fp8" "opfuse fp8" --fp8 tensor`` compares the FP8 variants; three or more variants
+run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
+compile and round-robin timing). Reported per case: each run's time, the mean per variant, the
+spread (max / min - 1) within a variant, and each later variant's mean over A's.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import common  # noqa: E402  (bench/common.py)
+from fp8_variants import RECIPE_NAMES as FP8_RECIPES  # noqa: E402
 from block_report import fmt, ratio  # noqa: E402
 
 #: The variants bench/model.py's ``--only`` runs (its ONLY_CHOICES).
@@ -38,24 +39,25 @@ VARIANTS = ("compile", "opfuse", "opfuse fp8", "torchao fp8")
 
 
 def run_order(rounds: int, pair=("compile", "opfuse")) -> list[str]:
-    """The variants in the order they run: ``rounds`` times A B B A for ``pair = (A, B)``."""
+    """The variants in the order they run: ``rounds`` times A B B A for ``pair = (A, B)`` (A B C C B
+    A for three), so a linear drift of the GPU's clocks cancels in every mean."""
     if rounds < 1:
         raise ValueError(f"--rounds {rounds}: must be >= 1")
-    a, b = pair
-    return [a, b, b, a] * rounds
+    return (list(pair) + list(reversed(pair))) * rounds
 
 
 def combine(runs: list[tuple[str, dict]], pair=("compile", "opfuse")) -> list[dict]:
     """One row per (world, case, shape) from ``[(variant, bench/model.py JSON), ...]``: the times of
-    each variant's runs, their mean and spread, and B / A of the means for ``pair = (A, B)``."""
-    base, ours = pair
+    each variant's runs, their mean and spread, and each later variant's mean over the first's
+    (``ratio``: the second's; ``ratio V``: variant V's)."""
+    base, ours = pair[0], pair[1]
     found: dict = {}
     for variant, data in runs:
         for world, result in data["results"].items():
             for row in result["rows"]:
                 key = (world, row["case"], row["shape"])
                 entry = found.setdefault(key, {"world": world, "case": row["case"], "shape": row["shape"],
-                                               base: [], ours: []})
+                                               **{v: [] for v in pair}})
                 if row.get(variant) is not None:
                     entry[variant].append(row[variant])
     rows = []
@@ -64,20 +66,23 @@ def combine(runs: list[tuple[str, dict]], pair=("compile", "opfuse")) -> list[di
             times = entry[variant]
             entry[f"{variant} mean"] = statistics.fmean(times) if times else None
             entry[f"{variant} spread"] = max(times) / min(times) - 1 if len(times) > 1 else None
-        entry["ratio"] = ratio(entry[f"{ours} mean"], entry[f"{base} mean"])
+        for variant in pair[1:]:
+            entry[f"ratio {variant}"] = ratio(entry[f"{variant} mean"], entry[f"{base} mean"])
+        entry["ratio"] = entry[f"ratio {ours}"]
         rows.append(entry)
     return rows
 
 
 def table(rows: list[dict], pair=("compile", "opfuse")) -> str:
-    a, b = pair
-    out = [f"| world | case | shape | {a} runs | {b} runs | {a} mean | {b} mean | spread {a} | spread {b} | "
-           f"{b} / {a} |", "|" + "---|" * 10]
+    base, later = pair[0], pair[1:]
+    head = ([f"{v} runs" for v in pair] + [f"{v} mean" for v in pair] + [f"spread {v}" for v in pair]
+            + [f"{v} / {base}" for v in later])
+    out = ["| world | case | shape | " + " | ".join(head) + " |", "|" + "---|" * (3 + len(head))]
     for r in rows:
         spread = lambda v: "-" if r[f"{v} spread"] is None else f"{100 * r[f'{v} spread']:.1f}%"  # noqa: E731
-        out.append(f"| {r['world']} | {r['case']} | {r['shape']} | {' '.join(fmt(t) for t in r[a])} | "
-                   f"{' '.join(fmt(t) for t in r[b])} | {fmt(r[f'{a} mean'])} | {fmt(r[f'{b} mean'])} | "
-                   f"{spread(a)} | {spread(b)} | {fmt(r['ratio'], 3)} |")
+        cells = ([" ".join(fmt(t) for t in r[v]) for v in pair] + [fmt(r[f"{v} mean"]) for v in pair]
+                 + [spread(v) for v in pair] + [fmt(r[f"ratio {v}"], 3) for v in later])
+        out.append(f"| {r['world']} | {r['case']} | {r['shape']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -117,20 +122,20 @@ def measure(args, passthrough: list[str]) -> dict:
 def main() -> int:
     parser = common.parser("model_isolated", __doc__)
     parser.add_argument("--cases", nargs="+", choices=["train-tp", "train-sp"], default=["train-tp", "train-sp"])
-    parser.add_argument("--pair", nargs=2, choices=VARIANTS, default=["compile", "opfuse"], metavar="VARIANT",
-                        help=f"the two variants compared, A B (default compile opfuse; of {', '.join(VARIANTS)}; "
-                             f"the fp8 ones need --fp8 tensor|row)")
-    parser.add_argument("--fp8", choices=["tensor", "row"], default=None, help="bench/model.py's --fp8 recipe")
+    parser.add_argument("--pair", nargs="+", choices=VARIANTS, default=["compile", "opfuse"], metavar="VARIANT",
+                        help=f"the variants compared, A B [C ...] (default compile opfuse; of {', '.join(VARIANTS)}; "
+                             f"the fp8 ones need --fp8)")
+    parser.add_argument("--fp8", choices=FP8_RECIPES, default=None, help="bench/model.py's --fp8 recipe")
     parser.add_argument("--rounds", type=int, default=1, help="repetitions of A B B A (default 1: four runs)")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one run may take")
     parser.add_argument("--cpu", action="store_true", help="gloo + CPU dry run (timings mean nothing)")
     args, passthrough = parser.parse_known_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: must be >= 1")
-    if args.pair[0] == args.pair[1]:
-        parser.error(f"--pair {' '.join(args.pair)}: two different variants")
+    if len(args.pair) < 2 or len(set(args.pair)) != len(args.pair):
+        parser.error(f"--pair {' '.join(args.pair)}: two different variants or more, each once")
     if any("fp8" in v for v in args.pair) and not args.fp8:
-        parser.error(f"--pair {' '.join(args.pair)}: the fp8 variants need --fp8 tensor|row")
+        parser.error(f"--pair {' '.join(args.pair)}: the fp8 variants need --fp8 {'|'.join(FP8_RECIPES)}")
     refused = [flag for flag in passthrough if flag.split("=")[0] in ("--only", "--variants", "--merge-ab",
                                                                        "--decode", "--no-aa", "--profile")]
     if refused:

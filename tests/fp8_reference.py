@@ -7,9 +7,18 @@ import torch
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
-def fq(x, dtype, rowwise, amax=None):
+def pow2_floor(ratio):
+    """The largest power of two <= ``ratio`` (float32, > 0; infinite for a subnormal amax), the
+    exponent clamped to [-126, 126]."""
+    _, exponent = torch.frexp(ratio.double())  # ratio = m * 2**exponent, m in [0.5, 1)
+    exponent = torch.where(torch.isinf(ratio), torch.full_like(exponent, 127), exponent)
+    return torch.pow(2.0, (exponent - 1).clamp(-126, 126).double()).float()
+
+
+def fq(x, dtype, rowwise, amax=None, pow2=False):
     """The documented quantization, written out here: float64 value of quantize -> dequantize of 2-D
-    ``x`` along its rows (float32 scales); ``amax`` overrides the tensor's."""
+    ``x`` along its rows (float32 scales); ``amax`` overrides the tensor's; ``pow2``: the scale
+    rounded down to a power of two."""
     x = x.float()
     if amax is None:
         if x.numel() == 0:
@@ -17,18 +26,20 @@ def fq(x, dtype, rowwise, amax=None):
         amax = x.abs().amax(-1, keepdim=True) if rowwise else x.abs().amax().reshape(1, 1)
     limit = {E4M3: 448.0, E5M2: 57344.0}[dtype]
     scale = torch.where(amax > 0, torch.full_like(amax, limit) / amax, torch.ones_like(amax))
+    if pow2:
+        scale = torch.where(amax > 0, pow2_floor(scale), torch.ones_like(amax))
     q = (x * scale).clamp(-limit, limit).to(dtype)
     return q.double() * (torch.ones_like(scale) / scale).double()
 
 
 def linear_reference(x, w, b, dy, recipe):
     """float64 ``(y, dx, dW, db)`` of an FP8 linear with ``recipe`` (the table of opfuse.fp8.linear)."""
-    rw, g = recipe.rowwise, recipe.grad_dtype
+    rw, g, pow2 = recipe.rowwise, recipe.grad_dtype, recipe.pow2_weight_scales
     x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     xq = fq(x2, E4M3, rw)
-    y = xq @ fq(w, E4M3, rw).t() + (b.double() if b is not None else 0)
+    y = xq @ fq(w, E4M3, rw, pow2=pow2).t() + (b.double() if b is not None else 0)
     dyq = fq(dy2, g, rw)
-    wt = fq(w, E4M3, False).t() if not rw else fq(w.t(), E4M3, True)
+    wt = fq(w, E4M3, False, pow2=pow2).t() if not rw else fq(w.t(), E4M3, True)
     dx = dyq @ wt.t()
     if recipe.fp8_wgrad:
         dyt = dyq.t() if not rw else fq(dyq.t(), g, True)

@@ -55,7 +55,9 @@
 #   tools/gpu_session.sh s10-isolated  # 2 GPUs (~5 min): train-tp, each variant alone in its own process (A B B A)
 #   tools/gpu_session.sh s11-next      # 2 GPUs (~9 min): the SP batch > 1 + async TP bisect, train-tp isolated A B B A
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
-#   tools/gpu_session.sh s12-next      # 2 GPUs (~7 min): train-sp batch 4 isolated A B B A (scatter fusion + async TP)
+#   tools/gpu_session.sh s12-fp8       # 2 GPUs (~8 min): pow2 weight scales: GPU tests, quantizer bench, vs torchao
+#   tools/gpu_session.sh s12-fp8-compile  # 2 GPUs (~6 min): opfuse FP8 (pow2 weights) vs torch.compile bf16
+#   tools/gpu_session.sh s12-next      # 2 GPUs (~9 min): train-sp batch 4 isolated A B B A (scatter fusion + async TP)
 #   tools/gpu_session.sh model-timeline  # 2 GPUs (~7 min): train-tp/train-sp kernel tables + one step's host and
 #                                      # device timeline (idle gaps by cause), then the residual-norm/Lamport tests
 #   tools/gpu_session.sh world8        # 8 GPUs: the world-8 tests
@@ -560,9 +562,27 @@ case "$stage" in
     ;;
   s12-next)  # 2 GPUs (~7 min; prebuilt modules): train-sp at batch 4 with the GEMM + reduce-scatter fusion next
              # to async TP, isolated A B B A (batch 4 compiles take more than 95 s)
-    step isolated_sp4 400 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
-      --run-timeout 150 --json "$OUT/isolated_sp4.json"
+    step isolated_sp4 540 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
+      --run-timeout 160 --json "$OUT/isolated_sp4.json"
     final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
+    ;;
+  s12-fp8)  # 2 GPUs (~8 min; prebuilt modules, .thirdparty/wheels carried): power-of-two weight scales (issue 27):
+            # the one-read quantizer's GPU tests, its bench against Inductor's quantization and the copy floor,
+            # then opfuse FP8 (pow2 weights) against torchao float8, each variant alone (train-tp 2048)
+    install_bench_wheels
+    tests fp8_pow2_tests 120 -x -q tests/gpu/test_fp8.py -k "one_read or pow2"
+    CUDA_VISIBLE_DEVICES=0 step fp8_weight_quant 90 python3 bench/fp8_weight_quant.py --json "$OUT/fp8_weight_quant.json"
+    PYTHONPATH=.:/tmp/site-bench step isolated_fp8_torchao 380 python3 bench/model_isolated.py --world 2 \
+      --cases train-tp --train 2048 --train-batch 1 --fp8 tensor-pow2 --pair "torchao fp8" "opfuse fp8" \
+      --run-timeout 110 --json "$OUT/isolated_fp8_torchao.json"
+    final_summary() { sed -n '/^one weight/,$p' "$OUT/fp8_weight_quant.log"; grep -h -E "^(\[|\||note)" \
+                      "$OUT"/isolated_*.log | grep -v "^|---"; }
+    ;;
+  s12-fp8-compile)  # 2 GPUs (~6 min): opfuse FP8 (pow2 weights) against torch.compile bf16, each variant alone
+    step isolated_fp8_compile 380 python3 bench/model_isolated.py --world 2 --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8" --run-timeout 110 \
+      --json "$OUT/isolated_fp8_compile.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_*.log | grep -v "^|---"; }
     ;;
   model-timeline)  # 2 GPUs (~7 min with the build): where training steps lose time (issue 26): train-tp and
                    # train-sp with kernel tables and one step's host + device timeline per variant, then the

@@ -46,7 +46,7 @@ def input_operand(x: torch.Tensor, recipe: Recipe) -> Quantized:
 
 
 def weight_operand(weight: torch.Tensor, recipe: Recipe) -> Quantized:
-    return quantize(weight, recipe.forward_dtype, recipe.rowwise)
+    return quantize(weight, recipe.forward_dtype, recipe.rowwise, pow2=recipe.pow2_weight_scales)
 
 
 def grad_operand(dy2d: torch.Tensor, recipe: Recipe) -> Quantized:
@@ -57,7 +57,7 @@ def weight_t_operand(weight: torch.Tensor, wq: Quantized | None, recipe: Recipe)
     """W.T ``[K, N]`` for dgrad."""
     if not recipe.rowwise and wq is not None:
         return wq.t()
-    return quantize(weight.t(), recipe.forward_dtype, recipe.rowwise)
+    return quantize(weight.t(), recipe.forward_dtype, recipe.rowwise, pow2=recipe.pow2_weight_scales)
 
 
 def grad_t_operand(dyq: Quantized, recipe: Recipe) -> Quantized:

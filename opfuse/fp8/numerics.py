@@ -24,7 +24,7 @@ import torch
 from .recipe import FP8_DTYPES
 
 __all__ = ["Quantized", "fp8_max", "amax", "scales_from_amax", "cast", "quantize", "dequantize", "emulated_mm",
-           "row_mask"]
+           "row_mask", "POW2_EXPONENTS", "pow2_exponent", "pow2_scales", "pow2_scales_from_amax"]
 
 
 class Quantized(typing.NamedTuple):
@@ -83,6 +83,32 @@ def scales_from_amax(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     return scale, one / scale
 
 
+#: The exponents a power-of-two scale may take: its reciprocal stays a normal float32.
+POW2_EXPONENTS = (-126, 126)
+
+
+def pow2_exponent(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int32 ``floor(log2(fp8_max / a))`` for amax ``a``, read off the exponent bits of the
+    float32 quotient (correctly rounded, as the kernels compute it), clamped to
+    :data:`POW2_EXPONENTS`; 0 where ``a`` is 0 (or NaN)."""
+    a = a.float()
+    ratio = torch.full_like(a, fp8_max(dtype)) / a
+    exponent = ((ratio.view(torch.int32) >> 23) & 0xFF) - 127
+    exponent = exponent.clamp(*POW2_EXPONENTS)
+    return torch.where(a > 0, exponent, torch.zeros_like(exponent))
+
+
+def pow2_scales(exponent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2**e, 2**-e)`` (float32, exact) for int32 exponents ``e``."""
+    return (((exponent + 127) << 23).view(torch.float32), ((127 - exponent) << 23).view(torch.float32))
+
+
+def pow2_scales_from_amax(a: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, scale_inv)``: ``fp8_max / a`` rounded down to a power of two (1 where ``a`` is 0).
+    ``|x| * scale <= fp8_max`` still holds for every ``|x| <= a``, so nothing saturates."""
+    return pow2_scales(pow2_exponent(a, dtype))
+
+
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``saturate(x * scale)`` in ``dtype`` (``scale`` broadcasts over the rows)."""
     limit = fp8_max(dtype)
@@ -90,13 +116,14 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, amax_value: torch.Tensor | None = None,
-             valid_rows: torch.Tensor | None = None) -> Quantized:
+             valid_rows: torch.Tensor | None = None, pow2: bool = False) -> Quantized:
     """Quantize 2-D ``x`` along its last dim (module docstring). ``amax_value`` overrides the
-    amax (e.g. one all-reduced over a process group)."""
+    amax (e.g. one all-reduced over a process group); ``pow2`` rounds the scales down to powers
+    of two (:func:`pow2_scales_from_amax`)."""
     if x.dim() != 2:
         raise ValueError(f"opfuse.fp8.quantize: expected a 2-D operand, got shape {list(x.shape)}")
     a = amax(x, rowwise, valid_rows) if amax_value is None else amax_value
-    scale, scale_inv = scales_from_amax(a, dtype)
+    scale, scale_inv = (pow2_scales_from_amax if pow2 else scales_from_amax)(a, dtype)
     return Quantized(cast(x, scale, dtype), scale_inv)
 
 

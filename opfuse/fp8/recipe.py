@@ -45,6 +45,8 @@ class Recipe:
     grad_dtype: torch.dtype = E5M2
     #: Run the weight-gradient GEMM in FP8 (else in the parameter dtype).
     fp8_wgrad: bool = True
+    #: Round each dense weight's scale down to a power of two (:class:`TensorScaling` only).
+    pow2_weight_scales: bool = False
 
     def __post_init__(self):
         if type(self) is Recipe:
@@ -54,6 +56,12 @@ class Recipe:
                              f"torch.float8_e4m3fn")
         if not isinstance(self.fp8_wgrad, bool):
             raise ValueError(f"{type(self).__name__}: fp8_wgrad={self.fp8_wgrad!r}; expected True or False")
+        if not isinstance(self.pow2_weight_scales, bool):
+            raise ValueError(f"{type(self).__name__}: pow2_weight_scales={self.pow2_weight_scales!r}; expected True "
+                             f"or False")
+        if self.pow2_weight_scales and self.granularity != "tensor":
+            raise ValueError(f"{type(self).__name__}: pow2_weight_scales=True; accepted with TensorScaling only (one "
+                             f"scale per weight)")
 
     @property
     def forward_dtype(self) -> torch.dtype:
@@ -68,15 +76,25 @@ class Recipe:
         """A short string naming this recipe (custom ops carry it; :func:`recipe_from_key`
         inverts it), e.g. ``"tensor/e4m3/e5m2/wgrad-fp8"``."""
         wgrad = "fp8" if self.fp8_wgrad else "hp"
-        return f"{self.granularity}/{_SHORT[self.forward_dtype]}/{_SHORT[self.grad_dtype]}/wgrad-{wgrad}"
+        key = f"{self.granularity}/{_SHORT[self.forward_dtype]}/{_SHORT[self.grad_dtype]}/wgrad-{wgrad}"
+        return key + ("/w-pow2" if self.pow2_weight_scales else "")
 
     def describe(self) -> str:
-        return f"{type(self).__name__}(grad={_SHORT[self.grad_dtype]}" + ("" if self.fp8_wgrad else ", wgrad=hp") + ")"
+        return (f"{type(self).__name__}(grad={_SHORT[self.grad_dtype]}" + ("" if self.fp8_wgrad else ", wgrad=hp")
+                + (", pow2 weight scales" if self.pow2_weight_scales else "") + ")")
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorScaling(Recipe):
     """One scale per tensor, from its current amax; gradients in E5M2 by default.
+
+    ``pow2_weight_scales=True`` rounds each dense weight's scale ``fp8_max / amax`` down to a
+    power of two (activations and gradients keep exact scales; MoE experts' weights too). The
+    quantized weight then depends on its amax only through the amax's exponent, so a weight is
+    quantized in one read: with the exponent of its previous step, checked against the amax
+    that the same pass computes, and done again only when the exponent moved (rare: a weight's
+    amax drifts slowly). The results equal a two-pass quantization with the same scales bit
+    for bit; the cost is up to one bit of the FP8 range left unused by the weights.
 
     Examples
     --------
@@ -111,11 +129,12 @@ _BY_SHORT = {v: k for k, v in _SHORT.items()}
 def recipe_from_key(key: str) -> Recipe:
     """The recipe :meth:`Recipe.key` named."""
     try:
-        granularity, forward, grad, wgrad = key.split("/")
+        granularity, forward, grad, wgrad, *extra = key.split("/")
         cls = _BY_GRANULARITY[granularity]
-        if _BY_SHORT[forward] != E4M3 or wgrad not in ("wgrad-fp8", "wgrad-hp"):
+        if _BY_SHORT[forward] != E4M3 or wgrad not in ("wgrad-fp8", "wgrad-hp") or extra not in ([], ["w-pow2"]):
             raise KeyError(forward)
-        return cls(grad_dtype=_BY_SHORT[grad], fp8_wgrad=wgrad == "wgrad-fp8")
+        return cls(grad_dtype=_BY_SHORT[grad], fp8_wgrad=wgrad == "wgrad-fp8", pow2_weight_scales=bool(extra))
     except (KeyError, ValueError):
         raise ValueError(f"opfuse.fp8: recipe key {key!r}; expected e.g. 'tensor/e4m3/e5m2/wgrad-fp8' "
-                         f"(granularity tensor|row, grad e5m2|e4m3, wgrad-fp8|wgrad-hp)") from None
+                         f"(granularity tensor|row, grad e5m2|e4m3, wgrad-fp8|wgrad-hp, then optionally "
+                         f"/w-pow2)") from None

@@ -12,7 +12,8 @@ add + norm + quantize) stay opfuse kernels: they hand their ``(data, scale)`` to
 
 The arithmetic is the recipe's definition (:mod:`opfuse.fp8.numerics`): amax = max |x|,
 scale = fp8_max / amax (1 where amax is 0), data = saturate(x * scale), dequantization factor
-1 / scale; GEMMs accumulate in float32 and round once. It applies to one scale per tensor
+1 / scale; GEMMs accumulate in float32 and round once. With ``pow2_weight_scales`` the weights'
+scales are powers of two and their quantization is opfuse's one-read custom op instead. It applies to one scale per tensor
 (``TensorScaling``) on ``fp8_linear`` (:func:`applies` says where). The collective FP8 GEMMs
 (all-gather / reduce-scatter) keep a custom op for their forward, and their backward GEMMs are
 :class:`Backward`; per-row scales keep the custom ops throughout.
@@ -25,6 +26,7 @@ import math
 import torch
 from torch import nn
 
+from ..families.quantize import weight_pow2
 from ..fp8.numerics import fp8_max, scales_from_amax
 
 __all__ = ["IMPLEMENTATIONS", "applies", "quantize", "scaled_mm", "GemmQuantizing", "GemmFromPayload", "Backward"]
@@ -59,6 +61,25 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
     return data, scale_inv, (data.t().contiguous() if transpose else None)
 
 
+class _WeightQuantizer(nn.Module):
+    """Quantizes ``weight`` per the recipe: the aten ops of :func:`quantize`, or with
+    ``pow2_weight_scales`` opfuse's one-read quantizer (``opfuse::quantize_weight_pow2``, one hint
+    per module: see :mod:`opfuse.families.quantize.weight_pow2`), which Inductor calls as it is."""
+
+    def __init__(self, weight: nn.Parameter, recipe):
+        super().__init__()
+        self.weight, self.recipe = weight, recipe
+        self.hint_key = weight_pow2.new_key() if recipe.pow2_weight_scales else None
+
+    def quantize_weight(self, transpose: bool):
+        dtype = self.recipe.forward_dtype
+        if self.hint_key is None:
+            return quantize(self.weight, dtype, transpose)
+        data, scale_inv, data_t = torch.ops.opfuse.quantize_weight_pow2(
+            self.weight, self.hint_key, weight_pow2.dtype_name(dtype), transpose)
+        return data, scale_inv, (data_t if transpose else None)
+
+
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
               out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize(a) @ dequantize(b).T (+ bias)``: ``a`` ``[M, K]``, ``b`` ``[N, K]`` (rows =
@@ -66,50 +87,50 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: 
     return torch._scaled_mm(a, b.t(), a_scale.reshape(()), b_scale.reshape(()), bias=bias, out_dtype=out_dtype)
 
 
-class GemmQuantizing(nn.Module):
+class GemmQuantizing(_WeightQuantizer):
     """``y = x @ W.T (+ b)`` quantizing ``x`` and ``W``: ``(y, x_data, x_scale)``, then ``x_data_t``
     when ``want_t`` (the FP8 weight gradient reads it), then ``(w_data_t, w_scale)`` when
     ``want_weight_t`` (the data gradient's ``W`` operand, written here from the same amax so that
     the backward does not quantize every weight again)."""
 
     def __init__(self, weight: nn.Parameter, bias, recipe, want_t: bool, want_weight_t: bool = False):
-        super().__init__()
-        self.weight, self.bias, self.recipe = weight, bias, recipe
+        super().__init__(weight, recipe)
+        self.bias = bias
         self.want_t, self.want_weight_t = want_t, want_weight_t
 
     def forward(self, x):
         data, scale, data_t = quantize(x, self.recipe.forward_dtype, self.want_t)
-        w_data, w_scale, w_data_t = quantize(self.weight, self.recipe.forward_dtype, self.want_weight_t)
+        w_data, w_scale, w_data_t = self.quantize_weight(self.want_weight_t)
         y = scaled_mm(data, scale, w_data, w_scale, x.dtype, self.bias)
         return (y, data, scale) + ((data_t,) if self.want_t else ()) + \
             ((w_data_t, w_scale) if self.want_weight_t else ())
 
 
-class GemmFromPayload(nn.Module):
+class GemmFromPayload(_WeightQuantizer):
     """``y`` from an input quantized upstream (``data``, ``scale``); with ``want_weight_t``
     ``(y, w_data_t, w_scale)`` (:class:`GemmQuantizing`)."""
 
     def __init__(self, weight: nn.Parameter, bias, recipe, out_dtype: torch.dtype, want_weight_t: bool = False):
-        super().__init__()
-        self.weight, self.bias, self.recipe, self.out_dtype = weight, bias, recipe, out_dtype
+        super().__init__(weight, recipe)
+        self.bias, self.out_dtype = bias, out_dtype
         self.want_weight_t = want_weight_t
 
     def forward(self, data, scale):
-        w_data, w_scale, w_data_t = quantize(self.weight, self.recipe.forward_dtype, self.want_weight_t)
+        w_data, w_scale, w_data_t = self.quantize_weight(self.want_weight_t)
         k = data.shape[-1]
         y = scaled_mm(data.reshape(-1, k), scale, w_data, w_scale, self.out_dtype, self.bias)
         return (y, w_data_t, w_scale) if self.want_weight_t else y
 
 
-class Backward(nn.Module):
+class Backward(_WeightQuantizer):
     """``(dx, dW)`` of an FP8 linear from ``dy`` and the FP8 ``x`` its forward kept (``data_t``:
     its transposed bytes where the forward wrote them; ``w_data_t``, ``w_scale``: ``W``'s
     transposed bytes and scale where the forward wrote them, else quantized here). Empty where not
     needed."""
 
     def __init__(self, weight: nn.Parameter, recipe, need_dx: bool, need_dw: bool):
-        super().__init__()
-        self.weight, self.recipe, self.need_dx, self.need_dw = weight, recipe, need_dx, need_dw
+        super().__init__(weight, recipe)
+        self.need_dx, self.need_dw = need_dx, need_dw
 
     def forward(self, dy, data, scale, data_t=None, w_data_t=None, w_scale=None):
         r = self.recipe
@@ -121,7 +142,7 @@ class Backward(nn.Module):
             dy_data, dy_scale, dy_t = quantize(dy2, r.grad_dtype, transpose=fp8_wgrad)
         if self.need_dx:
             if w_data_t is None:
-                _, w_scale, w_data_t = quantize(self.weight, r.forward_dtype, transpose=True)
+                _, w_scale, w_data_t = self.quantize_weight(transpose=True)
             # dx = dy @ W: W's bytes transposed keep W's scale (one per tensor).
             dx = scaled_mm(dy_data, dy_scale, w_data_t, w_scale, dy.dtype)
         if self.need_dw:

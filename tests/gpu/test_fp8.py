@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DEV = "cuda"
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = {"tensor": fp8.TensorScaling(), "row": fp8.RowwiseScaling(), "tensor-hp-wgrad": fp8.TensorScaling(
-    fp8_wgrad=False), "row-fp8-wgrad": fp8.RowwiseScaling(fp8_wgrad=True)}
+    fp8_wgrad=False), "row-fp8-wgrad": fp8.RowwiseScaling(fp8_wgrad=True),
+    "tensor-pow2-weights": fp8.TensorScaling(pow2_weight_scales=True)}
 
 
 def fp8_gemms() -> bool:
@@ -64,6 +65,77 @@ def test_quantizers_match_numerics_bit_for_bit(dtype, shape, fmt):
     assert torch.equal(got.scale_inv, want.scale_inv)
     zero = torch.zeros(5, 32, device=DEV, dtype=dtype)
     assert torch.equal(kernels.quantize(zero, fmt, False).scale_inv, torch.ones(1, 1, device=DEV))
+
+
+def _dirty_allocator(nbytes: int) -> None:
+    """Fill and free a block of the caching allocator, so that outputs allocated next start as 0xFF
+    bytes (NaN in both FP8 formats) instead of whatever was there: an element a kernel does not write
+    shows up."""
+    torch.empty(nbytes, dtype=torch.uint8, device=DEV).fill_(0xFF)
+
+
+def _same_bytes(got, want, what):
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(1, 16), (17, 48), (33, 257), (300, 1000), (2048, 8192)])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_one_read_weight_quantizer_matches_two_passes_whatever_the_hint(dtype, shape, fmt):
+    """``weight_pow2.quantize_weight`` against numerics' two-pass power-of-two quantization, bit for
+    bit, while the weight's amax moves: the first call (no hint), the same exponent again (the one-
+    read path), a step inside the exponent, up and down across powers of two (the hint wrong: the
+    fixup casts again), a zero weight, a strided view. The hint ends as the true exponent."""
+    from opfuse.families.quantize import weight_pow2
+
+    base = randn(*shape, dtype=torch.float32, seed=shape[0] + 7, scale=3.0)
+    key = ("gpu-test", shape, str(dtype), str(fmt))
+    for step, factor in enumerate([1.0, 1.0, 1.05, 2.5, 0.1, 0.1, 0.0, 1.0]):
+        w = (base * factor).to(dtype)
+        want = numerics.quantize(w, fmt, False, pow2=True)
+        for transpose in (True, False):
+            _dirty_allocator(4 * w.numel() + (1 << 20))
+            out = weight_pow2.quantize_weight(w, fmt, transpose, key=key)
+            q, qt = out if transpose else (out, None)
+            _same_bytes(q.data, want.data, (step, transpose, "data"))
+            assert torch.equal(q.scale_inv, want.scale_inv), (step, transpose)
+            if qt is not None:
+                _same_bytes(qt.data, want.data.t().contiguous(), (step, "data_t"))
+                assert torch.equal(qt.scale_inv, want.scale_inv)
+        amax = w.float().abs().amax().reshape(1)
+        hint = weight_pow2._hint(key, w.device)
+        assert torch.equal(hint, numerics.pow2_exponent(amax, fmt)), step
+    strided = randn(shape[1], shape[0], dtype=dtype, seed=3).t()  # not row-major
+    q, qt = weight_pow2.quantize_weight(strided, fmt, True, key=key)
+    want = numerics.quantize(strided.contiguous(), fmt, False, pow2=True)
+    _same_bytes(q.data, want.data, "strided")
+    _same_bytes(qt.data, want.data.t().contiguous(), "strided data_t")
+
+
+@needs_triton
+def test_one_read_weight_quantizer_in_a_cuda_graph_follows_the_weight_across_exponents():
+    """Captured once, replayed while the weight is rescaled in place (the hint right, then wrong
+    in both directions): every replay gives the two-pass bytes and scale."""
+    from opfuse.families.quantize import weight_pow2
+
+    w = randn(256, 512, dtype=torch.bfloat16, seed=11)
+    base = w.clone()
+    key = ("gpu-graph-test",)
+    weight_pow2.quantize_weight(w, E4M3, True, key=key)  # warm-up outside the capture (Triton compiles)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        q, qt = weight_pow2.quantize_weight(w, E4M3, True, key=key)
+    torch.cuda.current_stream().wait_stream(stream)
+    for factor in (1.0, 1.0, 3.0, 3.1, 0.01, 0.01, 1.0):
+        w.copy_(base.float().mul(factor).to(w.dtype))
+        graph.replay()
+        want = numerics.quantize(w, E4M3, False, pow2=True)
+        _same_bytes(q.data, want.data, factor)
+        _same_bytes(qt.data, want.data.t().contiguous(), factor)
+        assert torch.equal(q.scale_inv, want.scale_inv), factor
 
 
 # fp8_linear -------------------------------------------------------------------------------------------

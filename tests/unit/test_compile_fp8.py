@@ -371,3 +371,37 @@ def test_fp8_aten_path_with_biases_and_inputs_without_grad(world1, monkeypatch):
     assert relative(y, want) < 1e-5
     for a, b in zip(model.parameters(), reference.parameters()):
         assert relative(a.grad, b.grad) < 1e-5
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["eager-graph", "inductor"])
+def test_power_of_two_weight_scales_reach_compiled_graphs_through_the_one_read_quantizer(world1, monkeypatch, tmp_path,
+                                                                                          inductor):
+    """``TensorScaling(pow2_weight_scales=True)``: every weight of the aten path is quantized by
+    ``opfuse::quantize_weight_pow2`` (no amax of a weight left to Inductor), outputs and gradients
+    are the recipe's emulation (power-of-two weight scales), which differs from exact scales."""
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+    recipe = fp8.TensorScaling(pow2_weight_scales=True)
+    x = torch.randn(2, 8, 32)
+    with opfuse.config.override(dump_dir=str(tmp_path)):
+        (y, grads), (want, want_grads), programs = run_both(Block, recipe, x, options={} if inductor else EAGER,
+                                                            merge_projections=False)
+    for got, ref in zip([y, *grads], [want, *want_grads]):
+        assert relative(got, ref) < 1e-5
+    torch.manual_seed(0)
+    exact = emulated(Block(), fp8.TensorScaling())(x)
+    assert relative(want, exact) > 1e-4  # the power-of-two scales are not a no-op
+    (folder,) = os.listdir(tmp_path)
+    after = (tmp_path / folder / "aten_after.py").read_text()
+    assert after.count("opfuse.quantize_weight_pow2") == 8
+    assert after.count("aten.amax") == 2 + 8  # o's and down's inputs, and the output gradients
+    assert "pow2 weight scales" in programs[0].explain()
+
+
+def test_power_of_two_weight_scales_through_the_custom_op_path(world1):
+    """Token counts the aten path refuses (5 here) keep the custom ops: the same recipe there."""
+    recipe = fp8.TensorScaling(pow2_weight_scales=True)
+    (y, grads), (want, want_grads), _ = run_both(Block, recipe, torch.randn(2, 5, 32), merge_projections=False)
+    for got, ref in zip([y, *grads], [want, *want_grads]):
+        assert relative(got, ref) < 1e-5

@@ -18,8 +18,8 @@ from opfuse.fp8 import numerics
 from ..fp8_reference import E4M3, E5M2, fused_and_unfused, grouped_reference, linear_reference
 
 RECIPES = [fp8.TensorScaling(), fp8.RowwiseScaling(), fp8.TensorScaling(fp8_wgrad=False),
-           fp8.RowwiseScaling(grad_dtype=E5M2, fp8_wgrad=True)]
-IDS = ["tensor", "row", "tensor-hp-wgrad", "row-e5m2-fp8-wgrad"]
+           fp8.RowwiseScaling(grad_dtype=E5M2, fp8_wgrad=True), fp8.TensorScaling(pow2_weight_scales=True)]
+IDS = ["tensor", "row", "tensor-hp-wgrad", "row-e5m2-fp8-wgrad", "tensor-pow2-weights"]
 
 
 def rel(got, want):
@@ -87,6 +87,60 @@ def test_quantize_hand_computed():
     assert numerics.quantize(torch.tensor([[1.2, 2.0]]), E4M3, False).data[0, 0].float().item() == 256.0
     empty = numerics.quantize(torch.empty(0, 4), E4M3, False)
     assert empty.data.shape == (0, 4) and empty.scale_inv.item() == 1.0
+
+
+def test_power_of_two_scales_are_the_largest_power_of_two_below_the_exact_scale(rng):
+    from ..fp8_reference import pow2_floor
+
+    # amaxes over the whole float32 range, exact powers of two and their neighbours included
+    a = torch.cat([torch.exp2(torch.empty(4000).uniform_(-140, 127, generator=rng)),
+                   torch.exp2(torch.arange(-130.0, 127.0)), torch.tensor([448.0, 449.0, 447.0, 57344.0, 1e-45])])
+    a = torch.cat([a, torch.nextafter(a, torch.tensor(0.0)), torch.nextafter(a, torch.tensor(float("inf")))])
+    for dtype, limit in ((E4M3, 448.0), (E5M2, 57344.0)):
+        scale, scale_inv = numerics.pow2_scales_from_amax(a, dtype)
+        want = torch.where(a > 0, pow2_floor(torch.full_like(a, limit) / a), torch.ones_like(a))
+        assert torch.equal(scale, want)
+        assert torch.equal(scale * scale_inv, torch.ones_like(a))  # exact reciprocals
+        exact, _ = numerics.scales_from_amax(a, dtype)
+        inside = (exact > 2.0 ** -126) & (exact < 2.0 ** 127)
+        assert (scale[inside] <= exact[inside]).all() and (scale[inside] * 2 > exact[inside]).all()
+        assert (a[inside] * scale[inside] <= limit).all()  # nothing saturates
+    zero = numerics.pow2_scales_from_amax(torch.zeros(1, 1), E4M3)
+    assert zero[0].item() == 1.0 and zero[1].item() == 1.0
+    q = numerics.quantize(torch.tensor([[3.0, -0.5]]), E4M3, False, pow2=True)  # 448 / 3 -> 128
+    assert q.data.float().tolist() == [[384.0, -64.0]] and q.scale_inv.item() == 1 / 128
+
+
+def test_power_of_two_weight_scales_are_a_tensor_scaling_option():
+    recipe = fp8.TensorScaling(pow2_weight_scales=True)
+    assert recipe.key().endswith("/w-pow2") and fp8.recipe_from_key(recipe.key()) == recipe
+    assert recipe != fp8.TensorScaling() and "pow2" in recipe.describe()
+    with pytest.raises(ValueError, match="pow2_weight_scales=True; accepted with TensorScaling only"):
+        fp8.RowwiseScaling(pow2_weight_scales=True)
+    with pytest.raises(ValueError, match="pow2_weight_scales='yes'"):
+        fp8.TensorScaling(pow2_weight_scales="yes")
+    with pytest.raises(ValueError, match="recipe key"):
+        fp8.recipe_from_key("tensor/e4m3/e5m2/wgrad-fp8/w-pow3")
+
+
+def test_one_read_weight_quantizer_off_cuda_is_the_reference(rng):
+    """Off CUDA ``quantize_weight`` (and its custom op) is numerics' two-pass quantization with
+    power-of-two scales; the Triton kernels are checked against it in tests/gpu."""
+    from opfuse.families.quantize import weight_pow2
+
+    w = torch.randn(40, 24, generator=rng, dtype=torch.bfloat16)
+    q, qt = weight_pow2.quantize_weight(w, E4M3, True, key="k")
+    want = numerics.quantize(w, E4M3, False, pow2=True)
+    assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(qt.data.view(torch.uint8), want.data.t().contiguous().view(torch.uint8))
+    assert torch.equal(q.scale_inv, want.scale_inv) and q.scale_inv.shape == (1, 1)
+    data, scale_inv, data_t = torch.ops.opfuse.quantize_weight_pow2(w, 3, "e4m3", False)
+    assert torch.equal(data.view(torch.uint8), want.data.view(torch.uint8)) and data_t.numel() == 0
+    torch.library.opcheck(torch.ops.opfuse.quantize_weight_pow2.default, (w, 3, "e4m3", True))
+    with pytest.raises(ValueError, match="must be 2-D"):
+        weight_pow2.quantize_weight(w.reshape(-1), E4M3, False)
+    with pytest.raises(ValueError, match="not an FP8 format"):
+        weight_pow2.quantize_weight(w, torch.bfloat16, False)
 
 
 def test_quantize_error_bound_and_tail_rows(rng):

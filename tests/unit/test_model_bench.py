@@ -86,6 +86,19 @@ def test_isolated_runs_compare_any_pair_of_variants():
     assert "opfuse fp8 / torchao fp8 |" in model_isolated.table([row], ("torchao fp8", "opfuse fp8"))
 
 
+def test_isolated_runs_of_three_variants_rotate_and_compare_each_to_the_first():
+    pair = ("compile", "opfuse fp8", "torchao fp8")
+    order = model_isolated.run_order(1, pair)
+    assert order == ["compile", "opfuse fp8", "torchao fp8", "torchao fp8", "opfuse fp8", "compile"]
+    runs = [(v, {"results": {"2": {"rows": [{"case": "train-tp", "shape": "2048 tok, batch 1", v: us}]}}})
+            for v, us in zip(order, (100.0, 80.0, 84.0, 86.0, 82.0, 104.0))]
+    (row,) = model_isolated.combine(runs, pair)
+    assert row["ratio"] == pytest.approx(81.0 / 102.0) and row["ratio torchao fp8"] == pytest.approx(85.0 / 102.0)
+    text = model_isolated.table([row], pair)
+    assert "| 100.0 104.0 | 80.0 82.0 | 84.0 86.0 |" in text
+    assert text.splitlines()[0].endswith("| opfuse fp8 / compile | torchao fp8 / compile |")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--pair", "opfuse", "opfuse"], "two different variants"),
     (["--pair", "compile", "opfuse fp8"], "the fp8 variants need --fp8"),

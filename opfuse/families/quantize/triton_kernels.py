@@ -8,6 +8,10 @@ bit: float32 products, round-to-nearest-even casts, IEEE divisions for the scale
   writes ``scale_inv``.
 * :func:`rowwise_kernel`: one program per row: its amax (or one given per row), scale, cast and
   ``scale_inv``.
+* :func:`pow2_hinted_cast_kernel` + :func:`pow2_fixup_kernel`: one-read quantization with a
+  power-of-two scale (``opfuse.fp8.numerics.pow2_scales_from_amax``): the cast uses the exponent
+  a hint holds (the previous call's) while it reduces the amax; the fixup derives the true
+  exponent, writes ``scale_inv`` and the hint, and casts again only if the hint was wrong.
 
 Imported only on CUDA hosts with triton.
 """
@@ -75,3 +79,65 @@ def rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, amax_ptr, cols, stride, FMAX: tl
         y = tl.minimum(tl.maximum(x.to(tl.float32) * scale, -FMAX), FMAX)
         tl.store(dst + offs, y.to(q_ptr.dtype.element_ty), mask=offs < cols)
     tl.store(scale_inv_ptr + row, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+
+
+@triton.jit
+def _pow2_exponent(amax, FMAX: tl.constexpr):
+    """numerics.pow2_exponent: the exponent bits of the correctly rounded ``FMAX / amax``."""
+    ratio = tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), amax)
+    e = ((ratio.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.minimum(tl.maximum(e, -126), 126)
+    return tl.where(amax > 0, e, 0)
+
+
+@triton.jit
+def _pow2_cast_tile(x_ptr, q_ptr, qt_ptr, pid_m, pid_n, e, rows, cols, stride, FMAX: tl.constexpr,
+                    WRITE_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, AMAX: tl.constexpr, amax_ptr):
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mask = (offs_m[:, None] < rows) & (offs_n[None, :] < cols)
+    x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride + offs_n[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    if AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(xf), axis=1), axis=0))
+    y = tl.minimum(tl.maximum(xf * scale, -FMAX), FMAX)
+    tl.store(q_ptr + offs_m[:, None].to(tl.int64) * cols + offs_n[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    if WRITE_T:
+        tl.store(qt_ptr + offs_n[:, None].to(tl.int64) * rows + offs_m[None, :],
+                 tl.trans(y).to(qt_ptr.dtype.element_ty), mask=tl.trans(mask))
+
+
+@triton.jit
+def pow2_hinted_cast_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, rows, cols, stride, FMAX: tl.constexpr,
+                            WRITE_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Cast with the hint's exponent (any int32: clamped, and checked by the fixup) and reduce
+    ``max |x|`` into ``scratch[0]`` (zero on entry); program 0 records the exponent used in
+    ``scratch[1]``."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.minimum(tl.maximum(tl.load(hint_ptr), -126), 126)
+    _pow2_cast_tile(x_ptr, q_ptr, qt_ptr, pid_m, pid_n, e, rows, cols, stride, FMAX, WRITE_T, BM, BN, True,
+                    scratch_ptr)
+    if pid_m == 0 and pid_n == 0:
+        tl.store(scratch_ptr + 1, e.to(tl.float32))
+
+
+@triton.jit
+def pow2_fixup_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, stride, tiles_n,
+                      tiles, programs, FMAX: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr):
+    """The true exponent from the amax; program 0 writes ``scale_inv`` and the hint (the other
+    programs read the exponent the cast used from ``scratch[1]``, never the hint, so no program
+    sees the new hint); where the exponent differs from the one used, the programs cast every
+    tile again, grid-stride (``programs``: the grid's size)."""
+    pid = tl.program_id(0)
+    e = _pow2_exponent(tl.load(scratch_ptr), FMAX)
+    used = tl.load(scratch_ptr + 1).to(tl.int32)
+    if pid == 0:
+        tl.store(scale_inv_ptr, ((127 - e) << 23).to(tl.float32, bitcast=True))
+        tl.store(hint_ptr, e)
+    if e != used:
+        for first in range(0, tiles, programs):
+            tile = first + pid  # past the last tile: rows past the end, every element masked off
+            _pow2_cast_tile(x_ptr, q_ptr, qt_ptr, tile // tiles_n, tile % tiles_n, e, rows, cols, stride, FMAX,
+                            WRITE_T, BM, BN, False, scratch_ptr)

@@ -22,7 +22,7 @@ from ....fp8.numerics import Quantized
 from ....fp8.recipe import recipe_from_key
 from ....fp8.state import weight_trained
 from ....ops.base import dtype_name
-from ...quantize import kernels, weight_cache
+from ...quantize import kernels, weight_cache, weight_pow2
 from .reference import reshape_out, transposes_x
 
 __all__ = ["check", "forward", "backward", "scaled_mm", "weight_operand", "weight_t_operand", "pad_tokens",
@@ -73,17 +73,23 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
     return torch._scaled_mm(a.data, b.data.t(), sa, sb, bias=bias, out_dtype=out_dtype, **kwargs)
 
 
+def _quantize_tensor_scaled(weight: torch.Tensor, recipe, transpose: bool):
+    if recipe.pow2_weight_scales:  # one read, the hint keyed by the parameter object
+        return weight_pow2.quantize_weight(weight, recipe.forward_dtype, transpose, key=("parameter", id(weight)))
+    return kernels.quantize(weight, recipe.forward_dtype, False, transpose=transpose)
+
+
 def _weight_pair(weight: torch.Tensor, recipe) -> tuple[Quantized, Quantized]:
     """W and W.T with one scale per tensor, written by one pass (training needs both)."""
-    return weight_cache.cached(weight, f"{recipe.key()}/w+wt",
-                               lambda: kernels.quantize(weight, recipe.forward_dtype, False, transpose=True))
+    return weight_cache.cached(weight, f"{recipe.key()}/w+wt", lambda: _quantize_tensor_scaled(weight, recipe, True))
 
 
 def weight_operand(weight: torch.Tensor, recipe) -> Quantized:
     if not recipe.rowwise and weight_trained(weight):
         return _weight_pair(weight, recipe)[0]
-    return weight_cache.cached(weight, f"{recipe.key()}/w",
-                               lambda: kernels.quantize(weight, recipe.forward_dtype, recipe.rowwise))
+    if not recipe.rowwise:
+        return weight_cache.cached(weight, f"{recipe.key()}/w", lambda: _quantize_tensor_scaled(weight, recipe, False))
+    return weight_cache.cached(weight, f"{recipe.key()}/w", lambda: kernels.quantize(weight, recipe.forward_dtype, True))
 
 
 def weight_t_operand(weight: torch.Tensor, recipe) -> Quantized:

@@ -1,0 +1,133 @@
+"""FP8 weights with power-of-two scales in one read (``TensorScaling(pow2_weight_scales=True)``).
+
+A per-tensor scale from the current amax costs a weight two reads: one for the amax, one for the
+cast (and Inductor's version of it a third pass for the transposed bytes: 7 bytes of traffic per
+bf16 element, docs/PERF_NOTES.fp8.md). With the scale rounded down to a power of two
+(:func:`opfuse.fp8.numerics.pow2_scales_from_amax`) the FP8 bytes depend on the amax only through
+one integer, the exponent ``floor(log2(fp8_max / amax))``, and a weight's amax moves slowly from
+step to step. So the cast runs with the exponent the previous call found (the *hint*), reducing the
+amax in the same read; a second, tiny kernel derives the true exponent, writes ``scale_inv`` and the
+hint, and casts the whole weight again only when the hint was wrong (the first call, or the amax
+crossed a power of two). The output is the same bytes as the two-pass quantization in every case;
+the hint decides only the cost: 4 bytes per element (read 2, write W and W.T) instead of 6-7.
+
+The hints live here, one int32 per ``(key, device)`` on the device (never read by the host, so
+CUDA graphs capture the two kernels as they are). A stale hint (a checkpoint loaded into the
+weight, another weight behind the same key) costs one extra pass, never a wrong byte.
+
+:func:`quantize_weight` is the function; ``opfuse::quantize_weight_pow2`` the custom op that
+compiled graphs call (its int key is the graph's: :func:`new_key`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+from torch import Tensor
+
+from ...fp8 import numerics
+from ...fp8.numerics import Quantized
+from .kernels import fast_path_reason
+
+__all__ = ["quantize_weight", "quantize_weight_pow2", "new_key", "forget_hints", "dtype_name"]
+
+#: Tile of the cast (rows x columns of the weight); 16-bit tiles are written transposed too.
+_TILE_M, _TILE_N = 32, 256
+#: A hint no exponent equals: the first call casts twice.
+_UNSET = 1 << 20
+
+_hints: dict = {}
+_lock = threading.Lock()
+_keys = itertools.count()
+_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The op's name of FP8 format ``dtype`` (``"e4m3"``, ``"e5m2"``)."""
+    for name, value in _FP8.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"opfuse.fp8: {dtype} is not an FP8 format; accepted: {list(_FP8.values())}")
+
+
+def new_key() -> int:
+    """A hint key no other caller holds (one per weight per compiled graph)."""
+    return next(_keys)
+
+
+def forget_hints() -> None:
+    """Drop every hint (the next call of each weight casts twice)."""
+    with _lock:
+        _hints.clear()
+
+
+def _hint(key, device: torch.device) -> Tensor:
+    slot = (key, device)
+    found = _hints.get(slot)
+    if found is None:
+        with _lock:
+            found = _hints.setdefault(slot, torch.full((1,), _UNSET, dtype=torch.int32, device=device))
+    return found
+
+
+def _programs(device: torch.device, tiles: int) -> int:
+    return max(1, min(tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=None):
+    """``weight`` (2-D) in FP8 ``dtype`` with one power-of-two scale: ``Quantized``, or
+    ``(Quantized, Quantized of weight.T)`` with ``transpose``. ``key`` (any hashable) names the
+    hint; ``None`` uses none (two passes). Off CUDA (or without triton) the torch reference."""
+    if weight.dim() != 2:
+        raise ValueError(f"opfuse.fp8: a weight must be 2-D to quantize, got shape {list(weight.shape)}")
+    if dtype not in numerics.FP8_DTYPES:
+        raise ValueError(f"opfuse.fp8: {dtype} is not an FP8 format; accepted: {list(numerics.FP8_DTYPES)}")
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if weight.numel() == 0 or fast_path_reason(weight):
+        q = numerics.quantize(weight, dtype, False, pow2=True)
+        return (q, Quantized(q.data.t().contiguous(), q.scale_inv)) if transpose else q
+    from .triton_kernels import pow2_fixup_kernel, pow2_hinted_cast_kernel
+
+    rows, cols = weight.shape
+    device = weight.device
+    limit = numerics.fp8_max(dtype)
+    hint = _hint(key, device) if key is not None else torch.full((1,), _UNSET, dtype=torch.int32, device=device)
+    scratch = torch.zeros(2, dtype=torch.float32, device=device)  # [amax, exponent the cast used]
+    data = torch.empty((rows, cols), dtype=dtype, device=device)
+    # float32 tiles came out of tl.trans wrong with triton 3.6 (kernels.quantize): torch transposes those.
+    fused_t = transpose and weight.element_size() == 2
+    data_t = torch.empty((cols, rows), dtype=dtype, device=device) if fused_t else data
+    scale_inv = torch.empty((1, 1), dtype=torch.float32, device=device)
+    tiles_m, tiles_n = -(-rows // _TILE_M), -(-cols // _TILE_N)
+    pow2_hinted_cast_kernel[(tiles_m, tiles_n)](weight, hint, scratch, data, data_t, rows, cols, weight.stride(0),
+                                                FMAX=limit, WRITE_T=fused_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    programs = _programs(device, tiles_m * tiles_n)
+    pow2_fixup_kernel[(programs,)](weight, hint, scratch, data, data_t, scale_inv, rows, cols, weight.stride(0),
+                                   tiles_n, tiles_m * tiles_n, programs, FMAX=limit, WRITE_T=fused_t, BM=_TILE_M,
+                                   BN=_TILE_N, num_warps=4)
+    q = Quantized(data, scale_inv)
+    if not transpose:
+        return q
+    return q, Quantized(data_t if fused_t else data.t().contiguous(), scale_inv)
+
+
+@torch.library.custom_op("opfuse::quantize_weight_pow2", mutates_args=())
+def quantize_weight_pow2(weight: Tensor, key: int, dtype: str, transpose: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(data, scale_inv, data_t)`` of :func:`quantize_weight` (``data_t`` empty without
+    ``transpose``). The hint it updates is not an output: it changes the cost, not the result."""
+    out = quantize_weight(weight, _FP8[dtype], transpose, key)
+    if transpose:
+        q, qt = out
+        return q.data, q.scale_inv, qt.data
+    return out.data, out.scale_inv, out.data.new_empty(0)
+
+
+@quantize_weight_pow2.register_fake
+def _(weight, key, dtype, transpose):
+    rows, cols = weight.shape
+    fp8 = _FP8[dtype]
+    data_t = weight.new_empty((cols, rows), dtype=fp8) if transpose else weight.new_empty(0, dtype=fp8)
+    return weight.new_empty((rows, cols), dtype=fp8), weight.new_empty((1, 1), dtype=torch.float32), data_t
