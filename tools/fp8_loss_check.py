@@ -65,7 +65,8 @@ def train(fp8: str | None, steps: int, *, device: str = "cpu", dtype=torch.float
                                                     max_seq=seq)))
     torch.manual_seed(seed)
     model = llama_tp.Llama(cfg).to(device=device, dtype=dtype)
-    recipe = {"tensor": opfuse.fp8.TensorScaling(), "row": opfuse.fp8.RowwiseScaling(), None: None}[fp8]
+    recipe = {"tensor": opfuse.fp8.TensorScaling(), "tensor-pow2": opfuse.fp8.TensorScaling(pow2_weight_scales=True),
+              "row": opfuse.fp8.RowwiseScaling(), None: None}[fp8]
     options = {"inductor": False} if device == "cpu" else {}
     compiled = opfuse.optimize(model, fp8=recipe, fp8_filter=(lambda fqn, m: fqn != "output") if recipe else None,
                                options=options)
@@ -90,7 +91,7 @@ def final(losses: list[float], last: int = 10) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--recipe", choices=["tensor", "row"], default="tensor")
+    parser.add_argument("--recipe", choices=["tensor", "tensor-pow2", "row"], default="tensor")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
