@@ -96,26 +96,36 @@ def run_times(data: dict, variant: str) -> str:
 
 def measure(args, passthrough: list[str]) -> dict:
     runs, failed = [], []
+    order = run_order(args.rounds, args.pair)
+    # A discarded first run takes the cold machine's drift (session 12: four runs falling by ~1 ms
+    # each after a cold start, 16% apart within one variant); it is the last variant of the order.
+    warmups = [order[-1]] if getattr(args, "warmup_run", False) else []
     with tempfile.TemporaryDirectory() as scratch:
-        for index, variant in enumerate(run_order(args.rounds, args.pair)):
+        for index, variant in enumerate(warmups + order):
+            warmup = index < len(warmups)
+            label = "warm-up run" if warmup else f"run {index + 1 - len(warmups)}"
             path = os.path.join(scratch, f"run{index}.json")
             command = [sys.executable, os.path.join(HERE, "model.py"), "--only", variant, "--no-aa", "--json", path,
                        *passthrough]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout)
             except subprocess.TimeoutExpired:
-                failed.append(f"run {index + 1} ({variant}): still running after --run-timeout {args.run_timeout} s")
-                common.progress(f"run {index + 1} {variant}: TIMED OUT")
+                failed.append(f"{label} ({variant}): still running after --run-timeout {args.run_timeout} s")
+                common.progress(f"{label} {variant}: TIMED OUT")
                 continue
             if done.returncode != 0 or not os.path.exists(path):
                 tail = (done.stdout + done.stderr).strip().splitlines()[-3:]
-                failed.append(f"run {index + 1} ({variant}): exit {done.returncode}: {' | '.join(tail)[:300]}")
-                common.progress(f"run {index + 1} {variant}: FAILED")
+                failed.append(f"{label} ({variant}): exit {done.returncode}: {' | '.join(tail)[:300]}")
+                common.progress(f"{label} {variant}: FAILED")
                 continue
             with open(path) as handle:
-                runs.append((variant, json.load(handle)))
-            common.progress(f"run {index + 1} {variant}: {run_times(runs[-1][1], variant)}")
-    return {"order": run_order(args.rounds, args.pair), "pair": list(args.pair), "rows": combine(runs, args.pair),
+                data = json.load(handle)
+            if warmup:
+                common.progress(f"warm-up run ({variant}, discarded): {run_times(data, variant)}")
+                continue
+            runs.append((variant, data))
+            common.progress(f"{label} {variant}: {run_times(runs[-1][1], variant)}")
+    return {"order": order, "warm-up runs": warmups, "pair": list(args.pair), "rows": combine(runs, args.pair),
             "failed": failed}
 
 
@@ -128,6 +138,8 @@ def main() -> int:
     parser.add_argument("--fp8", choices=FP8_RECIPES, default=None, help="bench/model.py's --fp8 recipe")
     parser.add_argument("--rounds", type=int, default=1, help="repetitions of A B B A (default 1: four runs)")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one run may take")
+    parser.add_argument("--warmup-run", action="store_true",
+                        help="one discarded run first (of the order's last variant), for a machine just started")
     parser.add_argument("--cpu", action="store_true", help="gloo + CPU dry run (timings mean nothing)")
     args, passthrough = parser.parse_known_args()
     if args.rounds < 1:

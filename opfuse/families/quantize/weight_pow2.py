@@ -64,6 +64,9 @@ def forget_hints() -> None:
 
 
 def _hint(key, device: torch.device) -> Tensor:
+    # Made on a key's first call. A first call inside a CUDA-graph capture would capture the fill
+    # too, and every replay would reset the hint (correct bytes, two casts each time): callers warm
+    # up outside the capture, as cudagraph trees and opfuse.graphed do.
     slot = (key, device)
     found = _hints.get(slot)
     if found is None:
