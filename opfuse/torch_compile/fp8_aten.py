@@ -64,12 +64,20 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
 class _WeightQuantizer(nn.Module):
     """Quantizes ``weight`` per the recipe: the aten ops of :func:`quantize`, or with
     ``pow2_weight_scales`` opfuse's one-read quantizer (``opfuse::quantize_weight_pow2``, one hint
-    per module: see :mod:`opfuse.families.quantize.weight_pow2`), which Inductor calls as it is."""
+    per module: see :mod:`opfuse.families.quantize.weight_pow2`), which Inductor calls as it is.
+    The lowering reserves the hint (:meth:`reserve`) with the graph's device: the parameters it
+    holds here are placeholders."""
 
     def __init__(self, weight: nn.Parameter, recipe):
         super().__init__()
         self.weight, self.recipe = weight, recipe
         self.hint_key = weight_pow2.new_key() if recipe.pow2_weight_scales else None
+
+    def reserve(self, device: torch.device) -> "_WeightQuantizer":
+        """Make the hint on ``device`` now, outside any CUDA-graph pool (the op makes none)."""
+        if self.hint_key is not None:
+            weight_pow2.reserve_hint(self.hint_key, device)
+        return self
 
     def quantize_weight(self, transpose: bool):
         dtype = self.recipe.forward_dtype

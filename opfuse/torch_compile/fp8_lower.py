@@ -47,6 +47,11 @@ _GEMMS = (Fp8Linear, AllGatherLinearFp8, LinearReduceScatterFp8)
 FP8_FUSED = (QuantizeActivation, _NormQuantize) + _GEMMS
 
 
+def _device(node: fx.Node) -> torch.device:
+    """The device of a graph value (its fake tensor's: the fused modules hold placeholders)."""
+    return node.meta["val"].device
+
+
 class _QuantizePayload(nn.Module):
     def __init__(self, fused: QuantizeActivation):
         super().__init__()
@@ -235,14 +240,14 @@ class JointLowering(_Lowering):
         weight_t = None
         if payload is not None:
             inputs = list(payload)
-            out = self.emit(fp8_aten.GemmFromPayload(module.weight, module.bias, module.recipe,
-                                                     old.meta["val"].dtype, need_dgrad), inputs, where=node.name)
+            gemm = fp8_aten.GemmFromPayload(module.weight, module.bias, module.recipe, old.meta["val"].dtype, need_dgrad)
+            out = self.emit(gemm.reserve(_device(inputs[0])), inputs, where=node.name)
             y, weight_t = (out[0], tuple(out[1:])) if need_dgrad else (out, None)
             data, scale, data_t = payload[0], payload[1], None
         else:
             inputs = [x]
-            out = self.emit(fp8_aten.GemmQuantizing(module.weight, module.bias, module.recipe, need_wgrad, need_dgrad),
-                            inputs, where=node.name, tokens_first=True)
+            gemm = fp8_aten.GemmQuantizing(module.weight, module.bias, module.recipe, need_wgrad, need_dgrad)
+            out = self.emit(gemm.reserve(_device(x)), inputs, where=node.name, tokens_first=True)
             y, data, scale = out[:3]
             data_t = out[3] if need_wgrad else None
             weight_t = tuple(out[-2:]) if need_dgrad else None
@@ -263,7 +268,7 @@ class JointLowering(_Lowering):
             aten = fp8_aten.applies(impl, module.recipe, data.meta["val"].shape,
                                     need_dw and module.recipe.fp8_wgrad) is None
         if aten:
-            backward = fp8_aten.Backward(module.weight, module.recipe, need_dx, need_dw)
+            backward = fp8_aten.Backward(module.weight, module.recipe, need_dx, need_dw).reserve(_device(grads.dy))
             args = [grads.dy, data, scale, data_t, *(weight_t or (None, None))]
         else:
             if data_t is not None and impl != module.impl:

@@ -62,7 +62,8 @@ def emulated(model, recipe):
 
 
 @needs_fp8
-@pytest.mark.parametrize("recipe", [fp8.TensorScaling(), fp8.RowwiseScaling()], ids=["tensor", "row"])
+@pytest.mark.parametrize("recipe", [fp8.TensorScaling(), fp8.RowwiseScaling(), fp8.TensorScaling(pow2_weight_scales=True)],
+                         ids=["tensor", "row", "tensor-pow2-weights"])
 def test_fp8_training_on_the_gpu_implementations(recipe):
     torch.manual_seed(0)
     model = MLP()
@@ -74,10 +75,10 @@ def test_fp8_training_on_the_gpu_implementations(recipe):
     g = torch.randn_like(y)
     y.backward(g)
     want.backward(g)
-    assert rel(y, want) < 2e-2
-    assert rel(x.grad, xr.grad) < 3e-2
-    for a, b in zip(model.parameters(), reference.parameters()):
-        assert rel(a.grad, b.grad) < 3e-2
+    errors = {"y": rel(y, want), "dx": rel(x.grad, xr.grad)}
+    errors.update({name: rel(a.grad, b.grad) for (name, a), b in zip(model.named_parameters(), reference.parameters())})
+    print(f"{recipe.describe()}: relative errors against the emulation {errors}")
+    assert errors["y"] < 2e-2 and max(errors.values()) < 3e-2, errors
     fusions = [f for p in opfuse.programs(compiled) for f in p.fusions]
     gemms = [f for f in fusions if f.rule == "fp8_linear"]
     assert len(gemms) == 3 and all(f.impl == "scaled_mm" for f in gemms), [(f.rule, f.impl, f.skipped) for f in fusions]
@@ -86,11 +87,14 @@ def test_fp8_training_on_the_gpu_implementations(recipe):
 
 
 @needs_fp8
-def test_fp8_under_cuda_graphs_follows_weight_updates():
-    """Current scaling keeps no state: a replayed graph quantizes the weights it reads now."""
+@pytest.mark.parametrize("recipe", [fp8.TensorScaling(), fp8.TensorScaling(pow2_weight_scales=True)],
+                         ids=["tensor", "tensor-pow2-weights"])
+def test_fp8_under_cuda_graphs_follows_weight_updates(recipe):
+    """Current scaling keeps no state: a replayed graph quantizes the weights it reads now (with
+    power-of-two weight scales the one-read quantizer's hint is wrong after the x1.5 steps that
+    cross a power of two: the replay casts again)."""
     torch.manual_seed(1)
     model = MLP(hidden=512, ffn=1536)
-    recipe = fp8.TensorScaling()
     compiled = opfuse.optimize(model, fp8=recipe, mode="reduce-overhead")
     x = torch.randn(64, 512, device=DEV, dtype=torch.bfloat16)
     with torch.no_grad():

@@ -405,3 +405,24 @@ def test_power_of_two_weight_scales_through_the_custom_op_path(world1):
     (y, grads), (want, want_grads), _ = run_both(Block, recipe, torch.randn(2, 5, 32), merge_projections=False)
     for got, ref in zip([y, *grads], [want, *want_grads]):
         assert relative(got, ref) < 1e-5
+
+
+def test_every_one_read_quantizer_of_a_compiled_graph_has_its_hint_reserved_on_the_weights_device(
+        world1, monkeypatch, tmp_path):
+    """The op makes no hint itself (it may run inside a CUDA-graph pool): each key in the graph was
+    reserved when the graph was built, for the device of its weight."""
+    import re
+
+    from opfuse.families.quantize import weight_pow2
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+    reserved = []
+    monkeypatch.setattr(weight_pow2, "reserve_hint", lambda key, device: reserved.append((key, torch.device(device))))
+    with opfuse.config.override(dump_dir=str(tmp_path)):
+        run_both(Block, fp8.TensorScaling(pow2_weight_scales=True), torch.randn(2, 8, 32), merge_projections=False)
+    (folder,) = os.listdir(tmp_path)
+    after = (tmp_path / folder / "aten_after.py").read_text()
+    keys = [int(k) for k in re.findall(r"opfuse\.quantize_weight_pow2\.default\(\w+, (\d+),", after)]
+    assert len(keys) == 8 and len(set(keys)) == 8, after
+    assert set(keys) <= {key for key, _ in reserved} and all(d == torch.device("cpu") for _, d in reserved), reserved

@@ -22,6 +22,7 @@ compiled graphs call (its int key is the graph's: :func:`new_key`).
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 
 import torch
@@ -31,14 +32,16 @@ from ...fp8 import numerics
 from ...fp8.numerics import Quantized
 from .kernels import fast_path_reason
 
-__all__ = ["quantize_weight", "quantize_weight_pow2", "new_key", "forget_hints", "dtype_name"]
+__all__ = ["quantize_weight", "quantize_weight_pow2", "new_key", "reserve_hint", "forget_hints", "dtype_name"]
 
 #: Tile of the cast (rows x columns of the weight); 16-bit tiles are written transposed too.
 _TILE_M, _TILE_N = 32, 256
 #: A hint no exponent equals: the first call casts twice.
 _UNSET = 1 << 20
 
+_log = logging.getLogger("opfuse.dispatch")
 _hints: dict = {}
+_unreserved: set = set()
 _lock = threading.Lock()
 _keys = itertools.count()
 _FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -57,6 +60,18 @@ def new_key() -> int:
     return next(_keys)
 
 
+def reserve_hint(key, device: torch.device) -> None:
+    """Make ``key``'s hint on ``device`` now, outside any CUDA-graph memory pool: compiled graphs
+    reserve theirs when they are built, because under cudagraph trees even the warm-up runs
+    allocate from the graph's pool, which must hold nothing but tracked outputs."""
+    if torch.device(device).type != "cuda":
+        return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # graphs are built under a fake mode: the hint must be real memory
+        _hint(key, torch.device(device))
+
+
 def forget_hints() -> None:
     """Drop every hint (the next call of each weight casts twice)."""
     with _lock:
@@ -64,9 +79,9 @@ def forget_hints() -> None:
 
 
 def _hint(key, device: torch.device) -> Tensor:
-    # Made on a key's first call. A first call inside a CUDA-graph capture would capture the fill
-    # too, and every replay would reset the hint (correct bytes, two casts each time): callers warm
-    # up outside the capture, as cudagraph trees and opfuse.graphed do.
+    # Made on a key's first call unless reserved (reserve_hint). A first call inside a CUDA-graph
+    # capture would capture the fill too, and every replay would reset the hint (correct bytes, two
+    # casts each time); one inside a cudagraph tree's pool would leave an untracked tensor there.
     slot = (key, device)
     found = _hints.get(slot)
     if found is None:
@@ -79,10 +94,12 @@ def _programs(device: torch.device, tiles: int) -> int:
     return max(1, min(tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
-def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=None):
+def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=None, create: bool = True):
     """``weight`` (2-D) in FP8 ``dtype`` with one power-of-two scale: ``Quantized``, or
     ``(Quantized, Quantized of weight.T)`` with ``transpose``. ``key`` (any hashable) names the
-    hint; ``None`` uses none (two passes). Off CUDA (or without triton) the torch reference."""
+    hint; ``None`` uses none (two passes). A key without a hint gets one made here, or with
+    ``create=False`` a temporary one (two passes, nothing left allocated). Off CUDA (or without
+    triton) the torch reference."""
     if weight.dim() != 2:
         raise ValueError(f"opfuse.fp8: a weight must be 2-D to quantize, got shape {list(weight.shape)}")
     if dtype not in numerics.FP8_DTYPES:
@@ -97,7 +114,12 @@ def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=Non
     rows, cols = weight.shape
     device = weight.device
     limit = numerics.fp8_max(dtype)
-    hint = _hint(key, device) if key is not None else torch.full((1,), _UNSET, dtype=torch.int32, device=device)
+    hint = None if key is None else _hint(key, device) if create else _hints.get((key, device))
+    if hint is None:
+        if key is not None and (key, device) not in _unreserved:
+            _unreserved.add((key, device))
+            _log.info("quantize_weight_pow2: no hint reserved for key %r on %s: two casts per call", key, device)
+        hint = torch.full((1,), _UNSET, dtype=torch.int32, device=device)
     scratch = torch.zeros(2, dtype=torch.float32, device=device)  # [amax, exponent the cast used]
     data = torch.empty((rows, cols), dtype=dtype, device=device)
     # float32 tiles came out of tl.trans wrong with triton 3.6 (kernels.quantize): torch transposes those.
@@ -120,8 +142,10 @@ def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=Non
 @torch.library.custom_op("opfuse::quantize_weight_pow2", mutates_args=())
 def quantize_weight_pow2(weight: Tensor, key: int, dtype: str, transpose: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(data, scale_inv, data_t)`` of :func:`quantize_weight` (``data_t`` empty without
-    ``transpose``). The hint it updates is not an output: it changes the cost, not the result."""
-    out = quantize_weight(weight, _FP8[dtype], transpose, key)
+    ``transpose``). The hint it updates is not an output: it changes the cost, not the result. The
+    graph reserved its hint when it was built (:func:`reserve_hint`); the op makes none itself,
+    since it may run inside a CUDA-graph pool."""
+    out = quantize_weight(weight, _FP8[dtype], transpose, key, create=False)
     if transpose:
         q, qt = out
         return q.data, q.scale_inv, qt.data
