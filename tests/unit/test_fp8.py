@@ -137,6 +137,13 @@ def test_one_read_weight_quantizer_off_cuda_is_the_reference(rng):
     data, scale_inv, data_t = torch.ops.opfuse.quantize_weight_pow2(w, 3, "e4m3", False)
     assert torch.equal(data.view(torch.uint8), want.data.view(torch.uint8)) and data_t.numel() == 0
     torch.library.opcheck(torch.ops.opfuse.quantize_weight_pow2.default, (w, 3, "e4m3", True))
+    # A graph reserves its hints while it is built, under a fake mode: the hint is real memory.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode():
+        weight_pow2.reserve_hint("reserved-in-fake-mode", torch.device("cpu"))
+    hint = weight_pow2._hints[("reserved-in-fake-mode", torch.device("cpu"))]
+    assert not isinstance(hint, FakeTensor) and hint.dtype == torch.int32 and hint.item() == weight_pow2._UNSET
     with pytest.raises(ValueError, match="must be 2-D"):
         weight_pow2.quantize_weight(w.reshape(-1), E4M3, False)
     with pytest.raises(ValueError, match="not an FP8 format"):

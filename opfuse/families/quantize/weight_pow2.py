@@ -64,8 +64,6 @@ def reserve_hint(key, device: torch.device) -> None:
     """Make ``key``'s hint on ``device`` now, outside any CUDA-graph memory pool: compiled graphs
     reserve theirs when they are built, because under cudagraph trees even the warm-up runs
     allocate from the graph's pool, which must hold nothing but tracked outputs."""
-    if torch.device(device).type != "cuda":
-        return
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # graphs are built under a fake mode: the hint must be real memory
