@@ -7,6 +7,12 @@ Python time it observes: compare rows with each other, not with the timed step. 
 hosts (torch 2.11): the body of a ``torch.library`` custom op shows up as the own time
 of ``torch/_library/custom_ops.py(backend_impl)`` while the functions it calls are listed too, so
 that row counts the custom ops' bodies, and the rows below it overlap with it.
+
+Environment: ``OPFUSE_HOST_PROFILE_TOP`` rows (default 18, bench/model.py); ``OPFUSE_HOST_PROFILE_DUMP``
+a path for the raw pstats file (callers and callees: ``python -m pstats FILE``);
+``OPFUSE_HOST_PROFILE_OPS=1`` also prints torch.profiler's operator table by self CPU time over the
+same number of steps, which charges each custom op's Python body to that op (the view to trust where
+cProfile's custom-op rows do not add up).
 """
 
 from __future__ import annotations
@@ -47,6 +53,15 @@ def host_profile(fn, steps: int = 2, top: int = 18) -> list[str]:
         profiler.disable()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    if os.environ.get("OPFUSE_HOST_PROFILE_OPS"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.autograd.set_multithreading_enabled(False):
+                for _ in range(steps):
+                    fn()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    dump = os.environ.get("OPFUSE_HOST_PROFILE_DUMP")
+    if dump:  # the raw pstats file, for callers / callees (python -m pstats FILE)
+        profiler.dump_stats(dump)
     stats = pstats.Stats(profiler).stats  # key -> (primitive calls, calls, own s, cumulative s, callers)
     total = sum(entry[2] for entry in stats.values())
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]

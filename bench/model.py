@@ -243,7 +243,7 @@ def worker(rank, world, opts, out_path):
             block.sync()
 
     def profiled(row, fns):
-        if not opts.get("profile") or device != "cuda":
+        if not opts.get("profile"):
             return
         import host_profile
         import kernel_table
@@ -252,9 +252,10 @@ def worker(rank, world, opts, out_path):
         found, timelines = {}, {}
         for name, fn in fns.items():
             try:
-                found[name] = kernel_table.profile_step(fn, steps=2)
-                timelines[name] = step_timeline.step_timeline(fn)
-                lines = host_profile.host_profile(fn)
+                if device == "cuda":  # on the CPU (--cpu) only the host profile means something
+                    found[name] = kernel_table.profile_step(fn, steps=2)
+                    timelines[name] = step_timeline.step_timeline(fn)
+                lines = host_profile.host_profile(fn, top=int(os.environ.get("OPFUSE_HOST_PROFILE_TOP", "18")))
                 if rank == 0:
                     print(f"host profile {row['case']} {row['shape']} {name} (own us/step, cumulative, calls):\n  "
                           + "\n  ".join(lines), flush=True)

@@ -55,6 +55,8 @@
 #   tools/gpu_session.sh s10-isolated  # 2 GPUs (~5 min): train-tp, each variant alone in its own process (A B B A)
 #   tools/gpu_session.sh s11-next      # 2 GPUs (~9 min): the SP batch > 1 + async TP bisect, train-tp isolated A B B A
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
+#   tools/gpu_session.sh s13-fp8-sp    # 2 GPUs (~8 min): FP8 GPU training test (float64 check), FP8 pow2 train-sp
+#                                      # 2048 isolated against compile bf16
 #   tools/gpu_session.sh s13-next      # 2 GPUs (~9.5 min): session 12's unchecked pow2 GPU tests, train-sp batch 4
 #                                      # isolated with a warm-up run
 #   tools/gpu_session.sh s12-fp8       # 2 GPUs (~8 min): pow2 weight scales: GPU tests, quantizer bench, vs torchao
@@ -567,6 +569,16 @@ case "$stage" in
     step isolated_sp4 540 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
       --run-timeout 160 --json "$OUT/isolated_sp4.json"
     final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
+    ;;
+  s13-fp8-sp)  # 2 GPUs (~8 min; prebuilt modules): the FP8 GPU training test against the emulation and the
+               # float64 model, then opfuse FP8 (pow2 weights) against torch.compile bf16 in train-sp at 2048
+               # tokens, each variant alone, after a discarded warm-up run
+    tests compile_fp8_train_tests 90 -q -s tests/gpu/test_compile_fp8_moe.py -k "training_on_the_gpu"
+    step isolated_fp8_sp 430 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8" --warmup-run --run-timeout 115 \
+      --json "$OUT/isolated_fp8_sp.json"
+    final_summary() { grep -h -E "relative errors|passed|failed" "$OUT/compile_fp8_train_tests.log" | tail -8;
+                      grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_sp.log | grep -v "^|---"; }
     ;;
   s13-next)  # 2 GPUs (~9.5 min; prebuilt modules): what session 12 left unchecked: the pow2 cases of the compile
              # GPU tests (a cudagraph-pool fix not rerun, a norm-gradient bound), then train-sp at batch 4 again,

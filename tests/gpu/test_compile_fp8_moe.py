@@ -65,20 +65,35 @@ def emulated(model, recipe):
 @pytest.mark.parametrize("recipe", [fp8.TensorScaling(), fp8.RowwiseScaling(), fp8.TensorScaling(pow2_weight_scales=True)],
                          ids=["tensor", "row", "tensor-pow2-weights"])
 def test_fp8_training_on_the_gpu_implementations(recipe):
+    """Outputs and input gradients agree with the emulation closely. Weight gradients come from e5m2
+    gradients (two mantissa bits): one bf16 ulp of difference upstream moves an element across a
+    rounding boundary and changes it by up to 25%, so they are held against the error the recipe
+    itself makes instead: the compiled model's distance from the float64 model without quantization
+    must match the emulation's (a wrong scale, operand or transpose would show up there)."""
     torch.manual_seed(0)
     model = MLP()
     reference = emulated(copy.deepcopy(model), recipe)
+    exact = copy.deepcopy(model).double()
     compiled = opfuse.optimize(model, fp8=recipe)
     x = torch.randn(4, 512, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
-    y, want = compiled(x), reference(xr)
+    x64 = x.detach().double().requires_grad_()
+    y, want, y64 = compiled(x), reference(xr), exact(x64)
     g = torch.randn_like(y)
     y.backward(g)
     want.backward(g)
-    errors = {"y": rel(y, want), "dx": rel(x.grad, xr.grad)}
-    errors.update({name: rel(a.grad, b.grad) for (name, a), b in zip(model.named_parameters(), reference.parameters())})
-    print(f"{recipe.describe()}: relative errors against the emulation {errors}")
-    assert errors["y"] < 2e-2 and max(errors.values()) < 3e-2, errors
+    y64.backward(g.double())
+    pairs = {"y": (y, want, y64), "dx": (x.grad, xr.grad, x64.grad)}
+    pairs.update({name: (a.grad, b.grad, c.grad) for (name, a), b, c in
+                  zip(model.named_parameters(), reference.parameters(), exact.parameters())})
+    errors = {name: rel(got, emu) for name, (got, emu, _) in pairs.items()}
+    quantization = {name: (rel(got, hp), rel(emu, hp)) for name, (got, emu, hp) in pairs.items()}
+    print(f"{recipe.describe()}: relative errors against the emulation {errors}; "
+          f"(compiled, emulation) against float64 {quantization}")
+    assert errors["y"] < 2e-2 and errors["dx"] < 2e-2, errors
+    assert max(errors.values()) < 6e-2, errors
+    for name, (compiled_error, emulation_error) in quantization.items():
+        assert compiled_error < 1.1 * emulation_error + 1e-3, (name, compiled_error, emulation_error)
     fusions = [f for p in opfuse.programs(compiled) for f in p.fusions]
     gemms = [f for f in fusions if f.rule == "fp8_linear"]
     assert len(gemms) == 3 and all(f.impl == "scaled_mm" for f in gemms), [(f.rule, f.impl, f.skipped) for f in fusions]
