@@ -8,7 +8,8 @@ Two measurements, CPU time per call (``time.process_time``), best of ``--rounds`
 
 * one fused op called by itself (``add_rmsnorm``, reference implementation on 4 x 64 floats on
   CPU, the CUDA kernel on 4 x 64 bfloat16 on a GPU): ``default`` vs ``direct`` vs the op's
-  function (``FusedCall.fn``) called from Python;
+  function (``FusedCall.fn``) called from Python; the same for one FP8 graph op
+  (``compiled_quantize``, reference on CPU, Triton on a GPU);
 * a compiled block (all-reduce + residual add + RMSNorm, then a Linear, then add + RMSNorm: two
   fused ops, world 1, ``options={"inductor": False}`` so the graph runs op by op), inference and
   forward + backward, compiled with the direct overloads and with the graph pass's switch turned
@@ -73,6 +74,15 @@ def main() -> int:
         single = host_cpu_us({"custom op (default)": lambda: torch.ops.opfuse.add_rmsnorm.default(*op_args),
                           "direct overload": lambda: torch.ops.opfuse.add_rmsnorm.direct(*op_args),
                           "the function": lambda: fn(*op_args)}, args.calls, args.rounds, sync)
+    # The FP8 graph ops (opfuse/torch_compile/fp8_ops.py): the activation quantizer of an FP8 GEMM.
+    from opfuse.torch_compile import fp8_ops
+
+    q_args = (x, "e4m3", False, "", "reference" if args.device == "cpu" else "triton")
+    with torch.no_grad():
+        fp8_single = host_cpu_us({"custom op (default)": lambda: torch.ops.opfuse.compiled_quantize.default(*q_args),
+                              "direct overload": lambda: torch.ops.opfuse.compiled_quantize.direct(*q_args),
+                              "the function": lambda: fp8_ops.compiled_quantize._init_fn(*q_args)},
+                             args.calls, args.rounds, sync)
     group = dist.group.WORLD
     xi, ri = torch.randn(4, 64, device=device, dtype=dtype), torch.randn(4, 64, device=device, dtype=dtype)
     xg, rg = xi.clone().requires_grad_(), ri.clone().requires_grad_()
@@ -101,6 +111,12 @@ def main() -> int:
     print("|---|---|---|")
     for name, us in single.items():
         print(f"| {name} | {us:.1f} | {us - single['the function']:+.1f} |")
+    print(f"\ncompiled_quantize called alone ({q_args[-1]}, 4 x 64 {str(dtype).replace('torch.', '')} to e4m3), "
+          f"CPU us per call:")
+    print("| call | us | over the function |")
+    print("|---|---|---|")
+    for name, us in fp8_single.items():
+        print(f"| {name} | {us:.1f} | {us - fp8_single['the function']:+.1f} |")
     print("\ncompiled block (2 fused ops, world 1, options={'inductor': False}), CPU us per call:")
     print("| graph calls | inference | forward + backward |")
     print("|---|---|---|")

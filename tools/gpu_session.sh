@@ -55,6 +55,7 @@
 #   tools/gpu_session.sh s10-isolated  # 2 GPUs (~5 min): train-tp, each variant alone in its own process (A B B A)
 #   tools/gpu_session.sh s11-next      # 2 GPUs (~9 min): the SP batch > 1 + async TP bisect, train-tp isolated A B B A
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
+#   tools/gpu_session.sh s14-fp8-sp    # 2 GPUs (~9.5 min): FP8 pow2 train-sp 2048 isolated A B B A after a warm-up run
 #   tools/gpu_session.sh s13-fp8-sp    # 2 GPUs (~8 min): FP8 GPU training test (float64 check), FP8 pow2 train-sp
 #                                      # 2048 isolated against compile bf16
 #   tools/gpu_session.sh s13-next      # 2 GPUs (~9.5 min): session 12's unchecked pow2 GPU tests, train-sp batch 4
@@ -569,6 +570,14 @@ case "$stage" in
     step isolated_sp4 540 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
       --run-timeout 160 --json "$OUT/isolated_sp4.json"
     final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
+    ;;
+  s14-fp8-sp)  # 2 GPUs (~9.5 min; prebuilt modules): FP8 (pow2 weights) train-sp at 2048 tokens against
+               # torch.compile bf16, each variant alone after a discarded warm-up run, A B B A: session 13's
+               # direct overloads of the FP8 graph ops were predicted to save 0.6-1.2 ms of host time a step
+    step isolated_fp8_sp 550 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8" --warmup-run --run-timeout 120 \
+      --json "$OUT/isolated_fp8_sp.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_sp.log | grep -v "^|---"; }
     ;;
   s13-fp8-sp)  # 2 GPUs (~8 min; prebuilt modules): the FP8 GPU training test against the emulation and the
                # float64 model, then opfuse FP8 (pow2 weights) against torch.compile bf16 in train-sp at 2048

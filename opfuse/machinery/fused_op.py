@@ -22,7 +22,8 @@ from torch import nn
 from ..ops.base import Described, TensorMeta
 from .implementation import CallSpec, Implementation, ImplementationError
 
-__all__ = ["FusedOp", "FusedCall", "define_fused_op", "DIRECT_OVERLOADS"]
+__all__ = ["FusedOp", "FusedCall", "define_fused_op", "DIRECT_OVERLOADS", "register_direct_overload",
+           "graph_op"]
 
 #: Each fused op's custom op (its ``default`` overload) -> its ``direct`` overload: the same schema,
 #: fake and function, registered straight on the dispatcher (no autograd formula, no
@@ -94,8 +95,7 @@ class FusedCall:
         self.fn = fn
         self.op = torch.library.custom_op(qualname, mutates_args=())(fn)
         self.op.register_fake(fake)
-        self.direct = _direct_overload(self.op, fn if getattr(fn, "_opfuse_distinct", False)
-                                       else (lambda *args: _distinct(fn(*args), args)), fake)
+        self.direct = register_direct_overload(self.op, fn, fake)
         self._function = None
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context)
@@ -131,13 +131,21 @@ class FusedCall:
         return self.fn(*args)
 
 
-def _direct_overload(op, fn, fake):
-    """Register ``<op>.direct``: ``op``'s schema with ``fn`` as its kernel for every backend and
-    ``fake`` as its fake. Through ``torch.library.custom_op`` a call passes the autograd wrapper,
-    a redispatch, the backend wrapper with its alias check and a Dynamo-disable frame; registered
-    directly, the dispatcher calls ``fn`` (host cost per call: docs/PERF_NOTES.md, "Host overhead
-    of a compiled block"). ``fn`` returns no input and no tensor twice (the alias check's
-    guarantee)."""
+def register_direct_overload(op, fn, fake):
+    """Register ``<op>.direct`` for custom op ``op`` (a ``torch.library.custom_op``): ``op``'s
+    schema with ``fn`` as its kernel for every backend and ``fake`` as its fake, and list it in
+    :data:`DIRECT_OVERLOADS` so compiled graphs call it. Through ``torch.library.custom_op`` a call
+    passes the autograd wrapper, a redispatch, the backend wrapper with its alias check and a
+    Dynamo-disable frame; registered directly, the dispatcher calls ``fn`` (host cost per call:
+    docs/PERF_NOTES.md, "Host overhead of a compiled block"). Only for graphs past autograd: the
+    overload has no autograd formula. The alias check's guarantee is kept by :func:`_distinct`
+    (no input returned, no tensor returned twice) unless ``fn`` is marked ``_opfuse_distinct``."""
+    if not getattr(fn, "_opfuse_distinct", False):
+        kernel = fn
+
+        def fn(*args):
+            return _distinct(kernel(*args), args)
+
     namespace, name = op._qualname.split("::")
     lib = _FRAGMENTS.get(namespace)
     if lib is None:
@@ -149,6 +157,21 @@ def _direct_overload(op, fn, fake):
     direct = getattr(getattr(torch.ops, namespace), name).direct
     DIRECT_OVERLOADS[op._opoverload] = direct
     return direct
+
+
+def graph_op(qualname: str, fake: Callable):
+    """Decorator: the function becomes custom op ``qualname`` (no mutated arguments, ``fake`` as
+    its fake) with a ``direct`` overload (:func:`register_direct_overload`). For ops that only
+    lowering passes write into graphs already differentiated (no autograd formula): Dynamo and
+    AOTAutograd never trace them, and the compiled graph calls the direct overload."""
+
+    def wrap(fn):
+        op = torch.library.custom_op(qualname, mutates_args=())(fn)
+        op.register_fake(fake)
+        register_direct_overload(op, fn, fake)
+        return op
+
+    return wrap
 
 
 def _distinct(result, args):

@@ -26,7 +26,8 @@ and at run time, and an output's shape must be what the graph was traced with.
 
 The backward GEMMs take plain tensors already (``opfuse::fp8_linear_backward`` and its collective
 twins): the graph calls them directly. None of these ops is differentiable: they appear in graphs
-AOTAutograd has already differentiated (see :mod:`.fp8_lower`).
+AOTAutograd has already differentiated (see :mod:`.fp8_lower`), and each has a ``direct``
+overload the graph pass points those calls at (:func:`opfuse.machinery.fused_op.graph_op`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch import Tensor
 from ..core import dispatch as implementations
 from ..fp8.state import weights_trained
 from ..fp8.tensor import Float8Activation
+from ..machinery.fused_op import graph_op
 from ..ops import group as groups
 
 __all__ = ["NORM_QUANTIZE_OPS", "FP8_GEMM_OPS", "compiled_quantize", "compiled_norm_quantize", "compiled_fp8_gemm",
@@ -65,18 +67,23 @@ def _scale_fake(x: Tensor, rowwise: bool) -> Tensor:
 _FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-@torch.library.custom_op("opfuse::compiled_quantize", mutates_args=())
+def _quantize_fake(x, dtype, rowwise, amax_group, impl):
+    return x.new_empty(x.shape, dtype=_FP8[dtype]), _scale_fake(x, rowwise)
+
+
+@graph_op("opfuse::compiled_quantize", _quantize_fake)
 def compiled_quantize(x: Tensor, dtype: str, rowwise: bool, amax_group: str, impl: str) -> tuple[Tensor, Tensor]:
     """``(data, scale)`` of ``x`` quantized by the ``quantize`` fused op's implementation ``impl``."""
     return _payload(implementations.get("quantize", impl).forward(x, dtype, rowwise, amax_group))
 
 
-@compiled_quantize.register_fake
-def _(x, dtype, rowwise, amax_group, impl):
-    return x.new_empty(x.shape, dtype=_FP8[dtype]), _scale_fake(x, rowwise)
+def _norm_quantize_fake(op, x, bias, residual, weight, norm_bias, eps, group, write_residual, dtype, rowwise,
+                        amax_group, impl):
+    h = torch.empty_like(x) if write_residual else x.new_empty(0)
+    return x.new_empty(x.shape, dtype=_FP8[dtype]), _scale_fake(x, rowwise), h
 
 
-@torch.library.custom_op("opfuse::compiled_norm_quantize", mutates_args=())
+@graph_op("opfuse::compiled_norm_quantize", _norm_quantize_fake)
 def compiled_norm_quantize(op: str, x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
                            weight: Optional[Tensor], norm_bias: Optional[Tensor], eps: float, group: str,
                            write_residual: bool, dtype: str, rowwise: bool, amax_group: str,
@@ -89,36 +96,10 @@ def compiled_norm_quantize(op: str, x: Tensor, bias: Optional[Tensor], residual:
     return data, scale, h
 
 
-@compiled_norm_quantize.register_fake
-def _(op, x, bias, residual, weight, norm_bias, eps, group, write_residual, dtype, rowwise, amax_group, impl):
-    h = torch.empty_like(x) if write_residual else x.new_empty(0)
-    return x.new_empty(x.shape, dtype=_FP8[dtype]), _scale_fake(x, rowwise), h
-
-
 def _stub(data: Tensor, dtype: torch.dtype) -> Tensor:
     """A tensor of ``data``'s shape and ``dtype`` without memory of its own (the GEMMs read only the
     shape and dtype of an input that came quantized)."""
     return torch.empty((), dtype=dtype, device=data.device).expand(data.shape)
-
-
-@torch.library.custom_op("opfuse::compiled_fp8_gemm", mutates_args=())
-def compiled_fp8_gemm(op: str, data: Tensor, scale: Tensor, weight: Tensor, bias: Optional[Tensor], group: str,
-                      out_dtype: torch.dtype, recipe: str, impl: str) -> Tensor:
-    """``y`` of FP8 GEMM fused op ``op`` (:data:`FP8_GEMM_OPS`) for an input quantized upstream."""
-    forward = implementations.get(op, impl).forward
-    collective = (group,) if FP8_GEMM_OPS[op] else ()
-    y, *_ = forward(_stub(data, out_dtype), data, scale, weight, bias, *collective, recipe)
-    return y
-
-
-@compiled_fp8_gemm.register_fake
-def _(op, data, scale, weight, bias, group, out_dtype, recipe, impl):
-    rows = data.shape[0]
-    factor = FP8_GEMM_OPS[op]
-    if factor:
-        world = groups.world_size(groups.from_name(group))
-        rows = rows * world if factor > 0 else rows // world
-    return data.new_empty((rows,) + tuple(data.shape[1:-1]) + (weight.shape[0],), dtype=out_dtype)
 
 
 def _rows_out(op: str, rows: int, group: str) -> int:
@@ -129,7 +110,30 @@ def _rows_out(op: str, rows: int, group: str) -> int:
     return rows
 
 
-@torch.library.custom_op("opfuse::compiled_fp8_gemm_quantizing", mutates_args=())
+def _gemm_fake(op, data, scale, weight, bias, group, out_dtype, recipe, impl):
+    rows = _rows_out(op, data.shape[0], group)
+    return data.new_empty((rows,) + tuple(data.shape[1:-1]) + (weight.shape[0],), dtype=out_dtype)
+
+
+@graph_op("opfuse::compiled_fp8_gemm", _gemm_fake)
+def compiled_fp8_gemm(op: str, data: Tensor, scale: Tensor, weight: Tensor, bias: Optional[Tensor], group: str,
+                      out_dtype: torch.dtype, recipe: str, impl: str) -> Tensor:
+    """``y`` of FP8 GEMM fused op ``op`` (:data:`FP8_GEMM_OPS`) for an input quantized upstream."""
+    forward = implementations.get(op, impl).forward
+    collective = (group,) if FP8_GEMM_OPS[op] else ()
+    y, *_ = forward(_stub(data, out_dtype), data, scale, weight, bias, *collective, recipe)
+    return y
+
+
+def _gemm_quantizing_fake(op, x, weight, bias, group, recipe, want_t, impl):
+    rows = x.shape[0]
+    rowwise = recipe.startswith("row")
+    y = x.new_empty((_rows_out(op, rows, group), weight.shape[0]))
+    data_t = x.new_empty((x.shape[1], rows) if want_t else (0,), dtype=torch.float8_e4m3fn)
+    return y, x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _scale_fake(x, rowwise), data_t
+
+
+@graph_op("opfuse::compiled_fp8_gemm_quantizing", _gemm_quantizing_fake)
 def compiled_fp8_gemm_quantizing(op: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], group: str, recipe: str,
                                  want_t: bool, impl: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y, x_data, x_scale, x_data_t)`` of FP8 GEMM fused op ``op`` quantizing its 2-D input ``x``
@@ -144,12 +148,3 @@ def compiled_fp8_gemm_quantizing(op: str, x: Tensor, weight: Tensor, bias: Optio
     if not want_t and data_t.numel():
         data_t = data_t.new_empty(0)
     return y, data, scale, data_t
-
-
-@compiled_fp8_gemm_quantizing.register_fake
-def _(op, x, weight, bias, group, recipe, want_t, impl):
-    rows = x.shape[0]
-    rowwise = recipe.startswith("row")
-    y = x.new_empty((_rows_out(op, rows, group), weight.shape[0]))
-    data_t = x.new_empty((x.shape[1], rows) if want_t else (0,), dtype=torch.float8_e4m3fn)
-    return y, x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _scale_fake(x, rowwise), data_t

@@ -9,6 +9,7 @@ Graphs run with ``options={"inductor": False}`` except one test compiled by Indu
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -131,6 +132,9 @@ def test_backward_gemms_are_fp8_and_keep_one_byte_inputs(world1, tmp_path):
     assert "opfuse.compiled_norm_quantize" in after and "opfuse.compiled_fp8_gemm" in after
     # No high-precision GEMM is left: attention's products here are elementwise.
     assert "aten.mm.default" not in after and "aten.addmm" not in after
+    # Past autograd, every opfuse op is called through its direct overload (no custom-op layers).
+    calls = re.findall(r"torch\.ops\.opfuse\.(\w+)\.(\w+)\(", after)
+    assert calls and all(overload == "direct" for _, overload in calls), sorted(set(calls))
 
 
 def test_inference_graph(world1):
@@ -394,7 +398,7 @@ def test_power_of_two_weight_scales_reach_compiled_graphs_through_the_one_read_q
     assert relative(want, exact) > 1e-4  # the power-of-two scales are not a no-op
     (folder,) = os.listdir(tmp_path)
     after = (tmp_path / folder / "aten_after.py").read_text()
-    assert after.count("opfuse.quantize_weight_pow2") == 8
+    assert after.count("opfuse.quantize_weight_pow2.direct(") == 8
     assert after.count("aten.amax") == 2 + 8  # o's and down's inputs, and the output gradients
     assert "pow2 weight scales" in programs[0].explain()
 
@@ -423,6 +427,6 @@ def test_every_one_read_quantizer_of_a_compiled_graph_has_its_hint_reserved_on_t
         run_both(Block, fp8.TensorScaling(pow2_weight_scales=True), torch.randn(2, 8, 32), merge_projections=False)
     (folder,) = os.listdir(tmp_path)
     after = (tmp_path / folder / "aten_after.py").read_text()
-    keys = [int(k) for k in re.findall(r"opfuse\.quantize_weight_pow2\.default\(\w+, (\d+),", after)]
+    keys = [int(k) for k in re.findall(r"opfuse\.quantize_weight_pow2\.direct\(\w+, (\d+),", after)]
     assert len(keys) == 8 and len(set(keys)) == 8, after
     assert set(keys) <= {key for key, _ in reserved} and all(d == torch.device("cpu") for _, d in reserved), reserved

@@ -137,6 +137,10 @@ def test_one_read_weight_quantizer_off_cuda_is_the_reference(rng):
     data, scale_inv, data_t = torch.ops.opfuse.quantize_weight_pow2(w, 3, "e4m3", False)
     assert torch.equal(data.view(torch.uint8), want.data.view(torch.uint8)) and data_t.numel() == 0
     torch.library.opcheck(torch.ops.opfuse.quantize_weight_pow2.default, (w, 3, "e4m3", True))
+    # Compiled graphs call the direct overload: the same bytes, no output an input.
+    for a, b in zip(torch.ops.opfuse.quantize_weight_pow2.direct(w, 3, "e4m3", True),
+                    torch.ops.opfuse.quantize_weight_pow2.default(w, 3, "e4m3", True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and a.data_ptr() != w.data_ptr()
     # A graph reserves its hints while it is built, under a fake mode: the hint is real memory.
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 

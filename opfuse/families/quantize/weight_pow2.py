@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ...fp8 import numerics
 from ...fp8.numerics import Quantized
+from ...machinery.fused_op import graph_op
 from .kernels import fast_path_reason
 
 __all__ = ["quantize_weight", "quantize_weight_pow2", "new_key", "reserve_hint", "forget_hints", "dtype_name"]
@@ -137,7 +138,14 @@ def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=Non
     return q, Quantized(data_t if fused_t else data.t().contiguous(), scale_inv)
 
 
-@torch.library.custom_op("opfuse::quantize_weight_pow2", mutates_args=())
+def _quantize_weight_pow2_fake(weight, key, dtype, transpose):
+    rows, cols = weight.shape
+    fp8 = _FP8[dtype]
+    data_t = weight.new_empty((cols, rows), dtype=fp8) if transpose else weight.new_empty(0, dtype=fp8)
+    return weight.new_empty((rows, cols), dtype=fp8), weight.new_empty((1, 1), dtype=torch.float32), data_t
+
+
+@graph_op("opfuse::quantize_weight_pow2", _quantize_weight_pow2_fake)
 def quantize_weight_pow2(weight: Tensor, key: int, dtype: str, transpose: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(data, scale_inv, data_t)`` of :func:`quantize_weight` (``data_t`` empty without
     ``transpose``). The hint it updates is not an output: it changes the cost, not the result. The
@@ -148,11 +156,3 @@ def quantize_weight_pow2(weight: Tensor, key: int, dtype: str, transpose: bool) 
         q, qt = out
         return q.data, q.scale_inv, qt.data
     return out.data, out.scale_inv, out.data.new_empty(0)
-
-
-@quantize_weight_pow2.register_fake
-def _(weight, key, dtype, transpose):
-    rows, cols = weight.shape
-    fp8 = _FP8[dtype]
-    data_t = weight.new_empty((cols, rows), dtype=fp8) if transpose else weight.new_empty(0, dtype=fp8)
-    return weight.new_empty((rows, cols), dtype=fp8), weight.new_empty((1, 1), dtype=torch.float32), data_t
