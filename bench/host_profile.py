@@ -8,7 +8,7 @@ hosts (torch 2.11): the body of a ``torch.library`` custom op shows up as the ow
 of ``torch/_library/custom_ops.py(backend_impl)`` while the functions it calls are listed too, so
 that row counts the custom ops' bodies, and the rows below it overlap with it.
 
-Environment: ``OPFUSE_HOST_PROFILE_TOP`` rows (default 18, bench/model.py); ``OPFUSE_HOST_PROFILE_DUMP``
+Environment: ``OPFUSE_HOST_PROFILE_TOP`` rows (default 18); ``OPFUSE_HOST_PROFILE_DUMP``
 a path for the raw pstats file (callers and callees: ``python -m pstats FILE``);
 ``OPFUSE_HOST_PROFILE_OPS=1`` also prints torch.profiler's operator table by self CPU time over the
 same number of steps, which charges each custom op's Python body to that op (the view to trust where
@@ -38,9 +38,12 @@ def _where(key) -> str:
     return f"{'/'.join(parts[-3:])}:{line}({name})"
 
 
-def host_profile(fn, steps: int = 2, top: int = 18) -> list[str]:
-    """The ``top`` functions by own time over ``steps`` calls of ``fn`` (already warm): lines of
-    ``own us/step, cumulative us/step, calls/step, function``, the first line the total."""
+def host_profile(fn, steps: int = 2, top: int | None = None) -> list[str]:
+    """The ``top`` functions (default ``OPFUSE_HOST_PROFILE_TOP``, else 18) by own time over ``steps``
+    calls of ``fn`` (already warm): lines of ``own us/step, cumulative us/step, calls/step,
+    function``, the first line the total."""
+    if top is None:
+        top = int(os.environ.get("OPFUSE_HOST_PROFILE_TOP", "18"))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     profiler = cProfile.Profile()

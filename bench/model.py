@@ -255,7 +255,7 @@ def worker(rank, world, opts, out_path):
                 if device == "cuda":  # on the CPU (--cpu) only the host profile means something
                     found[name] = kernel_table.profile_step(fn, steps=2)
                     timelines[name] = step_timeline.step_timeline(fn)
-                lines = host_profile.host_profile(fn, top=int(os.environ.get("OPFUSE_HOST_PROFILE_TOP", "18")))
+                lines = host_profile.host_profile(fn)
                 if rank == 0:
                     print(f"host profile {row['case']} {row['shape']} {name} (own us/step, cumulative, calls):\n  "
                           + "\n  ".join(lines), flush=True)

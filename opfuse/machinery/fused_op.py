@@ -140,19 +140,14 @@ def register_direct_overload(op, fn, fake):
     docs/PERF_NOTES.md, "Host overhead of a compiled block"). Only for graphs past autograd: the
     overload has no autograd formula. The alias check's guarantee is kept by :func:`_distinct`
     (no input returned, no tensor returned twice) unless ``fn`` is marked ``_opfuse_distinct``."""
-    if not getattr(fn, "_opfuse_distinct", False):
-        kernel = fn
-
-        def fn(*args):
-            return _distinct(kernel(*args), args)
-
+    kernel = fn if getattr(fn, "_opfuse_distinct", False) else (lambda *args: _distinct(fn(*args), args))
     namespace, name = op._qualname.split("::")
     lib = _FRAGMENTS.get(namespace)
     if lib is None:
         lib = _FRAGMENTS[namespace] = torch.library.Library(namespace, "FRAGMENT")
     schema = str(op._opoverload._schema)
     lib.define(f"{name}.direct{schema[schema.index('('):]}")
-    lib.impl(f"{name}.direct", fn, "CompositeExplicitAutograd")
+    lib.impl(f"{name}.direct", kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{namespace}::{name}.direct", fake, lib=lib)
     direct = getattr(getattr(torch.ops, namespace), name).direct
     DIRECT_OVERLOADS[op._opoverload] = direct
