@@ -33,8 +33,9 @@ def keep_high_precision(fqn: str, module) -> bool:
     return fqn != "output"
 
 
-def torchao_compiler(name: str | None):
-    """``(fn(model) -> compiled, None)`` for torchao float8 + torch.compile, or ``(None, reason)``."""
+def torchao_compiler(name: str | None, mode: str | None = None):
+    """``(fn(model) -> compiled, None)`` for torchao float8 + torch.compile (``mode``: its
+    torch.compile mode), or ``(None, reason)``."""
     if name is None:
         return None, "no --fp8"
     try:
@@ -55,6 +56,6 @@ def torchao_compiler(name: str | None):
         for module in model.modules():
             if type(module).__name__ == "Float8Linear":
                 module.register_forward_hook(lambda _module, _inputs, output: output.clone())
-        return torch.compile(model, dynamic=False)
+        return torch.compile(model, mode=mode, dynamic=False)
 
     return compile_with_torchao, f"torchao {getattr(torchao, '__version__', '?')}"

@@ -49,6 +49,10 @@ recipe), output head in bf16) and, where ``torchao`` imports, ``torchao fp8`` (t
 torch.compile, tp cases) to the training cases (targets: <= 0.75x compile bf16, <= 0.92x torchao);
 ``--merge-ab`` adds ``opfuse unmerged`` (merge_projections=False) to decode (target: merged <= 0.97x).
 
+CUDA graphs in training: ``--train-mode reduce-overhead`` compiles every training variant with
+mode="reduce-overhead" (cudagraph trees, ``torch.compiler.cudagraph_mark_step_begin()`` before each
+step); ``BENCH_CUDAGRAPH_HISTORY=1`` records where a tensor left untracked in the graph pool came from.
+
 Mixed precision: ``--autocast`` builds the training models in float32 and runs each step under
 ``torch.autocast(bfloat16)``: a float32 residual stream next to bfloat16 GEMM outputs, the add +
 norm calls opfuse's kernels refuse (they take one dtype) and leave to Inductor
@@ -98,16 +102,17 @@ CPU = dict(FULL, model=dict(MODEL, dim=64, layers=2, heads=4, kv_heads=2, ffn=12
 CASES = ("decode", "train-tp", "train-sp")
 
 
-def _compilers(device: str, decode: bool, fp8: str | None = None):
+def _compilers(device: str, decode: bool, fp8: str | None = None, train_mode: str = "default"):
     """``(torch.compile variant, opfuse variant)`` as functions of a model (``fp8``: the opfuse
-    variant's recipe, ``--fp8``; bench/fp8_variants.py)."""
+    variant's recipe, ``--fp8``; bench/fp8_variants.py; ``train_mode``: ``--train-mode``, the
+    training variants' torch.compile mode, the same for both)."""
     import opfuse
 
     fp8_kw = dict(fp8=fp8_variants.recipe(fp8), fp8_filter=fp8_variants.keep_high_precision) if fp8 else {}
     if device != "cuda":
         return (lambda m: torch.compile(m, backend="aot_eager_decomp_partition", dynamic=False),
                 lambda m: opfuse.optimize(m, options={"inductor": False}, **fp8_kw))
-    mode = "reduce-overhead" if decode else None
+    mode = "reduce-overhead" if decode else None if train_mode == "default" else train_mode
     return (lambda m: torch.compile(m, mode=mode, dynamic=False), lambda m: opfuse.optimize(m, mode=mode, **fp8_kw))
 
 
@@ -276,6 +281,7 @@ def worker(rank, world, opts, out_path):
                 torch.cuda.empty_cache()
             if rank == 0:
                 common.progress(f"world {world} {label}: failed ({type(error).__name__})")
+                traceback.print_exc()  # the whole message (a cudagraph pool check lists the allocations)
 
     def finish(row):
         keys = [k for k in row if k not in ("case", "shape", "fusions", "err")]  # the same on every rank
@@ -348,9 +354,20 @@ def worker(rank, world, opts, out_path):
         for batch in opts["decode"]:
             guarded(f"decode batch {batch}", decode_case, batch)
 
-    compile_fn, opfuse_fn = _compilers(device, decode=False)
-    fp8_fn = _compilers(device, decode=False, fp8=opts.get("fp8"))[1] if opts.get("fp8") else None
-    torchao_fn, torchao_note = fp8_variants.torchao_compiler(opts.get("fp8"))
+    train_mode = opts.get("train_mode", "default")
+    compile_fn, opfuse_fn = _compilers(device, decode=False, train_mode=train_mode)
+    fp8_fn = _compilers(device, decode=False, fp8=opts.get("fp8"), train_mode=train_mode)[1] \
+        if opts.get("fp8") else None
+    graphed = train_mode == "reduce-overhead" and device == "cuda"
+    if graphed and os.environ.get("BENCH_CUDAGRAPH_HISTORY") == "1":  # where an untracked pool tensor came from
+        from torch._inductor import config as inductor_config
+
+        inductor_config.triton.cudagraph_trees_history_recording = True
+    if graphed:
+        notes.append("--train-mode reduce-overhead: compile, opfuse and opfuse fp8 train with CUDA graphs "
+                     "(cudagraph trees; torch.compiler.cudagraph_mark_step_begin() before each step)")
+    torchao_fn, torchao_note = fp8_variants.torchao_compiler(
+        opts.get("fp8"), None if opts.get("train_mode", "default") == "default" else opts["train_mode"])
     if opts.get("fp8"):
         notes.append(f"--fp8 {opts['fp8']}: 'opfuse fp8' runs opfuse.optimize(fp8=...) (output head in bf16); "
                      f"torchao column: {torchao_note}")
@@ -404,6 +421,8 @@ def worker(rank, world, opts, out_path):
             settings = EXTRA_VARIANTS.get(name, {})
 
             def run():
+                if graphed and name != "eager":  # a new step: the previous step's graph outputs may be reused
+                    torch.compiler.cudagraph_mark_step_begin()
                 with opfuse_settings(**settings), sequence_batch.refusal_lifted(name in SP_BATCH_ON), \
                         mixed_precision():
                     out = steps_[name](ids)
@@ -439,6 +458,8 @@ def worker(rank, world, opts, out_path):
         profiled(row, {name: step(name) for name in names[1:]})
         if "opfuse" in steps_:
             row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])
+        if "opfuse fp8" in steps_ and rank == 0:
+            notes.append(f"{row['case']} {row['shape']}: opfuse fp8 fused {_fusions(steps_['opfuse fp8'])[0]}")
         row["err"] = errors
         models = steps_ = want = None  # free before the next size
         finish(row)
@@ -446,8 +467,11 @@ def worker(rank, world, opts, out_path):
     for mode in ("tp", "sp"):
         if f"train-{mode}" not in opts["cases"]:
             continue
-        if mode == "sp" and device == "cuda":
+        if mode == "sp" and device == "cuda" and not graphed:
             async_tp = block.AsyncTP()  # Inductor's micro-pipeline TP for the torch.compile baseline (and opfuse's)
+        elif mode == "sp" and graphed:
+            notes.append("train-sp under --train-mode reduce-overhead: Inductor's async TP off (torch allocates its "
+                         "symmetric-memory workspace in the cudagraph pool, which fails the pool check)")
         tp = "dist" if mode == "tp" else "dtensor-sp"
         for tokens in opts["train"]:
             for batch in opts["train_batch"]:
@@ -503,6 +527,9 @@ def main() -> int:
     parser.add_argument("--autocast", action="store_true",
                         help="training cases: a float32 model under torch.autocast(bfloat16), as mixed-precision "
                              "training runs (float32 residual stream, bfloat16 GEMMs)")
+    parser.add_argument("--train-mode", choices=["default", "reduce-overhead"], default="default",
+                        help="training cases: torch.compile mode of every compiled variant (reduce-overhead: CUDA "
+                             "graphs, for a step whose host issue time is at its GPU time; default: none)")
     parser.add_argument("--no-aa", action="store_true",
                         help="training cases: leave out the A/A control (a second torch.compile model)")
     parser.add_argument("--variants", nargs="*", choices=sorted(EXTRA_VARIANTS), default=[],
@@ -519,7 +546,7 @@ def main() -> int:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda",
                     profile=args.profile, variants=args.variants, only=args.only, aa=not args.no_aa, fp8=args.fp8,
-                    merge_ab=args.merge_ab, autocast=args.autocast)
+                    merge_ab=args.merge_ab, autocast=args.autocast, train_mode=args.train_mode)
         if args.cases:
             opts["cases"] = args.cases
         if args.layers:

@@ -55,6 +55,12 @@
 #   tools/gpu_session.sh s10-isolated  # 2 GPUs (~5 min): train-tp, each variant alone in its own process (A B B A)
 #   tools/gpu_session.sh s11-next      # 2 GPUs (~9 min): the SP batch > 1 + async TP bisect, train-tp isolated A B B A
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
+#   tools/gpu_session.sh s14-graphs    # 2 GPUs (~9 min): FP8 compile GPU tests, FP8 pow2 train-sp 2048 beside
+#                                      # compile/opfuse bf16, without and with CUDA graphs (--train-mode)
+#   tools/gpu_session.sh s14-graphs2   # 2 GPUs (~6 min): training under CUDA graphs, which variant fails and why;
+#                                      # opfuse FP8 train-sp kernel table and host profile
+#   tools/gpu_session.sh s14-graphs3   # 2 GPUs (~7.5 min): graph-pool tests; train-sp 2048 with and without CUDA
+#                                      # graphs: opfuse FP8, compile bf16, opfuse bf16, each alone
 #   tools/gpu_session.sh s14-fp8-sp    # 2 GPUs (~9.5 min): FP8 pow2 train-sp 2048 isolated A B B A after a warm-up run
 #   tools/gpu_session.sh s13-fp8-sp    # 2 GPUs (~8 min): FP8 GPU training test (float64 check), FP8 pow2 train-sp
 #                                      # 2048 isolated against compile bf16
@@ -570,6 +576,46 @@ case "$stage" in
     step isolated_sp4 540 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
       --run-timeout 160 --json "$OUT/isolated_sp4.json"
     final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
+    ;;
+  s14-graphs)  # 2 GPUs (~9 min; prebuilt modules): the FP8 compile GPU tests (session 13's direct overloads; FP8
+               # training under CUDA graphs), then FP8 (pow2 weights) train-sp at 2048 tokens in one process with
+               # compile and opfuse bf16 beside it, without and with CUDA graphs (--train-mode reduce-overhead):
+               # the FP8 step's host issue time was at its GPU time (session 13)
+    END=${S14_BUDGET_S:-540}
+    tests compile_fp8_tests "$(fits 150 400)" -q -s tests/gpu/test_compile_fp8_moe.py
+    step fp8_sp_default "$(fits 190 200)" python3 bench/model.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --no-aa --json "$OUT/fp8_sp_default.json"
+    step fp8_sp_graphs "$(fits 210 0)" python3 bench/model.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --no-aa --train-mode reduce-overhead --json "$OUT/fp8_sp_graphs.json"
+    final_summary() { grep -h -E "passed|failed" "$OUT/compile_fp8_tests.log" | tail -3;
+                      model_lines fp8_sp_default fp8_sp_graphs; }
+    ;;
+  s14-graphs2)  # 2 GPUs (~6 min; prebuilt modules): which training variant fails under CUDA graphs and why
+                # (allocation history of the untracked pool tensors), then opfuse FP8's kernel table and host
+                # profile in train-sp 2048 without graphs
+    END=${S14_BUDGET_S:-420}
+    BENCH_CUDAGRAPH_HISTORY=1 step fp8_graphs_only "$(fits 130 240)" python3 bench/model.py --world 2 --cases train-sp \
+      --train 2048 --train-batch 1 --fp8 tensor-pow2 --no-aa --only "opfuse fp8" --train-mode reduce-overhead
+    BENCH_CUDAGRAPH_HISTORY=1 step compile_graphs_only "$(fits 110 130)" python3 bench/model.py --world 2 \
+      --cases train-sp --train 2048 --train-batch 1 --no-aa --only compile --train-mode reduce-overhead
+    OPFUSE_HOST_PROFILE_TOP=40 step fp8_profile "$(fits 130 0)" python3 bench/model.py --world 2 --cases train-sp \
+      --train 2048 --train-batch 1 --fp8 tensor-pow2 --no-aa --only "opfuse fp8" --profile
+    final_summary() { model_lines fp8_graphs_only compile_graphs_only fp8_profile; }
+    ;;
+  s14-graphs3)  # 2 GPUs (~7.5 min; prebuilt modules): the graph-pool tests, then train-sp 2048 each variant alone:
+                # opfuse FP8 (pow2) and compile bf16 with CUDA graphs (async TP off: torch's workspace fails the
+                # pool check), compile bf16 (async TP) and opfuse FP8 without, opfuse bf16 with CUDA graphs
+    END=${S14_BUDGET_S:-450}
+    tests graph_pool_tests "$(fits 90 360)" -q tests/gpu/test_graph_pool.py tests/gpu/test_compile_fp8_moe.py \
+      -k "pool or cuda_graphs"
+    sp=(python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 --no-aa)
+    step fp8_graphs "$(fits 110 280)" "${sp[@]}" --fp8 tensor-pow2 --only "opfuse fp8" --train-mode reduce-overhead
+    step compile_graphs "$(fits 90 210)" "${sp[@]}" --only compile --train-mode reduce-overhead
+    step compile_default "$(fits 90 140)" "${sp[@]}" --only compile
+    step fp8_default "$(fits 90 70)" "${sp[@]}" --fp8 tensor-pow2 --only "opfuse fp8"
+    step opfuse_graphs "$(fits 90 0)" "${sp[@]}" --only opfuse --train-mode reduce-overhead
+    final_summary() { grep -h -E "passed|failed" "$OUT/graph_pool_tests.log" | tail -2;
+                      model_lines fp8_graphs compile_graphs compile_default fp8_default opfuse_graphs; }
     ;;
   s14-fp8-sp)  # 2 GPUs (~9.5 min; prebuilt modules): FP8 (pow2 weights) train-sp at 2048 tokens against
                # torch.compile bf16, each variant alone after a discarded warm-up run, A B B A: session 13's

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
+import threading
 
 import torch
 
-__all__ = ["dtype_name", "sm_count", "device_name", "current_stream", "is_capturing", "triton_status",
-           "triton_gpu_reason"]
+__all__ = ["dtype_name", "sm_count", "device_name", "current_stream", "is_capturing", "allocating_to_graph_pool",
+           "outside_graph_pool", "triton_status", "triton_gpu_reason"]
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -51,6 +53,63 @@ def current_stream() -> int:
 def is_capturing() -> bool:
     """Whether the current stream is being captured into a CUDA graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _cudagraph_tree_stream(index: int):
+    """The stream the cudagraph tree of device ``index`` warms up and records on (torch.compile's
+    ``mode="reduce-overhead"``), or ``None`` when this thread has no tree there. Nothing is created:
+    a process that never compiled with CUDA graphs has not imported the module."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return None
+    try:
+        containers = trees.get_obj(trees.local, "tree_manager_containers")
+    except Exception:  # noqa: BLE001 - a torch whose trees keep their state elsewhere has none to find here
+        return None
+    manager = getattr(containers.get(index), "tree_manager", None)
+    return getattr(manager, "stream", None)
+
+
+def allocating_to_graph_pool() -> bool:
+    """Whether this thread's CUDA allocations now come from a CUDA graph's private pool: during a
+    capture, and while a cudagraph tree warms up or records a compiled graph (it runs the graph on
+    its own stream with the pool on). A tensor made then and kept past the call (a cache entry, a
+    per-weight hint) is one the tree does not track: it fails the tree's pool check, and a replay
+    may overwrite it."""
+    if not torch.cuda.is_available():
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    index = torch.cuda.current_device()
+    stream = _cudagraph_tree_stream(index)
+    return stream is not None and torch._C._cuda_getCurrentRawStream(index) == stream.cuda_stream
+
+
+def outside_graph_pool(make):
+    """``make()`` with its allocations from the ordinary caching allocator although this thread
+    allocates to a graph pool (a cudagraph tree's warm-up): it runs on a helper thread (pools are
+    routed per thread and per stream; the helper has neither), which waits for its own kernels
+    before it returns. For small, long-lived state made on first use. Not during a capture: the capture would
+    not contain the helper's kernels."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("opfuse: outside_graph_pool() during a CUDA-graph capture; make the state before capturing")
+    device = torch.cuda.current_device()
+    result, errors = [], []
+
+    def run():
+        try:
+            with torch.cuda.device(device):
+                result.append(make())
+                torch.cuda.current_stream(device).synchronize()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(error)
+
+    helper = threading.Thread(target=run, name="opfuse-outside-graph-pool")
+    helper.start()
+    helper.join()
+    if errors:
+        raise errors[0]
+    return result[0]
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,11 +6,12 @@ matters most where a GEMM streams its weight (decode: the FP8 weight is half the
 bfloat16 one, but only if it is not re-derived from the bfloat16 one each call).
 
 An entry is valid for one (storage, version) of the parameter: an optimizer step, ``copy_`` or
-any in-place update bumps ``tensor._version``. While a CUDA graph is being captured the cache is
-not read: the captured graph quantizes on every replay, so it sees the optimizer steps taken
-between replays; under ``fp8.autocast(frozen_weights=True)`` (inference) it is, and the graph
-reads the FP8 weights made before the capture. Nothing is stored during a capture (the graph's
-memory pool owns what it allocates). Entries go when their parameter is freed.
+any in-place update bumps ``tensor._version``. While a CUDA graph is being captured (or a
+cudagraph tree of ``mode="reduce-overhead"`` warms one up) the cache is not read: the captured
+graph quantizes on every replay, so it sees the optimizer steps taken between replays; under
+``fp8.autocast(frozen_weights=True)`` (inference) it is, and the graph reads the FP8 weights made
+before the capture. Nothing is stored then (the graph's memory pool owns what it allocates, and a
+tree fails a pool tensor it does not track). Entries go when their parameter is freed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable
 import torch
 
 from ...fp8.state import weights_frozen
-from ...runtime.device import is_capturing
+from ...runtime.device import allocating_to_graph_pool
 
 __all__ = ["cached", "clear"]
 
@@ -33,7 +34,7 @@ _CACHE: dict[int, tuple] = {}
 def cached(weight: torch.Tensor, key: str, build: Callable[[], object]):
     """``build()``'s result for ``weight`` in its current version (``key`` names the form:
     recipe, operand, layout)."""
-    capturing = is_capturing()
+    capturing = allocating_to_graph_pool()
     if capturing and not weights_frozen():
         return build()
     stamp = (weight.data_ptr(), weight._version)

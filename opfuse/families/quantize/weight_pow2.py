@@ -31,6 +31,7 @@ from torch import Tensor
 from ...fp8 import numerics
 from ...fp8.numerics import Quantized
 from ...machinery.fused_op import graph_op
+from ...runtime.device import allocating_to_graph_pool, is_capturing, outside_graph_pool
 from .kernels import fast_path_reason
 
 __all__ = ["quantize_weight", "quantize_weight_pow2", "new_key", "reserve_hint", "forget_hints", "dtype_name"]
@@ -84,8 +85,13 @@ def _hint(key, device: torch.device) -> Tensor:
     slot = (key, device)
     found = _hints.get(slot)
     if found is None:
+        def make():
+            return torch.full((1,), _UNSET, dtype=torch.int32, device=device)
+
+        # In a cudagraph tree's warm-up the hint would land in the graph's pool, untracked.
+        made = outside_graph_pool(make) if allocating_to_graph_pool() and not is_capturing() else make()
         with _lock:
-            found = _hints.setdefault(slot, torch.full((1,), _UNSET, dtype=torch.int32, device=device))
+            found = _hints.setdefault(slot, made)
     return found
 
 
