@@ -59,8 +59,8 @@
 #                                      # compile/opfuse bf16, without and with CUDA graphs (--train-mode)
 #   tools/gpu_session.sh s14-graphs2   # 2 GPUs (~6 min): training under CUDA graphs, which variant fails and why;
 #                                      # opfuse FP8 train-sp kernel table and host profile
-#   tools/gpu_session.sh s14-graphs3   # 2 GPUs (~7.5 min): graph-pool tests; train-sp 2048 with and without CUDA
-#                                      # graphs: opfuse FP8, compile bf16, opfuse bf16, each alone
+#   tools/gpu_session.sh s14-graphs3   # 2 GPUs (~9.5 min): graph-pool tests; train-sp 2048 with and without CUDA
+#                                      # graphs: opfuse FP8 and compile bf16, each alone
 #   tools/gpu_session.sh s14-fp8-sp    # 2 GPUs (~9.5 min): FP8 pow2 train-sp 2048 isolated A B B A after a warm-up run
 #   tools/gpu_session.sh s13-fp8-sp    # 2 GPUs (~8 min): FP8 GPU training test (float64 check), FP8 pow2 train-sp
 #                                      # 2048 isolated against compile bf16
@@ -602,20 +602,19 @@ case "$stage" in
       --train 2048 --train-batch 1 --fp8 tensor-pow2 --no-aa --only "opfuse fp8" --profile
     final_summary() { model_lines fp8_graphs_only compile_graphs_only fp8_profile; }
     ;;
-  s14-graphs3)  # 2 GPUs (~7.5 min; prebuilt modules): the graph-pool tests, then train-sp 2048 each variant alone:
+  s14-graphs3)  # 2 GPUs (~9.5 min; prebuilt modules): the graph-pool tests, then train-sp 2048, each variant alone:
                 # opfuse FP8 (pow2) and compile bf16 with CUDA graphs (async TP off: torch's workspace fails the
-                # pool check), compile bf16 (async TP) and opfuse FP8 without, opfuse bf16 with CUDA graphs
-    END=${S14_BUDGET_S:-450}
-    tests graph_pool_tests "$(fits 90 360)" -q tests/gpu/test_graph_pool.py tests/gpu/test_compile_fp8_moe.py \
+                # pool check), compile bf16 (async TP) and opfuse FP8 without; each run takes 65-95 s
+    END=${S14_BUDGET_S:-570}
+    tests graph_pool_tests "$(fits 70 440)" -q tests/gpu/test_graph_pool.py tests/gpu/test_compile_fp8_moe.py \
       -k "pool or cuda_graphs"
     sp=(python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 --no-aa)
-    step fp8_graphs "$(fits 110 280)" "${sp[@]}" --fp8 tensor-pow2 --only "opfuse fp8" --train-mode reduce-overhead
-    step compile_graphs "$(fits 90 210)" "${sp[@]}" --only compile --train-mode reduce-overhead
-    step compile_default "$(fits 90 140)" "${sp[@]}" --only compile
-    step fp8_default "$(fits 90 70)" "${sp[@]}" --fp8 tensor-pow2 --only "opfuse fp8"
-    step opfuse_graphs "$(fits 90 0)" "${sp[@]}" --only opfuse --train-mode reduce-overhead
+    step fp8_graphs "$(fits 115 330)" "${sp[@]}" --fp8 tensor-pow2 --only "opfuse fp8" --train-mode reduce-overhead
+    step compile_graphs "$(fits 110 220)" "${sp[@]}" --only compile --train-mode reduce-overhead
+    step compile_default "$(fits 110 110)" "${sp[@]}" --only compile
+    step fp8_default "$(fits 110 0)" "${sp[@]}" --fp8 tensor-pow2 --only "opfuse fp8"
     final_summary() { grep -h -E "passed|failed" "$OUT/graph_pool_tests.log" | tail -2;
-                      model_lines fp8_graphs compile_graphs compile_default fp8_default opfuse_graphs; }
+                      model_lines fp8_graphs compile_graphs compile_default fp8_default; }
     ;;
   s14-fp8-sp)  # 2 GPUs (~9.5 min; prebuilt modules): FP8 (pow2 weights) train-sp at 2048 tokens against
                # torch.compile bf16, each variant alone after a discarded warm-up run, A B B A: session 13's

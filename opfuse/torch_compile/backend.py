@@ -82,6 +82,7 @@ class OpfuseBackend:
 
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(options)
+        _no_async_tp_under_graphs(gm, patches, inductor_config, settings)
         if "reorder_for_peak_memory" not in patches and _keeps_collective_order(gm):
             # Inductor's peak-memory reordering moves a collective's wait back before the GEMMs
             # that overlap.schedule_overlaps placed under it (measured: they then ran after it).
@@ -99,13 +100,24 @@ def _guarded(compiled, settings):
     return guard_layouts(compiled, settings.joined, [i.name for i in settings.inputs])
 
 
-def _keeps_collective_order(gm: torch.fx.GraphModule) -> bool:
-    """Whether this graph's collectives may be left to NCCL and scheduled under independent GEMMs
-    (:mod:`.overlap`): the setting allows it and the graph has a collective at all."""
-    from ..config import config
+def _no_async_tp_under_graphs(gm: torch.fx.GraphModule, patches: dict, inductor_config, settings) -> None:
+    """Turn Inductor's micro-pipeline TP off for a graph compiled with CUDA graphs
+    (``mode="reduce-overhead"``) that has collectives, saying so in ``explain()``: its fused
+    matmul + collective ops allocate their symmetric-memory workspace on first use, which under a
+    cudagraph tree is the warm-up, inside the graph's pool, and the tree then fails the graph
+    ("tensor(s) in the cudagraph pool not tracked as outputs"; torch 2.11 measured, session 14).
+    opfuse's own collective GEMMs keep their overlap: their memory is reserved when the graph is built."""
+    graphs = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
+    async_tp = patches.get("_micro_pipeline_tp", getattr(inductor_config, "_micro_pipeline_tp", False))
+    if graphs and async_tp and _has_collectives(gm):
+        patches["_micro_pipeline_tp"] = False
+        settings.notes.append("Inductor's async TP (_micro_pipeline_tp) off for this graph: with CUDA graphs its "
+                              "symmetric-memory workspace would be allocated in the graph's pool during the warm-up, "
+                              "which the cudagraph tree refuses; opfuse's collective GEMMs overlap instead")
 
-    if config.overlap_collectives != "auto":
-        return False
+
+def _has_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph (or an autograd.Function body in it) calls a collective."""
     for module in gm.modules():  # autograd.Function bodies are subgraphs (backward all-reduces)
         graph = getattr(module, "graph", None)
         for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
@@ -113,6 +125,14 @@ def _keeps_collective_order(gm: torch.fx.GraphModule) -> bool:
             if node.op == "call_function" and any(key in target for key in _COLLECTIVE_NAMES):
                 return True
     return False
+
+
+def _keeps_collective_order(gm: torch.fx.GraphModule) -> bool:
+    """Whether this graph's collectives may be left to NCCL and scheduled under independent GEMMs
+    (:mod:`.overlap`): the setting allows it and the graph has a collective at all."""
+    from ..config import config
+
+    return config.overlap_collectives == "auto" and _has_collectives(gm)
 
 
 _COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "_c10d_functional", "distributed")

@@ -73,6 +73,8 @@ class CompileSettings:
     routers: set = dataclasses.field(default_factory=set)
     #: Inductor compiles the fused graphs (``False``: ``options={"inductor": False}``, run eagerly).
     inductor: bool = True
+    #: What the backend changed in Inductor's settings for this graph, and why (``explain()`` lists them).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def input_of(self, placeholder: fx.Node) -> GraphInput | None:
         """The Dynamo input a joint-graph placeholder stands for."""

@@ -100,7 +100,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         covered = [phases.get(name, "forward") for name in record.nodes]
         fused_phases[record.fused_node] = "backward" if "backward" in covered else "forward"
     program = GraphProgram(index, "training" if training else "inference", op_graph.gm, ctx.unfused, ctx.fusions,
-                           fused_phases, [("torch_compile", note) for note in op_graph.notes] + ctx.notes
+                           fused_phases, [("torch_compile", note) for note in op_graph.notes + settings.notes]
+                           + ctx.notes
                            + [("overlap", o.describe()) for o in overlaps], len(gm.graph.nodes))
     program.overlap_decisions = [(o.wait.name, o.describe()) for o in overlaps]
     program.seconds = time.perf_counter() - started

@@ -141,3 +141,31 @@ def test_inductor_keeps_the_gemms_under_the_collective(world1, cheap_collectives
     wait = next(i for i, line in enumerate(lines) if "wait_tensor" in line and not line.startswith("#"))
     assert any("extern_kernels.mm" in line for line in lines[issue + 1:wait]), "\n".join(lines[issue:wait + 1])
     torch.testing.assert_close(x.grad, torch.autograd.grad(model(x).sum(), x)[0])
+
+
+def test_async_tp_is_turned_off_under_cuda_graphs_and_explained():
+    """Inductor's fused matmul + collective ops allocate their workspace during a cudagraph tree's
+    warm-up, inside the graph's pool, which the tree refuses: the backend turns micro-pipeline TP
+    off for graphs with collectives compiled with CUDA graphs, and only for those."""
+    from torch._inductor import config as inductor_config
+
+    from opfuse.torch_compile import backend
+    from opfuse.torch_compile.fp8 import CompileSettings
+
+    def with_collective(x):
+        return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0")) + 1
+
+    collective, plain = torch.fx.symbolic_trace(with_collective), torch.fx.symbolic_trace(lambda x: x + 1)
+    with inductor_config.patch(_micro_pipeline_tp=True):
+        for gm, patches, turned_off in [(collective, {"triton.cudagraphs": True}, True),
+                                        (plain, {"triton.cudagraphs": True}, False),
+                                        (collective, {}, False),
+                                        (collective, {"triton.cudagraphs": True, "_micro_pipeline_tp": False}, False)]:
+            settings = CompileSettings()
+            before = dict(patches)
+            backend._no_async_tp_under_graphs(gm, patches, inductor_config, settings)
+            if turned_off:
+                assert patches["_micro_pipeline_tp"] is False
+                assert len(settings.notes) == 1 and "cudagraph" in settings.notes[0], settings.notes
+            else:
+                assert patches == before and not settings.notes, (patches, settings.notes)
