@@ -21,10 +21,12 @@ Imported only where plans are bound (it touches ``torch.cuda``); CPU tests bind 
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
 from ....config import config
+from ....runtime.device import allocating_to_graph_pool, is_capturing, outside_graph_pool
 from .plan import AUX, COMM, COMM2, COMPUTE, Barrier, Copy, Gemm, Plan, Probe, Put, Record, Sum, View, Wait, WaitEvent
 
 __all__ = ["BoundPlan", "CudaApi", "cuda_api", "side_streams"]
@@ -169,7 +171,11 @@ class BoundPlan:
         self.api = api
         self.events = [api.new_event() for _ in range(plan.events)]
         device = self.views[(next(iter(regions)), self.rank)].device
-        self.tmp = torch.empty(plan.shapes["tmp"], dtype=dtype, device=device) if "tmp" in plan.shapes else None
+        self.tmp = None
+        if "tmp" in plan.shapes:  # kept for the plan's life: never in a cudagraph tree's pool (bound in a warm-up)
+            make = functools.partial(torch.empty, plan.shapes["tmp"], dtype=dtype, device=device)
+            warming_up = device.type == "cuda" and allocating_to_graph_pool() and not is_capturing()
+            self.tmp = outside_graph_pool(make) if warming_up else make()
         self.source, self.host_calls, self.call = _Compiler(self).compile()
 
     def local(self, name: str) -> torch.Tensor:
