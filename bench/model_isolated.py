@@ -12,14 +12,16 @@ order cancels a linear drift of the GPU's clocks across the runs.
     python3 bench/model_isolated.py --cpu --cases train-tp --train 16   # the code paths (gloo; no timings)
 
 Method: ``--rounds`` repetitions of A B B A (``--pair A B``; default A = torch.compile, B = opfuse;
-``--pair "torchao fp8" "opfuse fp8" --fp8 tensor`` compares the FP8 variants; three or more variants
-run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
+``--pair "torchao fp8" "opfuse fp8" --fp8 tensor`` compares the FP8 variants, ``--pair compile
+"opfuse fp8@graphs" --fp8 tensor-pow2`` opfuse FP8 trained under CUDA graphs against torch.compile
+without them; three or more variants run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
 compile and round-robin timing). Reported per case: each run's time, the mean per variant, the
 spread (max / min - 1) within a variant, and each later variant's mean over A's.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -36,6 +38,20 @@ from block_report import fmt, ratio  # noqa: E402
 
 #: The variants bench/model.py's ``--only`` runs (its ONLY_CHOICES).
 VARIANTS = ("compile", "opfuse", "opfuse fp8", "torchao fp8")
+#: ``VARIANT@graphs``: that variant trained under CUDA graphs (bench/model.py ``--train-mode reduce-overhead``).
+GRAPHS = "@graphs"
+
+
+def variant_of(entry: str) -> str:
+    """The bench/model.py variant of a ``--pair`` entry (``"opfuse fp8@graphs"`` -> ``"opfuse fp8"``)."""
+    return entry[:-len(GRAPHS)] if entry.endswith(GRAPHS) else entry
+
+
+def _valid_entry(entry: str) -> str:
+    if variant_of(entry) not in VARIANTS:
+        raise argparse.ArgumentTypeError(f"{entry!r}: expected one of {', '.join(VARIANTS)}, each optionally with "
+                         f"{GRAPHS!r} (trained under CUDA graphs)")
+    return entry
 
 
 def run_order(rounds: int, pair=("compile", "opfuse")) -> list[str]:
@@ -58,8 +74,8 @@ def combine(runs: list[tuple[str, dict]], pair=("compile", "opfuse")) -> list[di
                 key = (world, row["case"], row["shape"])
                 entry = found.setdefault(key, {"world": world, "case": row["case"], "shape": row["shape"],
                                                **{v: [] for v in pair}})
-                if row.get(variant) is not None:
-                    entry[variant].append(row[variant])
+                if row.get(variant_of(variant)) is not None:
+                    entry[variant].append(row[variant_of(variant)])
     rows = []
     for entry in found.values():
         for variant in pair:
@@ -89,7 +105,7 @@ def table(rows: list[dict], pair=("compile", "opfuse")) -> str:
 def run_times(data: dict, variant: str) -> str:
     """One run's step times (us), printed as the run ends, so a call cut off at its time limit still
     reports the runs it finished."""
-    times = [f"{row['case']} {row['shape']}: {fmt(row.get(variant))} us"
+    times = [f"{row['case']} {row['shape']}: {fmt(row.get(variant_of(variant)))} us"
              for result in data["results"].values() for row in result["rows"]]
     return "; ".join(times) or "no rows"
 
@@ -105,8 +121,10 @@ def measure(args, passthrough: list[str]) -> dict:
             warmup = index < len(warmups)
             label = "warm-up run" if warmup else f"run {index + 1 - len(warmups)}"
             path = os.path.join(scratch, f"run{index}.json")
-            command = [sys.executable, os.path.join(HERE, "model.py"), "--only", variant, "--no-aa", "--json", path,
-                       *passthrough]
+            command = [sys.executable, os.path.join(HERE, "model.py"), "--only", variant_of(variant), "--no-aa",
+                       "--json", path, *passthrough]
+            if variant.endswith(GRAPHS):
+                command += ["--train-mode", "reduce-overhead"]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout)
             except subprocess.TimeoutExpired:
@@ -132,8 +150,9 @@ def measure(args, passthrough: list[str]) -> dict:
 def main() -> int:
     parser = common.parser("model_isolated", __doc__)
     parser.add_argument("--cases", nargs="+", choices=["train-tp", "train-sp"], default=["train-tp", "train-sp"])
-    parser.add_argument("--pair", nargs="+", choices=VARIANTS, default=["compile", "opfuse"], metavar="VARIANT",
-                        help=f"the variants compared, A B [C ...] (default compile opfuse; of {', '.join(VARIANTS)}; "
+    parser.add_argument("--pair", nargs="+", type=_valid_entry, default=["compile", "opfuse"], metavar="VARIANT",
+                        help=f"the variants compared, A B [C ...] (default compile opfuse; of {', '.join(VARIANTS)}, "
+                             f"each optionally with {GRAPHS} for training under CUDA graphs, e.g. 'opfuse fp8{GRAPHS}'; "
                              f"the fp8 ones need --fp8)")
     parser.add_argument("--fp8", choices=FP8_RECIPES, default=None, help="bench/model.py's --fp8 recipe")
     parser.add_argument("--rounds", type=int, default=1, help="repetitions of A B B A (default 1: four runs)")
@@ -149,7 +168,8 @@ def main() -> int:
     if any("fp8" in v for v in args.pair) and not args.fp8:
         parser.error(f"--pair {' '.join(args.pair)}: the fp8 variants need --fp8 {'|'.join(FP8_RECIPES)}")
     refused = [flag for flag in passthrough if flag.split("=")[0] in ("--only", "--variants", "--merge-ab",
-                                                                       "--decode", "--no-aa", "--profile")]
+                                                                       "--decode", "--no-aa", "--profile")
+               or (flag.split("=")[0] == "--train-mode" and any(v.endswith(GRAPHS) for v in args.pair))]
     if refused:
         parser.error(f"{' '.join(refused)}: not for this script (it sets --only per run and times the training "
                      f"cases); pass bench/model.py's --world, --train, --train-batch, --layers, --quick")

@@ -55,6 +55,8 @@
 #   tools/gpu_session.sh s10-isolated  # 2 GPUs (~5 min): train-tp, each variant alone in its own process (A B B A)
 #   tools/gpu_session.sh s11-next      # 2 GPUs (~9 min): the SP batch > 1 + async TP bisect, train-tp isolated A B B A
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
+#   tools/gpu_session.sh s15-fp8-graphs  # 2 GPUs (~9 min): opfuse FP8 under CUDA graphs vs compile bf16, train-sp
+#                                      # 2048, isolated A B B A after a warm-up run
 #   tools/gpu_session.sh s14-graphs    # 2 GPUs (~9 min): FP8 compile GPU tests, FP8 pow2 train-sp 2048 beside
 #                                      # compile/opfuse bf16, without and with CUDA graphs (--train-mode)
 #   tools/gpu_session.sh s14-graphs2   # 2 GPUs (~6 min): training under CUDA graphs, which variant fails and why;
@@ -576,6 +578,13 @@ case "$stage" in
     step isolated_sp4 540 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
       --run-timeout 160 --json "$OUT/isolated_sp4.json"
     final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
+    ;;
+  s15-fp8-graphs)  # 2 GPUs (~9 min; prebuilt modules): opfuse FP8 (pow2) trained under CUDA graphs against
+                   # torch.compile bf16 (async TP), train-sp 2048, each alone, A B B A after a warm-up run
+    step isolated_fp8_graphs 560 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8@graphs" --warmup-run --run-timeout 110 \
+      --json "$OUT/isolated_fp8_graphs.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_graphs.log | grep -v "^|---"; }
     ;;
   s14-graphs)  # 2 GPUs (~9 min; prebuilt modules): the FP8 compile GPU tests (session 13's direct overloads; FP8
                # training under CUDA graphs), then FP8 (pow2 weights) train-sp at 2048 tokens in one process with

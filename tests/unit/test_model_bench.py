@@ -99,9 +99,39 @@ def test_isolated_runs_of_three_variants_rotate_and_compare_each_to_the_first():
     assert text.splitlines()[0].endswith("| opfuse fp8 / compile | torchao fp8 / compile |")
 
 
+def test_a_variant_under_cuda_graphs_runs_with_the_train_mode_and_keeps_its_own_column(monkeypatch):
+    """``VARIANT@graphs``: the same bench/model.py variant, trained under CUDA graphs; it may sit
+    beside the variant without graphs, and its runs land in its own column."""
+    import types
+
+    commands = []
+
+    def fake_run(command, **kwargs):
+        commands.append(command)
+        path = command[command.index("--json") + 1]
+        variant = command[command.index("--only") + 1]
+        graphed = "--train-mode" in command
+        with open(path, "w") as handle:
+            json.dump({"results": {"2": {"rows": [{"case": "train-sp", "shape": "2048 tok, batch 1",
+                                                   variant: 80.0 if graphed else 100.0}]}}}, handle)
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(model_isolated.subprocess, "run", fake_run)
+    pair = ("opfuse fp8", "opfuse fp8@graphs")
+    data = model_isolated.measure(types.SimpleNamespace(rounds=1, pair=pair, run_timeout=7.0), ["--fp8", "row"])
+    assert [c[c.index("--only") + 1] for c in commands] == ["opfuse fp8"] * 4
+    assert [c[-2:] == ["--train-mode", "reduce-overhead"] for c in commands] == [False, True, True, False]
+    (row,) = data["rows"]
+    assert row["opfuse fp8"] == [100.0, 100.0] and row["opfuse fp8@graphs"] == [80.0, 80.0]
+    assert row["ratio"] == pytest.approx(0.8)
+    assert model_isolated.variant_of("compile@graphs") == "compile" and model_isolated.variant_of("opfuse") == "opfuse"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--pair", "opfuse", "opfuse"], "two different variants"),
     (["--pair", "compile", "opfuse fp8"], "the fp8 variants need --fp8"),
+    (["--pair", "compile", "opfuse@cudagraphs"], "optionally with '@graphs'"),
+    (["--pair", "compile", "opfuse@graphs", "--train-mode", "default"], "--train-mode: not for this script"),
 ])
 def test_isolated_runner_refuses_a_pair_it_cannot_compare(args, message):
     env = dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
