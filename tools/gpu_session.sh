@@ -57,6 +57,8 @@
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
 #   tools/gpu_session.sh s15-fp8-graphs  # 2 GPUs (~9 min): opfuse FP8 under CUDA graphs vs compile bf16, train-sp
 #                                      # 2048, isolated A B B A after a warm-up run
+#   tools/gpu_session.sh s15-fp8-rs    # 2 GPUs (~8 min): FP8 reduce-scatter over peer memory: world-2 tests
+#                                      # (forced), FP8 train-sp 2048 under CUDA graphs with it and without
 #   tools/gpu_session.sh s14-graphs    # 2 GPUs (~9 min): FP8 compile GPU tests, FP8 pow2 train-sp 2048 beside
 #                                      # compile/opfuse bf16, without and with CUDA graphs (--train-mode)
 #   tools/gpu_session.sh s14-graphs2   # 2 GPUs (~6 min): training under CUDA graphs, which variant fails and why;
@@ -585,6 +587,18 @@ case "$stage" in
       --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8@graphs" --warmup-run --run-timeout 110 \
       --json "$OUT/isolated_fp8_graphs.json"
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_graphs.log | grep -v "^|---"; }
+    ;;
+  s15-fp8-rs)  # 2 GPUs (~8 min; prebuilt modules): the FP8 reduce-scatter over peer memory (p2p_overlap, after nccl
+               # in the table until this runs): the world-2 FP8 block tests (forced), then opfuse FP8 trained under
+               # CUDA graphs in train-sp 2048 with it forced and without, each alone
+    END=${S15_BUDGET_S:-520}
+    tests fp8_dist_tests "$(fits 200 240)" -x -q tests/gpu/test_fp8_dist.py
+    sp=(python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 --no-aa --fp8 tensor-pow2
+        --only "opfuse fp8" --train-mode reduce-overhead)
+    OPFUSE_FORCE_IMPL=linear_reduce_scatter_fp8=p2p_overlap step fp8_graphs_p2p_rs "$(fits 115 120)" "${sp[@]}"
+    step fp8_graphs_nccl_rs "$(fits 115 0)" "${sp[@]}"
+    final_summary() { grep -h -E "passed|failed" "$OUT/fp8_dist_tests.log" | tail -2;
+                      model_lines fp8_graphs_p2p_rs fp8_graphs_nccl_rs; }
     ;;
   s14-graphs)  # 2 GPUs (~9 min; prebuilt modules): the FP8 compile GPU tests (session 13's direct overloads; FP8
                # training under CUDA graphs), then FP8 (pow2 weights) train-sp at 2048 tokens in one process with

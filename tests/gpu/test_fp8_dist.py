@@ -1,6 +1,7 @@
 """FP8 collective GEMMs on NCCL (world 2 and 4 as the host allows): the sequence-parallel and
 tensor-parallel MLP blocks under ``fp8.autocast`` through their FP8 kernels (the FP8 all-gather over
-peer memory, ``p2p_overlap``; the NCCL one, forced; the reduce-scatter after the FP8 GEMM) against
+peer memory, ``p2p_overlap``; the NCCL one, forced; the reduce-scatter after the FP8 GEMM, and over
+peer memory, forced) against
 the unfused FP8 program (the float32 emulation), forward and every gradient, bf16, several token
 counts; FSDP GroupedLinear with its weights gathered in FP8. One spawn per world size."""
 
@@ -61,9 +62,10 @@ def block_case(rank, world, recipe, sp, tokens, force=""):
         if fuse:
             impls = {f.rule: f.impl for f in program.fusions}
             if sp:
-                want = force.split("=")[1] if force else ("p2p_overlap" if not recipe.rowwise else "nccl")
-                assert impls.get("all_gather_linear_fp8") == want, impls
-                assert impls.get("linear_reduce_scatter_fp8") == "nccl", impls
+                forced = dict(item.split("=") for item in force.split(",") if item)
+                default_gather = "p2p_overlap" if not recipe.rowwise else "nccl"
+                assert impls.get("all_gather_linear_fp8") == forced.get("all_gather_linear_fp8", default_gather), impls
+                assert impls.get("linear_reduce_scatter_fp8") == forced.get("linear_reduce_scatter_fp8", "nccl"), impls
     grad_tol = 0.1 if recipe.grad_dtype == torch.float8_e5m2 else 4e-2  # see tests/gpu/test_fp8.py
     for i, (got, want) in enumerate(zip(*results)):
         err = rel(got, want)
@@ -96,6 +98,11 @@ def all_cases(rank, world):
             block_case(rank, world, recipe, False, tokens)
         block_case(rank, world, recipe, True, 1024, force="all_gather_linear_fp8=nccl")
         grouped_fsdp(rank, world, recipe)
+    # The FP8 reduce-scatter over peer memory (after nccl in the table until measured): one scale
+    # per tensor; direct (few rows) and ring (2048 tokens) schedules; power-of-two weight scales too.
+    for recipe in (fp8.TensorScaling(), fp8.TensorScaling(pow2_weight_scales=True)):
+        for tokens in (8 * world, 2048):
+            block_case(rank, world, recipe, True, tokens, force="linear_reduce_scatter_fp8=p2p_overlap")
 
 
 @pytest.mark.parametrize("world", [w for w in (2, 4) if w <= max(GPUS, 2)])

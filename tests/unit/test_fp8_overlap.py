@@ -3,6 +3,8 @@ a thread, shared CPU storage as the symmetric pool (the harness of test_overlap_
 viewed as E4M3 bytes, the GEMMs as ``torch._scaled_mm`` (CPU kernels in this torch): the gathered
 bytes and every shard's GEMM against the float64 product of the dequantized operands."""
 
+import threading
+
 import pytest
 import torch
 
@@ -47,10 +49,49 @@ def test_fp8_gather_plan_moves_bytes_and_scales_each_shard(fake_cuda, world, bia
         torch.testing.assert_close(out.double(), want, atol=0.05, rtol=1e-2)  # bf16 output rounding
 
 
-def test_an_fp8_plan_cannot_accumulate():
-    from opfuse.families.collective_linear.overlap import executor
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="torch without _scaled_mm")
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("chunks", [1, 2, 4], ids=["direct", "ring-rows", "ring-four"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_reduce_scatter_sums_each_ranks_scaled_product(fake_cuda, monkeypatch, world, chunks, bias):  # noqa: F811
+    """``linear_reduce_scatter_fp8``'s ``p2p_overlap`` forward: each rank quantizes its own ``x``
+    (its own scale: nothing shared) and runs the bfloat16 op's reduce-scatter plan with FP8 GEMMs;
+    a ring hop adds its product to the incoming partial (``torch._scaled_mm`` has no beta). Rows
+    reduced over the ranks against float64 of the dequantized operands; the payload it keeps for the
+    backward is the FP8 ``x`` the GEMMs read."""
+    import opfuse
+    from opfuse.families.collective_linear.fp8 import p2p as fp8_p2p
+    from opfuse.fp8 import TensorScaling
+    from opfuse.ops import group as groups
 
-    with pytest.raises(ValueError, match="cannot accumulate"):
-        compiler = executor._Compiler.__new__(executor._Compiler)
-        compiler.bound = type("B", (), {"scaled": True})()
-        compiler.scaled_gemm(executor.Gemm("compute", None, None, 0, 4, mode="acc"), "d", "a", "b")
+    rows, k, n = 8, 32, 64  # rows per rank
+    recipe = TensorScaling()
+    contexts = {}
+    monkeypatch.setattr(p2p, "_context", lambda group, t: contexts[threading.current_thread().name])
+    monkeypatch.setattr(groups, "from_name", lambda name: name)
+    monkeypatch.setattr(groups, "world_size", lambda group: world)
+    xs = [(torch.randn(world * rows, k, generator=torch.Generator().manual_seed(r)) * (1 + r)).to(torch.bfloat16)
+          for r in range(world)]
+    ws = [(torch.randn(n, k, generator=torch.Generator().manual_seed(50 + r)) / 4).to(torch.bfloat16)
+          for r in range(world)]
+    b = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+
+    def fn(r, ctx):
+        contexts[threading.current_thread().name] = ctx
+        with opfuse.config.override(overlap_chunks=chunks):
+            y, data, scale, _ = fp8_p2p.rs_forward(xs[r], None, None, ws[r], b if bias else None, "g", recipe.key())
+        bound = [plan for plan in ctx.plans.values() if plan.scaled]
+        accumulating = [line for line in bound[0].source.splitlines() if "_add_(" in line and "_smm(" in line]
+        assert len(bound) == 1 and (accumulating or chunks == 1), bound[0].source  # a ring hop accumulates
+        return y, data, scale
+
+    results, _ = _run_ranks(world, fn)
+    products = [results[r][1].double() * results[r][2].double() @ numerics.quantize(
+        ws[r], E4M3, False).dequantize(torch.float64).t() for r in range(world)]
+    total = sum(products)
+    for r, (y, data, scale) in enumerate(results):
+        assert data.dtype == E4M3 and data.shape == (world * rows, k) and scale.numel() == 1
+        want = total[r * rows:(r + 1) * rows] + (b.double() if bias else 0)
+        # each product rounded to bf16 once, each hop's sum once more
+        size = sum(p[r * rows:(r + 1) * rows].abs() for p in products) + (b.double().abs() if bias else 0)
+        assert ((y.double() - want).abs() <= (world + 1) * 2 ** -8 * size + 1e-6).all(), (r, (y.double() - want))

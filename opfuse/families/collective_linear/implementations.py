@@ -68,6 +68,12 @@ TABLE = ImplementationTable("collective_linear", {
         Implementation("nccl", collective_fp8_nccl.check, collective_fp8_nccl.rs_forward,
                        collective_fp8_nccl.rs_backward,
                        description="FP8 GEMM, NCCL reduce-scatter of the partial sums; backward: dy gathered in FP8"),
+        # After nccl until its GPU tests and benchmark have run (force it with
+        # OPFUSE_FORCE_IMPL=linear_reduce_scatter_fp8=p2p_overlap).
+        Implementation("p2p_overlap", collective_fp8_p2p.rs_check, collective_fp8_p2p.rs_forward,
+                       collective_fp8_p2p.rs_backward, collective_fp8_p2p.rs_prepare,
+                       "the bfloat16 reduce-scatter plans with torch._scaled_mm GEMM chunks: partial sums pushed "
+                       "over peer memory while the next chunk multiplies (one scale per tensor); backward as nccl"),
         Implementation("reference", always, collective_fp8_reference.rs_forward,
                        collective_fp8_reference.rs_backward,
                        description="float32 emulation of the GEMMs, torch.distributed reduce-scatter"),

@@ -133,9 +133,10 @@ def prepare(spec) -> None:
 def _bound(ctx, request: plans.Request, dtype: torch.dtype, scaled: bool = False):
     """The bound plan of ``request`` (reserved and bound on first use, outside capture only);
     ``None`` when its regions or channels do not fit (identically on every rank: the caller
-    runs the reference). ``scaled``: FP8 GEMMs over ``dtype`` (an FP8 format) regions."""
+    runs the reference). ``scaled``: FP8 GEMMs (``torch._scaled_mm``) over ``dtype`` regions (FP8
+    for a gathered operand, the output dtype for partial sums)."""
     lay = plans.layout(request, ctx.world, ctx.sms)
-    key = (lay.key, dtype)
+    key = (lay.key, dtype, scaled)
     bound = ctx.plans.get(key)
     if bound is not None or is_capturing():
         return bound

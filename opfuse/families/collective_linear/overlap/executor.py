@@ -130,9 +130,9 @@ class BoundPlan:
         Stream/event primitives (default: :func:`cuda_api` of the regions' device).
 
     scaled:
-        The GEMMs are FP8 GEMMs (``torch._scaled_mm``; ``dtype`` is then an FP8 format): a call also
-        passes ``sa`` / ``sb`` (the float32 scales of ``a`` and ``b``, one element each) and ``odt``
-        (the output dtype). Only plans whose GEMMs overwrite their output (``mode="set"``) run so.
+        The GEMMs are FP8 GEMMs (``torch._scaled_mm``): a call also passes ``sa`` / ``sb`` (the
+        float32 scales of ``a`` and ``b``, one element each) and ``odt`` (the output dtype). The
+        regions are in ``dtype``: FP8 for a gathered operand, the output dtype for partial sums.
 
     A call: ``bound(b, a=..., out=..., x=..., biasin=...)``,
     ``b`` being ``[K, N]`` (any strides cuBLAS takes) and the buffers 2-D, ``biasin`` as
@@ -335,12 +335,25 @@ class _Compiler:
             return [(f"_barrier({ins.channel}, _T)", 1)]
         raise TypeError(f"overlap: unknown instruction {ins!r}")
 
+    def contiguous(self, v: View) -> bool:
+        """Whether the tensor of ``v`` is one contiguous block (whole rows of its buffer)."""
+        if v.buf in _REGIONS or v.buf == "tmp":
+            return self.ns[self.view(v)].is_contiguous()
+        width = self.plan.shapes.get(v.buf, (0, -1))[1]
+        return v.cols < 0 or (v.col0 == 0 and v.cols == width)
+
     def scaled_gemm(self, ins: Gemm, dst: str, a: str, b: str) -> tuple[str, int]:
-        """An FP8 GEMM writing ``dst`` (the bias, if any, in its epilogue)."""
-        if ins.mode != "set":
-            raise ValueError(f"overlap: an FP8 plan cannot accumulate into its output ({ins})")
+        """An FP8 GEMM writing ``dst`` (the bias, if any, in its epilogue) or, in ``"acc"`` mode,
+        adding to it: ``torch._scaled_mm`` has no beta, so the product (rounded to the output
+        dtype) is added by a second kernel in float32 and rounded again, as NCCL's ring rounds each
+        hop. ``out=`` only for a contiguous ``dst`` (a column block is written through a copy)."""
         bias = "" if ins.bias is None else f", bias={self.row(ins.bias, ins.b_col0, ins.b_cols)}"
-        return f"_smm({a}, {b}, sa, sb{bias}, out_dtype=odt, out={dst})", 1
+        product = f"_smm({a}, {b}, sa, sb{bias}, out_dtype=odt"
+        if ins.mode == "acc":
+            return f"_add_({dst}, {product}))", 2
+        if self.contiguous(ins.dst):
+            return f"{product}, out={dst})", 1
+        return f"_copy({dst}, {product}))", 2
 
     def sum(self, ins: Sum) -> list[tuple[str, int]]:
         dst = self.view(ins.dst)
