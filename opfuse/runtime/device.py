@@ -89,8 +89,8 @@ def outside_graph_pool(make):
     """``make()`` with its allocations from the ordinary caching allocator although this thread
     allocates to a graph pool (a cudagraph tree's warm-up): it runs on a helper thread (pools are
     routed per thread and per stream; the helper has neither), which waits for its own kernels
-    before it returns. For small, long-lived state made on first use. Not during a capture: the capture would
-    not contain the helper's kernels."""
+    before it returns. For small, long-lived state made on first use. Not during a capture: the
+    capture would not contain the helper's kernels."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("opfuse: outside_graph_pool() during a CUDA-graph capture; make the state before capturing")
     device = torch.cuda.current_device()

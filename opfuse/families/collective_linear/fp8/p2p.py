@@ -87,7 +87,6 @@ def forward(x, x_data, x_scale, weight, bias, group, recipe):
 backward = fp8_nccl.ag_backward
 
 
-
 # linear_reduce_scatter_fp8 ---------------------------------------------------------------------------
 
 
@@ -134,7 +133,7 @@ def rs_forward(x, x_data, x_scale, weight, bias, group, recipe):
     """``reduce_scatter_tokens(fp8(x) @ fp8(weight).T) + bias``, the GEMM chunks overlapped with
     the pushes of their partial sums."""
     r, pg = recipe_from_key(recipe), groups.from_name(group)
-    k, n = weight.shape[1], weight.shape[0]
+    n = weight.shape[0]
     xq, xt = scaled_mm.quantize_input(x, x_data, x_scale, weight, r, recipe)
     wq = scaled_mm.weight_operand(weight, r)
     ctx = p2p._context(group, x)
