@@ -95,3 +95,56 @@ def test_fp8_reduce_scatter_sums_each_ranks_scaled_product(fake_cuda, monkeypatc
         # each product rounded to bf16 once, each hop's sum once more
         size = sum(p[r * rows:(r + 1) * rows].abs() for p in products) + (b.double().abs() if bias else 0)
         assert ((y.double() - want).abs() <= (world + 1) * 2 ** -8 * size + 1e-6).all(), (r, (y.double() - want))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="torch without _scaled_mm")
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)], ids=["dx+dw", "dx", "dw"])
+def test_fp8_reduce_scatter_backward_gathers_dy_under_the_dgrad(fake_cuda, monkeypatch, world, need):  # noqa: F811
+    """``linear_reduce_scatter_fp8``'s ``p2p_overlap`` backward: ``dy`` quantized with the group's
+    scale (e5m2), pushed to every peer while each arrived shard's dgrad GEMM runs; the gathered
+    ``dy`` kept in the region feeds the FP8 wgrad. Against float64 of the same FP8 operands."""
+    from opfuse.families.collective_linear.fp8 import common as fp8_common, p2p as fp8_p2p
+    from opfuse.families.linear.fp8 import scaled_mm
+    from opfuse.fp8 import TensorScaling
+    from opfuse.ops import group as groups
+
+    need_dx, need_dw = need
+    rows, k, n = 8, 32, 48  # dy rows per rank; weight [n, k] per rank (a row-parallel shard)
+    recipe = TensorScaling()
+    contexts = {}
+    monkeypatch.setattr(p2p, "_context", lambda group, t: contexts[threading.current_thread().name])
+    monkeypatch.setattr(groups, "from_name", lambda name: name)
+    dys = [(torch.randn(rows, n, generator=torch.Generator().manual_seed(r)) * (1 + r)).to(torch.bfloat16)
+           for r in range(world)]
+    amax = torch.stack([d.float().abs().max() for d in dys]).max().reshape(1)
+    # the all-reduced amax, as the group's ranks agree on it
+    monkeypatch.setattr(fp8_common, "shared_quantize", lambda rows_, dtype, rowwise, pg, quantize, amax_fn: quantize(
+        rows_, dtype, False, amax_value=amax))
+    ws = [(torch.randn(n, k, generator=torch.Generator().manual_seed(50 + r)) / 4).to(torch.bfloat16)
+          for r in range(world)]
+    xs = [numerics.quantize(torch.randn(world * rows, k, generator=torch.Generator().manual_seed(70 + r)), E4M3,
+                            False) for r in range(world)]
+
+    def fn(r, ctx):
+        contexts[threading.current_thread().name] = ctx
+        dx, dw, db = fp8_p2p.rs_backward(dys[r], xs[r].data, xs[r].scale_inv, xs[r].data.new_empty(0), ws[r], "g",
+                                         recipe.key(), need_dx, need_dw, True)
+        assert [plan for plan in ctx.plans.values() if plan.scaled], "the peer-memory plan did not run"
+        return dx, dw, db
+
+    results, _ = _run_ranks(world, fn)
+    gathered = torch.cat([numerics.quantize(d.float(), torch.float8_e5m2, False, amax_value=amax)
+                          .dequantize(torch.float64) for d in dys])
+    for r, (dx, dw, db) in enumerate(results):
+        if need_dx:
+            wt = scaled_mm.weight_t_operand(ws[r], recipe).dequantize(torch.float64)  # [k, n]
+            torch.testing.assert_close(dx.double(), gathered @ wt.t(), atol=2e-2, rtol=1e-2)
+        else:
+            assert dx.numel() == 0
+        if need_dw:
+            want = gathered.t() @ xs[r].dequantize(torch.float64)
+            torch.testing.assert_close(dw.double(), want, atol=5e-2, rtol=1e-2)
+        else:
+            assert dw.numel() == 0
+        torch.testing.assert_close(db.double(), dys[r].double().sum(0), atol=5e-2, rtol=1e-2)

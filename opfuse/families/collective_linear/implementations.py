@@ -73,7 +73,8 @@ TABLE = ImplementationTable("collective_linear", {
         Implementation("p2p_overlap", collective_fp8_p2p.rs_check, collective_fp8_p2p.rs_forward,
                        collective_fp8_p2p.rs_backward, collective_fp8_p2p.rs_prepare,
                        "the bfloat16 reduce-scatter plans with torch._scaled_mm GEMM chunks: partial sums pushed "
-                       "over peer memory while the next chunk multiplies (one scale per tensor); backward as nccl"),
+                       "over peer memory while the next chunk multiplies (one scale per tensor); backward: FP8 dy "
+                       "pushed to the peers under the dgrad GEMMs, kept for the FP8 wgrad"),
         Implementation("reference", always, collective_fp8_reference.rs_forward,
                        collective_fp8_reference.rs_backward,
                        description="float32 emulation of the GEMMs, torch.distributed reduce-scatter"),

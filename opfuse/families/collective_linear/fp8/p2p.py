@@ -12,12 +12,16 @@ go to the ``nccl`` implementations.
   pushed to their owner and summed once) with FP8 GEMMs: the partial sums travel in the activation
   dtype, as NCCL's reduce-scatter of the ``nccl`` implementation sums them. Each rank's own scale
   (nothing shared). A ring hop rounds the FP8 product to the output dtype, then adds it to the
-  incoming partial in float32 and rounds again (``torch._scaled_mm`` has no beta). Backward is the
-  ``nccl`` one (dy gathered in FP8).
+  incoming partial in float32 and rounds again (``torch._scaled_mm`` has no beta). Backward: ``dy``
+  (a scale shared by the group) pushed over peer memory while the dgrad GEMMs each arrived shard,
+  the gathered ``dy`` kept for the FP8 wgrad, as the bfloat16 backward does.
 """
 
 from __future__ import annotations
 
+import torch
+
+from ....fp8.numerics import Quantized
 from ....fp8.recipe import E4M3, recipe_from_key
 from ....ops import group as groups
 from ....ops.collectives import raw_reduce_scatter
@@ -94,6 +98,21 @@ def _rs_request(rows_per_rank: int, n: int, bias: bool, itemsize: int) -> plans.
     return plans.reduce_scatter_request(rows_per_rank, n, bias="owner" if bias else None, itemsize=itemsize)
 
 
+def _rs_grad_request(rows_per_rank: int, n: int, k: int, need_dx: bool, need_dw: bool) -> plans.Request:
+    """The backward's plan: this rank's FP8 ``dy`` pushed to every peer while the dgrad GEMMs each
+    arrived shard; the own shard kept in the region too when the wgrad reads the gathered ``dy``."""
+    return plans.gather_request(rows_per_rank, n, k, fill_own=need_dw, gemm=need_dx, itemsize=1)
+
+
+def _rs_requests(spec) -> list[tuple[plans.Request, torch.dtype]]:
+    rows, (n, k) = spec.x.tokens // spec.world_size, spec.inputs["weight"].shape
+    wanted = [(_rs_request(rows, n, spec.inputs.get("bias") is not None, spec.dtype.itemsize), spec.dtype)]
+    recipe = spec.attrs["recipe"]
+    if spec.requires_grad and recipe.fp8_wgrad:
+        wanted.append((_rs_grad_request(rows, n, k, True, True), recipe.grad_dtype))
+    return wanted
+
+
 def rs_check(spec) -> str | None:
     """The FP8 GEMM's conditions, one scale per tensor, world >= 2, tokens divisible by the world
     size, peer memory with room for the forward's regions and signal channels."""
@@ -111,22 +130,25 @@ def rs_check(spec) -> str | None:
     pool, why = symm_pool.lookup(spec.group_name, spec.device)
     if pool is None:
         return f"no peer memory: {why}"
-    request = _rs_request(spec.x.tokens // spec.world_size, spec.inputs["weight"].shape[0],
-                          spec.inputs.get("bias") is not None, spec.dtype.itemsize)
-    lay = plans.layout(request, spec.world_size)
-    if lay.channels.end > policy.ChannelMap.available(resources.signal_pad_bytes(), spec.world_size):
-        return f"needs signal channels up to {lay.channels.end - 1} (lower OPFUSE_OVERLAP_CHUNKS)"
-    if not pool.can_reserve_all([(name, nbytes) for _kind, name, nbytes in lay.region_names()]):
+    available = policy.ChannelMap.available(resources.signal_pad_bytes(), spec.world_size)
+    wanted = {}
+    for request, _dtype in _rs_requests(spec):
+        lay = plans.layout(request, spec.world_size)
+        if lay.channels.end > available:
+            return f"needs signal channels up to {lay.channels.end - 1} (lower OPFUSE_OVERLAP_CHUNKS)"
+        for _kind, name, nbytes in lay.region_names():
+            wanted[name] = max(nbytes, wanted.get(name, 0))
+    if not pool.can_reserve_all(list(wanted.items())):
         return "symmetric pool has no room for the reduce-scatter regions (raise OPFUSE_SYMM_POOL_MAX_MB)"
     return None
 
 
 def rs_prepare(spec) -> None:
+    """Bind the forward's (and, for training, the backward's) plans, every rank in program order."""
     ctx = resources.context(spec.group_name, spec.device)
-    request = _rs_request(spec.x.tokens // spec.world_size, spec.inputs["weight"].shape[0],
-                          spec.inputs.get("bias") is not None, spec.dtype.itemsize)
-    if p2p._bound(ctx, request, spec.dtype, scaled=True) is None:
-        raise RuntimeError(f"{spec.op}: binding the FP8 reduce-scatter plan failed after the check passed")
+    for request, dtype in _rs_requests(spec):
+        if p2p._bound(ctx, request, dtype, scaled=True) is None:
+            raise RuntimeError(f"{spec.op}: binding {request} failed after the check passed")
 
 
 def rs_forward(x, x_data, x_scale, weight, bias, group, recipe):
@@ -154,4 +176,34 @@ def rs_forward(x, x_data, x_scale, weight, bias, group, recipe):
     return (out,) + payload_out(x, xq, x_data is not None, xt)
 
 
-rs_backward = fp8_nccl.rs_backward
+def rs_backward(dy, x_data, x_scale, x_data_t, weight, group, recipe, need_dx, need_dw, need_db):
+    """``dy`` quantized with a scale shared by the group and pushed to every peer over peer memory
+    while ``dx = gathered dy @ weight`` runs per arriving shard; the gathered FP8 ``dy``, kept in the
+    region, is transposed for the FP8 wgrad GEMM. Per-row scales and a high-precision wgrad take the
+    ``nccl`` backward (the same choice on every rank: it depends on the recipe and the plan only)."""
+    r = recipe_from_key(recipe)
+    n, k = weight.shape
+    dy2 = dy.reshape(-1, n)
+    ctx = p2p._context(group, dy)
+    bound = None
+    if ctx is not None and not r.rowwise and r.fp8_wgrad and (need_dx or need_dw):
+        bound = p2p._bound(ctx, _rs_grad_request(dy2.shape[0], n, k, need_dx, need_dw), r.grad_dtype, scaled=True)
+    if not bound:
+        return fp8_nccl.rs_backward(dy, x_data, x_scale, x_data_t, weight, group, recipe, need_dx, need_dw, need_db)
+    pg = groups.from_name(group)
+    local = fp8_common.shared_quantize(dy2.contiguous(), r.grad_dtype, False, pg, kernels.quantize, kernels.amax)
+    dx = dw = dy.new_empty(0)
+    wt = scaled_mm.weight_t_operand(weight, r) if need_dx else None
+    dx2 = dy.new_empty((ctx.world * dy2.shape[0], k)) if need_dx else None
+    bound(weight if wt is None else wt.data.t(), a=local.data, out=dx2, sa=local.scale_inv.reshape(()),
+          sb=None if wt is None else wt.scale_inv.reshape(()), odt=dy.dtype)
+    if need_dx:
+        dx = dx2.view(x_data.shape)
+    if need_dw:
+        # The gathered dy stays valid until this rank's next overlap call (peers write the region
+        # only after that call's barrier), and these kernels are ordered before it on this stream.
+        dyt = scaled_mm.grad_t_operand(Quantized(bound.local("gather"), local.scale_inv), r)
+        xq = Quantized(x_data.reshape(-1, k), x_scale)
+        _, dw = scaled_mm.backward_gemms(dy2, None, dyt, xq, weight, r, False, True, x_data_t)
+    db = dy2.sum(0, dtype=torch.float32).to(dy.dtype) if need_db else dy.new_empty(0)
+    return dx, dw, db
