@@ -98,8 +98,9 @@ def all_cases(rank, world):
             block_case(rank, world, recipe, False, tokens)
         block_case(rank, world, recipe, True, 1024, force="all_gather_linear_fp8=nccl")
         grouped_fsdp(rank, world, recipe)
-    # The FP8 reduce-scatter over peer memory (after nccl in the table until measured): one scale
-    # per tensor; direct (few rows) and ring (2048 tokens) schedules; power-of-two weight scales too.
+    # The FP8 reduce-scatter over peer memory, forward and backward (after nccl in the table until
+    # measured): one scale per tensor; direct (few rows) and ring (2048 tokens) schedules; power-of-two
+    # weight scales too.
     for recipe in (fp8.TensorScaling(), fp8.TensorScaling(pow2_weight_scales=True)):
         for tokens in (8 * world, 2048):
             block_case(rank, world, recipe, True, tokens, force="linear_reduce_scatter_fp8=p2p_overlap")
