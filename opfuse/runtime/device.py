@@ -62,9 +62,13 @@ def _cudagraph_tree_stream(index: int):
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None:
         return None
-    try:
-        containers = trees.get_obj(trees.local, "tree_manager_containers")
+    try:  # the thread's own state, or the one autograd's threads inherit; never initialised from here
+        containers = getattr(trees.local, "tree_manager_containers", None)
+        if containers is None and torch._C._is_key_in_tls("tree_manager_containers"):
+            containers = torch._C._get_obj_in_tls("tree_manager_containers")
     except Exception:  # noqa: BLE001 - a torch whose trees keep their state elsewhere has none to find here
+        return None
+    if containers is None:
         return None
     manager = getattr(containers.get(index), "tree_manager", None)
     return getattr(manager, "stream", None)
