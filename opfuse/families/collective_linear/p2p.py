@@ -75,15 +75,18 @@ def _basic_reason(spec) -> Optional[str]:
 
 
 def _check(spec) -> Optional[str]:
-    reason = _basic_reason(spec)
-    if reason:
-        return reason
+    return _basic_reason(spec) or _room_reason(spec, _requests(spec))
+
+
+def _room_reason(spec, requests) -> Optional[str]:
+    """Why the plans of ``requests`` cannot run in the group's peer memory (no pool, too few signal
+    channels, no room for their regions), or ``None``."""
     pool, why = symm_pool.lookup(spec.group_name, spec.device)
     if pool is None:
         return f"no peer memory: {why}"
     available = policy.ChannelMap.available(resources.signal_pad_bytes(), spec.world_size)
     wanted = {}
-    for request in _requests(spec):
+    for request in requests:
         lay = plans.layout(request, spec.world_size)
         if lay.channels.end > available:
             return (f"needs signal channels up to {lay.channels.end - 1}, the signal pad has {available} at world "

@@ -28,11 +28,10 @@ from ....ops.collectives import raw_reduce_scatter
 from ...linear.fp8 import scaled_mm
 from ...linear.fp8.reference import payload_out
 from ...quantize import kernels
-from ....runtime import symm_pool
 from ....runtime.device import is_capturing
 from . import common as fp8_common, nccl as fp8_nccl
 from .. import p2p
-from ..overlap import planner as plans, policy, resources
+from ..overlap import planner as plans, resources
 
 __all__ = ["check", "prepare", "forward", "backward", "rs_check", "rs_prepare", "rs_forward", "rs_backward"]
 
@@ -43,25 +42,23 @@ def _request(spec) -> plans.Request:
                                 itemsize=1)
 
 
-def check(spec) -> str | None:
+def _scaled_reason(spec) -> str | None:
+    """What both FP8 overlaps need before their plans: the FP8 GEMM's conditions, one scale per
+    tensor, a peer to overlap with, no capture in progress."""
     reason = scaled_mm.check(spec)
     if reason:
         return reason
     if spec.attrs["recipe"].rowwise or (spec.x.quantized or "").endswith("/row"):
-        return "per-row scales: the nccl implementation gathers them"
+        return "per-row scales: the nccl implementation takes them"
     if spec.world_size < 2:
         return "group has one rank: nothing to overlap"
     if is_capturing():
         return "cannot reserve symmetric memory during CUDA-graph capture"
-    pool, why = symm_pool.lookup(spec.group_name, spec.device)
-    if pool is None:
-        return f"no peer memory: {why}"
-    lay = plans.layout(_request(spec), spec.world_size)
-    if lay.channels.end > policy.ChannelMap.available(resources.signal_pad_bytes(), spec.world_size):
-        return f"needs signal channels up to {lay.channels.end - 1} (lower OPFUSE_OVERLAP_CHUNKS)"
-    if not pool.can_reserve_all([(name, nbytes) for _kind, name, nbytes in lay.region_names()]):
-        return "symmetric pool has no room for the FP8 gather region (raise OPFUSE_SYMM_POOL_MAX_MB)"
     return None
+
+
+def check(spec) -> str | None:
+    return _scaled_reason(spec) or p2p._room_reason(spec, [_request(spec)])
 
 
 def prepare(spec) -> None:
@@ -115,32 +112,13 @@ def _rs_requests(spec) -> list[tuple[plans.Request, torch.dtype]]:
 
 def rs_check(spec) -> str | None:
     """The FP8 GEMM's conditions, one scale per tensor, world >= 2, tokens divisible by the world
-    size, peer memory with room for the forward's regions and signal channels."""
-    reason = scaled_mm.check(spec)
+    size, peer memory with room for the regions and signal channels of the forward (and backward)."""
+    reason = _scaled_reason(spec)
     if reason:
         return reason
-    if spec.attrs["recipe"].rowwise or (spec.x.quantized or "").endswith("/row"):
-        return "per-row scales: the nccl implementation takes them"
-    if spec.world_size < 2:
-        return "group has one rank: nothing to overlap"
     if spec.x.tokens % spec.world_size:
         return f"{spec.x.tokens} tokens do not split over {spec.world_size} ranks"
-    if is_capturing():
-        return "cannot reserve symmetric memory during CUDA-graph capture"
-    pool, why = symm_pool.lookup(spec.group_name, spec.device)
-    if pool is None:
-        return f"no peer memory: {why}"
-    available = policy.ChannelMap.available(resources.signal_pad_bytes(), spec.world_size)
-    wanted = {}
-    for request, _dtype in _rs_requests(spec):
-        lay = plans.layout(request, spec.world_size)
-        if lay.channels.end > available:
-            return f"needs signal channels up to {lay.channels.end - 1} (lower OPFUSE_OVERLAP_CHUNKS)"
-        for _kind, name, nbytes in lay.region_names():
-            wanted[name] = max(nbytes, wanted.get(name, 0))
-    if not pool.can_reserve_all(list(wanted.items())):
-        return "symmetric pool has no room for the reduce-scatter regions (raise OPFUSE_SYMM_POOL_MAX_MB)"
-    return None
+    return p2p._room_reason(spec, [request for request, _dtype in _rs_requests(spec)])
 
 
 def rs_prepare(spec) -> None:
