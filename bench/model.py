@@ -366,8 +366,8 @@ def worker(rank, world, opts, out_path):
     if graphed:
         notes.append("--train-mode reduce-overhead: compile, opfuse and opfuse fp8 train with CUDA graphs "
                      "(cudagraph trees; torch.compiler.cudagraph_mark_step_begin() before each step)")
-    torchao_fn, torchao_note = fp8_variants.torchao_compiler(
-        opts.get("fp8"), None if opts.get("train_mode", "default") == "default" else opts["train_mode"])
+    torchao_fn, torchao_note = fp8_variants.torchao_compiler(opts.get("fp8"), None if train_mode == "default"
+                                                              else train_mode)
     if opts.get("fp8"):
         notes.append(f"--fp8 {opts['fp8']}: 'opfuse fp8' runs opfuse.optimize(fp8=...) (output head in bf16); "
                      f"torchao column: {torchao_note}")
