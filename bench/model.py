@@ -176,6 +176,9 @@ def _fusions(compiled) -> tuple[str, float]:
             key = f"left to NCCL: {name}"
             counts[key] = counts.get(key, 0) + 1
         for source, note in program.notes:
+            if source == "overlap" and "weight-only" in note:
+                key = "weight work under a forward collective"
+                counts[key] = counts.get(key, 0) + 1
             if source == "reference_fusions":  # "<node>: <fused op> left to Inductor: ..."
                 key = f"left to Inductor: {note.split(': ')[1].split(' left')[0]}"
                 counts[key] = counts.get(key, 0) + 1

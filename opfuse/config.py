@@ -77,8 +77,9 @@ class Config:
     overlap_alternate_streams: str = "auto"
     #: Collectives in compiled models (``OPFUSE_OVERLAP_COLLECTIVES``): ``auto`` leaves a collective to
     #: NCCL, asynchronous and scheduled under independent GEMMs, where those GEMMs can hide it (a
-    #: backward all-reduce next to the weight-gradient GEMMs), and fuses it elsewhere; ``fuse``
-    #: fuses every collective a rule matches.
+    #: backward all-reduce or reduce-scatter next to the weight-gradient GEMMs), fuses it elsewhere,
+    #: and moves weight-only work (FP8 weight casts) under the forward collectives; ``fuse`` fuses
+    #: every collective a rule matches and keeps the traced order.
     overlap_collectives: str = "auto"
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they

@@ -57,6 +57,10 @@
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
 #   tools/gpu_session.sh s15-fp8-graphs  # 2 GPUs (~9 min): opfuse FP8 under CUDA graphs vs compile bf16, train-sp
 #                                      # 2048, isolated A B B A after a warm-up run
+#   tools/gpu_session.sh s16-nccl-priority  # 2 GPUs (~9.5 min): s15-overlap with TORCH_NCCL_HIGH_PRIORITY=1 (the
+#                                      # collectives left to NCCL under the GEMMs of a CUDA graph?)
+#   tools/gpu_session.sh s15-overlap   # 2 GPUs (~9.5 min): FP8 train-sp under CUDA graphs with the backward reduce-
+#                                      # scatters and forward weight casts overlapped: kernel table, then A B B A
 #   tools/gpu_session.sh s15-fp8-rs    # 2 GPUs (~8 min): FP8 reduce-scatter over peer memory: world-2 tests
 #                                      # (forced), FP8 train-sp 2048 under CUDA graphs with it and without
 #   tools/gpu_session.sh s14-graphs    # 2 GPUs (~9 min): FP8 compile GPU tests, FP8 pow2 train-sp 2048 beside
@@ -580,6 +584,35 @@ case "$stage" in
     step isolated_sp4 540 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 4 \
       --run-timeout 160 --json "$OUT/isolated_sp4.json"
     final_summary() { echo "=== isolated_sp4"; grep -h -E "^(\[|\||note)" "$OUT"/isolated_sp4.log | grep -v "^|---"; }
+    ;;
+  s15-overlap)  # 2 GPUs (~8 min; prebuilt modules): backward reduce-scatters left to NCCL under the weight gradients
+                # and FP8 weight casts under the forward all-gathers (opfuse/torch_compile/overlap.py): opfuse FP8
+                # trained under CUDA graphs, its kernel table (train-sp 2048), then isolated A B B A against
+                # torch.compile bf16 with async TP after a warm-up run
+    END=${S15_BUDGET_S:-540}
+    step fp8_graphs_profile "$(fits 100 440)" python3 bench/model.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --no-aa --fp8 tensor-pow2 --only "opfuse fp8" --train-mode reduce-overhead --profile
+    step isolated_fp8_graphs "$(fits 440 0)" python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8@graphs" --warmup-run --run-timeout 110 \
+      --json "$OUT/isolated_fp8_graphs.json"
+    final_summary() { model_lines fp8_graphs_profile; grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)" \
+                        "$OUT/fp8_graphs_profile.log";
+                      grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_graphs.log | grep -v "^|---"; }
+    ;;
+  s16-nccl-priority)  # 2 GPUs (~9 min; prebuilt modules): does a high-priority NCCL stream let the collectives
+                      # opfuse leaves to NCCL run under the FP8 GEMMs in a CUDA graph (session 15: they did not)?
+                      # opfuse FP8 under graphs with TORCH_NCCL_HIGH_PRIORITY=1, kernel table; then A B B A
+                      # against torch.compile bf16, both with it
+    END=${S16_BUDGET_S:-560}
+    TORCH_NCCL_HIGH_PRIORITY=1 step fp8_graphs_priority "$(fits 110 440)" python3 bench/model.py --world 2 \
+      --cases train-sp --train 2048 --train-batch 1 --no-aa --fp8 tensor-pow2 --only "opfuse fp8" \
+      --train-mode reduce-overhead --profile
+    TORCH_NCCL_HIGH_PRIORITY=1 step isolated_priority "$(fits 440 0)" python3 bench/model_isolated.py --world 2 \
+      --cases train-sp --train 2048 --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8@graphs" \
+      --warmup-run --run-timeout 110 --json "$OUT/isolated_priority.json"
+    final_summary() { model_lines fp8_graphs_priority; grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)" \
+                        "$OUT/fp8_graphs_priority.log";
+                      grep -h -E "^(\[|\||note)" "$OUT"/isolated_priority.log | grep -v "^|---"; }
     ;;
   s15-fp8-graphs)  # 2 GPUs (~9 min; prebuilt modules): opfuse FP8 (pow2) trained under CUDA graphs against
                    # torch.compile bf16 (async TP), train-sp 2048, each alone, A B B A after a warm-up run

@@ -30,7 +30,7 @@ from .joins import view_adjacent_concatenations
 from .layout_guard import joined_inputs
 from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
-from .overlap import plan_overlaps, schedule_overlaps
+from .overlap import fill_with_weight_work, plan_overlaps, schedule_overlaps
 from .program import GraphProgram
 from .reference_fusions import left_to_inductor
 
@@ -54,6 +54,12 @@ def _write_aten(dump_dir: str | None, stem: str, gm: fx.GraphModule) -> None:
     if dump_dir is not None:
         with open(os.path.join(dump_dir, stem + ".py"), "w") as handle:
             handle.write(gm.print_readable(print_output=False, include_stride=False, include_device=True))
+
+
+def _is_parameter(settings: CompileSettings, placeholder: fx.Node) -> bool:
+    """Whether a joint-graph placeholder is one of the model's parameters or buffers."""
+    found = settings.input_of(placeholder)
+    return found is not None and found.name is not None
 
 
 def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> GraphProgram:
@@ -91,6 +97,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         ctx.fusions[:] = [record for record in ctx.fusions if record.fused_node not in left]
         ctx.notes.extend(("reference_fusions", why) for why in left.values())
     schedule_overlaps(gm.graph, overlaps)
+    filled = fill_with_weight_work(gm.graph, lambda p: _is_parameter(settings, p)) \
+        if config.overlap_collectives == "auto" else []
     use_direct_overloads(gm.graph)
     gm.recompile()
     settings.joined.extend(joined_inputs(gm.graph))
@@ -102,7 +110,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     program = GraphProgram(index, "training" if training else "inference", op_graph.gm, ctx.unfused, ctx.fusions,
                            fused_phases, [("torch_compile", note) for note in op_graph.notes + settings.notes]
                            + ctx.notes
-                           + [("overlap", o.describe()) for o in overlaps], len(gm.graph.nodes))
+                           + [("overlap", o.describe()) for o in overlaps] + [("overlap", note) for note in filled],
+                           len(gm.graph.nodes))
     program.overlap_decisions = [(o.wait.name, o.describe()) for o in overlaps]
     program.seconds = time.perf_counter() - started
     recorder.write_explanation(program)

@@ -3,20 +3,31 @@ that lets them.
 
 A fused all-reduce kernel runs in line on the compute stream: it is faster than NCCL's, but
 nothing else runs while it does. NCCL's runs on its own stream, so every GEMM issued between the
-collective and the first use of its result runs under it. In a training graph the all-reduce of a
-column-parallel layer's input gradient has such GEMMs (the same layer's weight gradients, which do
-not depend on it); taking it off NCCL's stream would expose it. So before recognition,
-:func:`plan_overlaps` weighs each all-reduce: the GEMM work in its window (from the previous
-collective to the first use of its result) that neither feeds it nor depends on it, against what
-moving its bytes costs. Where that work can hide it, the collective is left to NCCL and
+collective and the first use of its result runs under it. In a training graph the reduction of a
+layer's input gradient has such GEMMs (the same layer's weight gradients, which do not depend on
+it): the all-reduce of a column-parallel layer's input gradient (tensor parallelism), the
+reduce-scatter of an all-gathered input's gradient (sequence parallelism). Taking it off NCCL's
+stream would expose it, and leaving it in line (where it was traced, after the weight gradients)
+wastes the overlap too. So before recognition, :func:`plan_overlaps` weighs each summing
+all-reduce and reduce-scatter: the GEMM work in its window (from the previous collective to the
+first use of its result) that neither feeds it nor depends on it, against what moving its bytes
+costs. Where that work can hide it, the collective is left to NCCL and
 :func:`schedule_overlaps` orders the graph so that it does: the collective is issued as soon as
 its input exists (the independent nodes before it move after it) and its wait moves to just before
 the first use of its result. ``explain()`` lists each decision.
 
-The cost model is a ratio, not a timing: an all-reduce of ``B`` bytes costs about as much as
+A forward collective whose result the next GEMM reads at once (the all-gather of a
+sequence-parallel layer's input) has no GEMM to hide under, but the work that reads only weights
+(FP8 weight quantization: a full read of every weight per step) does not depend on it:
+:func:`fill_with_weight_work` moves that work from after the wait to between issue and wait, so
+the weights are cast while the activations travel.
+
+The cost model is a ratio, not a timing: a reduction of ``B`` input bytes costs about as much as
 ``FLOPS_PER_BYTE * (B + LATENCY_BYTES)`` GEMM FLOPs (H100/H200: ~750 bf16 TFLOP/s against ~150 GB/s
-of all-reduce algorithm bandwidth, ~15 us of latency), and is left to NCCL when the independent
-GEMMs hold at least ``HIDE_FRACTION`` of that.
+of all-reduce algorithm bandwidth, ~15 us of latency; a reduce-scatter moves half an all-reduce's
+bytes, so the same ratio is conservative for it), and is left to NCCL when the independent GEMMs
+hold at least ``HIDE_FRACTION`` of that. The GEMMs are counted before the FP8 pass: one that
+becomes an FP8 GEMM hides about half as long, which ``HIDE_FRACTION`` leaves room for.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ from torch import fx
 
 from ..machinery.aten import aten, c10d, calls, shape, value
 
-__all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
+__all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "fill_with_weight_work", "FLOPS_PER_BYTE",
+           "LATENCY_BYTES", "HIDE_FRACTION"]
 
 FLOPS_PER_BYTE = 5000
 LATENCY_BYTES = 2 << 20
@@ -35,11 +47,12 @@ HIDE_FRACTION = 0.5
 
 _GEMMS = (aten.mm, aten.addmm, aten.bmm)
 _ISSUES = (c10d.all_reduce, c10d.all_gather_into_tensor, c10d.reduce_scatter_tensor)
+_REDUCTIONS = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default)
 
 
 @dataclasses.dataclass(eq=False)
 class Overlap:
-    """An all-reduce left to NCCL: its issue and wait nodes, and the GEMMs that can run under it."""
+    """A reduction left to NCCL: its issue and wait nodes, and the GEMMs that can run under it."""
 
     issue: fx.Node
     wait: fx.Node
@@ -49,7 +62,8 @@ class Overlap:
 
     def describe(self) -> str:
         names = ", ".join(g.name for g in self.gemms[:4]) + (", ..." if len(self.gemms) > 4 else "")
-        return (f"{self.wait.name}: all-reduce of {self.message_bytes / 2**20:.2f} MiB left to NCCL (asynchronous): "
+        kind = "reduce-scatter" if calls(self.issue, c10d.reduce_scatter_tensor) else "all-reduce"
+        return (f"{self.wait.name}: {kind} of {self.message_bytes / 2**20:.2f} MiB left to NCCL (asynchronous): "
                 f"{len(self.gemms)} independent GEMM(s) ({self.gemm_flops / 1e9:.3g} GFLOP: {names}) between its "
                 f"input and the first use of its result can hide it; scheduled to run under it "
                 f"(OPFUSE_OVERLAP_COLLECTIVES=fuse fuses it instead)")
@@ -101,11 +115,12 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
-def _all_reduces(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
-    """``(issue, wait)`` of every summing all-reduce whose issue only its wait reads."""
+def _reductions(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """``(issue, wait)`` of every summing all-reduce and reduce-scatter whose issue only its wait
+    reads."""
     found = []
     for node in graph.nodes:
-        if calls(node, c10d.wait_tensor.default) and node.args and calls(node.args[0], c10d.all_reduce.default):
+        if calls(node, c10d.wait_tensor.default) and node.args and calls(node.args[0], *_REDUCTIONS):
             issue = node.args[0]
             if len(issue.users) == 1 and issue.args[1] == "sum":
                 found.append((issue, node))
@@ -125,12 +140,12 @@ def _window(graph: fx.Graph, issue: fx.Node, wait: fx.Node, order: dict) -> tupl
 
 
 def plan_overlaps(graph: fx.Graph) -> list[Overlap]:
-    """The all-reduces of ``graph`` to leave to NCCL (see the module docstring)."""
+    """The reductions of ``graph`` to leave to NCCL (see the module docstring)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     nodes = list(graph.nodes)
     backward = _backward_nodes(graph)
     found = []
-    for issue, wait in _all_reduces(graph):
+    for issue, wait in _reductions(graph):
         start, stop = _window(graph, issue, wait, order)
         feeding, fed = _ancestors(issue), _descendants(wait)
         phase = issue in backward
@@ -163,3 +178,67 @@ def schedule_overlaps(graph: fx.Graph, overlaps: list[Overlap]) -> None:
         if users:
             users[0].prepend(wait)
     graph.lint()
+
+
+def _collectives(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """``(issue, wait)`` of every collective whose issue only its wait reads, in graph order."""
+    return [(node.args[0], node) for node in graph.nodes
+            if calls(node, c10d.wait_tensor.default) and node.args and calls(node.args[0], *_ISSUES)
+            and len(node.args[0].users) == 1]
+
+
+def _weight_only(graph: fx.Graph, is_weight) -> set[fx.Node]:
+    """The computations that read nothing but weights (``is_weight(placeholder)``), directly or
+    through other such computations; side-effecting nodes, nodes without inputs and collectives
+    (an FSDP parameter all-gather reads only weights too, but its place in the collective order is
+    not this pass's to change) excluded."""
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op != "call_function" or not inputs or node.is_impure() or _is_collective(node):
+            continue
+        if all(n in found or (n.op == "placeholder" and is_weight(n)) for n in inputs):
+            found.add(node)
+    return found
+
+
+def fill_with_weight_work(graph: fx.Graph, is_weight) -> list[str]:
+    """Move the weight-only work that follows each forward collective (up to the next one) to
+    between its issue and its wait (see the module docstring); ``is_weight(placeholder)`` says
+    which graph inputs are parameters. Returns a line per collective that got work, for
+    ``explain()``."""
+    backward = _backward_nodes(graph)
+    weight_only = _weight_only(graph, is_weight)
+    pairs = [(issue, wait) for issue, wait in _collectives(graph) if issue not in backward]
+    notes = []
+    for issue, wait in pairs:
+        moved = []
+        node = wait.next
+        while node.op != "output" and not calls(node, *_ISSUES) and node not in backward:
+            following = node.next
+            if node in weight_only:
+                wait.prepend(node)
+                moved.append(node)
+            node = following
+        work = [n for n in moved if n.op == "call_function" and not _is_view(n)]
+        if work:
+            names = ", ".join(_short(n) for n in work[:3]) + (", ..." if len(work) > 3 else "")
+            notes.append(f"{wait.name}: {len(work)} weight-only op(s) ({names}) moved between the collective and its "
+                         f"wait, to run while it moves the activations (OPFUSE_OVERLAP_COLLECTIVES=fuse keeps "
+                         f"the traced order)")
+    if notes:
+        graph.lint()
+    return notes
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return getattr(node.target, "namespace", None) == "_c10d_functional" or calls(node, *_ISSUES)
+
+
+def _is_view(node: fx.Node) -> bool:
+    return calls(node, aten.view, aten.permute, aten.t, aten.reshape, aten.expand, aten.alias, aten._unsafe_view)
+
+
+def _short(node: fx.Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", str(target)).split(".")[0]

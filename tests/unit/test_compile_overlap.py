@@ -1,6 +1,8 @@
 """The torch.compile front end leaves a collective to NCCL where independent GEMMs can hide it
 (issue 26.1): the backward all-reduce of a column-parallel layer's input gradient next to that
-layer's weight-gradient GEMMs. One gloo rank: the collectives are identities, the graphs are real.
+layer's weight-gradient GEMMs, and the backward reduce-scatter of a sequence-parallel layer's
+all-gathered input, bf16 and FP8 alike. One gloo rank: the collectives are identities, the graphs
+are real.
 """
 
 import pytest
@@ -10,6 +12,7 @@ from torch import nn
 
 import opfuse
 from opfuse.torch_compile import overlap
+from ..collectives_compat import all_gather, reduce_scatter
 from ..megatron_tp import CopyToTP, ReduceFromTP
 
 EAGER = {"inductor": False}
@@ -30,6 +33,32 @@ class TPBlock(nn.Module):
         h = CopyToTP.apply(x, self.group)
         y = ReduceFromTP.apply(self.down(F.gelu(self.up(h))), self.group)
         return self.norm(x + y)
+
+
+class SPBlock(nn.Module):
+    """Megatron sequence parallelism by hand: ``x + reduce_scatter(down(gelu(up(all_gather(norm(x))))))``.
+    Its backward reduce-scatters the gathered input's gradient; ``up``'s and ``down``'s weight
+    gradients do not depend on it."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        self.norm = nn.RMSNorm(H)
+        self.up = nn.Linear(H, FFN, bias=False)
+        self.down = nn.Linear(FFN, H, bias=False)
+
+    def forward(self, x):
+        gathered = all_gather(self.norm(x), 0, self.group)
+        return x + reduce_scatter(self.down(F.gelu(self.up(gathered))), "sum", 0, self.group)
+
+
+def _between(code: str, issue_name: str) -> list[str]:
+    """The lines of Inductor's generated ``code`` between the first ``issue_name`` call and the
+    first ``wait_tensor``."""
+    lines = [line.strip() for line in code.splitlines() if not line.strip().startswith("#")]
+    issue = next(i for i, line in enumerate(lines) if issue_name in line)
+    wait = next(i for i, line in enumerate(lines) if "wait_tensor" in line and i > issue)
+    return lines[issue + 1:wait]
 
 
 @pytest.fixture
@@ -169,3 +198,104 @@ def test_async_tp_is_turned_off_under_cuda_graphs_and_explained():
                 assert len(settings.notes) == 1 and "cudagraph" in settings.notes[0], settings.notes
             else:
                 assert patches == before and not settings.notes, (patches, settings.notes)
+
+
+def test_backward_reduce_scatter_is_left_to_nccl_with_the_weight_gradients_under_it(world1, cheap_collectives):
+    """Sequence parallelism: the reduce-scatter of the gathered input's gradient is issued before
+    the weight-gradient GEMMs and waited for after them, in the code Inductor generates; outputs
+    and gradients are eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = SPBlock(world1)
+    x = torch.randn(16, H, requires_grad=True)
+    compiled = opfuse.optimize(model)
+    out, codes = run_and_get_code(lambda: compiled(x))
+    _, codes = run_and_get_code(lambda: out.sum().backward())
+    want = model(x)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(x.grad, torch.autograd.grad(want.sum(), x)[0])
+    (program,) = opfuse.programs(compiled)
+    assert len(program.overlap_decisions) == 1, program.explain()
+    assert "reduce-scatter" in program.overlap_decisions[0][1] and "left to NCCL" in program.explain()
+    backward = next(code for code in codes if "reduce_scatter_tensor" in code)
+    between = _between(backward, "reduce_scatter_tensor")
+    assert sum("extern_kernels.mm" in line for line in between) == 2, "\n".join(between)
+
+
+def test_fp8_weight_gradients_run_under_the_backward_reduce_scatter(world1, cheap_collectives, monkeypatch):
+    """With FP8 (the GEMMs written as aten ops, as on GPUs) the weight-gradient ``_scaled_mm``
+    calls run under the reduce-scatter, and the gradients are still the recipe's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from opfuse import fp8
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})  # the CPU stand-in for scaled_mm
+    recipe = fp8.TensorScaling()
+    torch.manual_seed(0)
+    model = SPBlock(world1)
+    reference = SPBlock(world1)
+    reference.load_state_dict(model.state_dict())
+    for layer in (reference.up, reference.down):
+        layer.forward = (lambda lin: lambda t: fp8.fp8_linear(t, lin.weight, None, recipe))(layer)
+    x = torch.randn(16, H)
+    compiled = opfuse.optimize(model, fp8=recipe)
+    xc, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = compiled(xc)
+    _, codes = run_and_get_code(lambda: out.sum().backward())
+    want = reference(xr)
+    want.sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, ref in [(xc.grad, xr.grad)] + [(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                                            reference.parameters())]:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    (program,) = opfuse.programs(compiled)
+    assert len(program.overlap_decisions) == 1, program.explain()
+    backward = next(code for code in codes if "reduce_scatter_tensor" in code)
+    between = _between(backward, "reduce_scatter_tensor")
+    assert sum("_scaled_mm" in line for line in between) == 2, "\n".join(between)
+
+
+def test_weight_only_work_moves_under_the_forward_collective(world1):
+    """Work that reads only weights (here a cast standing in for FP8 weight quantization) moves
+    from after a forward all-gather's wait to between its issue and wait (each weight's under the
+    collective it follows); activation work and the values computed stay as they were."""
+    from opfuse.machinery.aten import aten, c10d
+
+    group = world1.group_name
+
+    def block(x, w1, w2, w3):
+        gathered = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(x, 1, group))
+        h = aten.relu.default(gathered)  # activation work: stays after the wait
+        w1q = aten._to_copy.default(aten.mul.Tensor(w1, 2.0), dtype=torch.bfloat16)
+        y = aten.mm.default(h, aten._to_copy.default(w1q, dtype=torch.float32).t())
+        again = c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(y, 1, group))
+        w2q = aten._to_copy.default(aten.mul.Tensor(w2, 2.0), dtype=torch.bfloat16)
+        out = aten.mm.default(again, aten._to_copy.default(w2q, dtype=torch.float32).t())
+        # a parameter all-gather (FSDP): reads only a weight, but is a collective; it stays in place
+        return aten.add.Tensor(out, c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(w3, 1, group)))
+
+    gm = torch.fx.symbolic_trace(block)
+    x, w1, w2, w3 = torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8), torch.randn(4, 8)
+    want = gm(x, w1, w2, w3)
+    weights = {"w1", "w2", "w3"}
+    before = [n.name for n in gm.graph.nodes]
+    found = overlap._weight_only(gm.graph, lambda p: p.name in weights)
+    assert not any("all_gather" in n.name or "wait" in n.name for n in found), found
+    notes = overlap.fill_with_weight_work(gm.graph, lambda p: p.name in weights)
+    gm.recompile()
+    order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    issues = [n for n in gm.graph.nodes if "all_gather" in str(n.target)]
+    waits = [n for n in gm.graph.nodes if "wait_tensor" in str(n.target)]
+    under_first = [n.name for n in gm.graph.nodes if order[issues[0].name] < order[n.name] < order[waits[0].name]]
+    # w1's scale and two casts (its ``.t()`` is a method call, not an aten op: it stays)
+    assert under_first == ["mul_tensor", "_to_copy_default", "_to_copy_default_1"], under_first
+    assert order["relu_default"] > order[waits[0].name]
+    # w2's work follows the second all-gather: it moves under that one, not the first
+    assert all(order[issues[1].name] < order[n] < order[waits[1].name]
+               for n in ("mul_tensor_1", "_to_copy_default_2", "_to_copy_default_3"))
+    assert len(notes) == 2 and "3 weight-only op(s)" in notes[0] and waits[0].name in notes[0], notes
+    after = [n.name for n in gm.graph.nodes]
+    assert after[-4:] == before[-4:]  # the parameter all-gather, its wait, the add, the output
+    torch.testing.assert_close(gm(x, w1, w2, w3), want)
