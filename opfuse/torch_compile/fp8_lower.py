@@ -138,11 +138,14 @@ class JointLowering(_Lowering):
     the FP8 fused ops (module docstring) and the backward of grouped GEMMs (the joint graph's
     ``grouped_linear_backward`` is pointed at the implementation the pipeline chose, or replaced
     by the FP8 one). ``grads``: op-graph ``BasicLinear`` node name -> its
-    :class:`~.fp8_backward.LinearGrads`."""
+    :class:`~.fp8_backward.LinearGrads`; ``hideable``: the backward GEMMs :mod:`.overlap` plans to
+    run under a collective (a weight gradient among them gets its own call)."""
 
-    def __init__(self, op_graph, aten_gm, grads: dict[str, LinearGrads] | None = None):
+    def __init__(self, op_graph, aten_gm, grads: dict[str, LinearGrads] | None = None, hideable=frozenset()):
         super().__init__(op_graph, aten_gm)
         self.grads = grads or {}
+        #: Joint-graph GEMMs that .overlap scheduled under a collective (their own op where possible).
+        self.hideable = set(hideable)
         self.payloads: dict[str, tuple[fx.Node, fx.Node]] = {}  # op-graph value -> (data, scale)
 
     def lower_fused(self, node: fx.Node, module) -> None:
@@ -273,9 +276,23 @@ class JointLowering(_Lowering):
         else:
             if data_t is not None and impl != module.impl:
                 data_t = None  # transposed bytes are written for the implementation that reads them
-            backward = _Backward(module.weight, module.recipe, impl, need_dx, need_dw)
             args = [grads.dy, data, scale] + ([data_t] if data_t is not None else [])
+            if need_dx and need_dw and grads.wgrad in self.hideable:
+                # The weight gradient is to run under a collective of the data gradient
+                # (.overlap): two calls, so the schedule can put the collective between them
+                # (the op quantizes dy in each: one more read of dy, against a hidden collective).
+                dx, _ = self.emit(_Backward(module.weight, module.recipe, impl, True, False), args,
+                                  where=node.name + "_backward")
+                _, dw = self.emit(_Backward(module.weight, module.recipe, impl, False, True), args,
+                                  where=node.name + "_wgrad")
+                self._swap_grads(grads, dx, dw, need_dx, need_dw)
+                return
+            backward = _Backward(module.weight, module.recipe, impl, need_dx, need_dw)
         dx, dw = self.emit(backward, args, where=node.name + "_backward")
+        self._swap_grads(grads, dx, dw, need_dx, need_dw)
+
+    def _swap_grads(self, grads: LinearGrads, dx, dw, need_dx: bool, need_dw: bool) -> None:
+        """The joint graph's backward GEMMs of one linear replaced by ``dx`` and ``dw``."""
         if need_dx:
             self._swap(grads.dgrad, dx)
         if need_dw:

@@ -92,7 +92,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     if settings.fp8 is not None and unfused_fp8(op_graph.gm):
         ctx.notes.append(("fp8", unfused_fp8(op_graph.gm)))
     left = left_to_inductor(op_graph.gm, op_graph.aten) if settings.inductor else {}
-    lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads), left=left)
+    hideable = {gemm for o in overlaps for gemm in o.gemms}
+    lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads, hideable), left=left)
     if left:
         ctx.fusions[:] = [record for record in ctx.fusions if record.fused_node not in left]
         ctx.notes.extend(("reference_fusions", why) for why in left.values())

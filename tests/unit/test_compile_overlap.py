@@ -299,3 +299,41 @@ def test_weight_only_work_moves_under_the_forward_collective(world1):
     after = [n.name for n in gm.graph.nodes]
     assert after[-4:] == before[-4:]  # the parameter all-gather, its wait, the add, the output
     torch.testing.assert_close(gm(x, w1, w2, w3), want)
+
+
+@pytest.mark.parametrize("block", ["tp", "sp"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensor", "row"])
+def test_fp8_custom_op_backward_splits_so_the_weight_gradient_runs_under_the_collective(
+        world1, cheap_collectives, block, rowwise):
+    """Where the FP8 backward stays a custom op (per-row scales; implementations not built on
+    torch._scaled_mm), the linear whose input gradient is reduced gets a data-gradient call and a
+    weight-gradient call, and the latter runs between the collective and its wait; gradients are
+    the recipe's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from opfuse import fp8
+
+    recipe = fp8.RowwiseScaling() if rowwise else fp8.TensorScaling()
+    torch.manual_seed(0)
+    make = TPBlock if block == "tp" else SPBlock
+    model, reference = make(world1), make(world1)
+    reference.load_state_dict(model.state_dict())
+    for layer in (reference.up, reference.down):
+        layer.forward = (lambda lin: lambda t: fp8.fp8_linear(t, lin.weight, None, recipe))(layer)
+    x = torch.randn(2, 8, H) if block == "tp" else torch.randn(16, H)
+    compiled = opfuse.optimize(model, fp8=recipe)
+    xc, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = compiled(xc)
+    _, codes = run_and_get_code(lambda: out.sum().backward())
+    want = reference(xr)
+    want.sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, ref in [(xc.grad, xr.grad)] + [(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                                            reference.parameters())]:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    (program,) = opfuse.programs(compiled)
+    assert len(program.overlap_decisions) == 1, program.explain()
+    issue = "all_reduce" if block == "tp" else "reduce_scatter_tensor"
+    backward = next(code for code in codes if issue in code and "wait_tensor" in code)
+    between = _between(backward, issue)
+    assert any("fp8_linear_backward" in line for line in between), "\n".join(between)
