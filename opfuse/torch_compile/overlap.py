@@ -27,7 +27,8 @@ The cost model is a ratio, not a timing: a reduction of ``B`` input bytes costs 
 of all-reduce algorithm bandwidth, ~15 us of latency; a reduce-scatter moves half an all-reduce's
 bytes, so the same ratio is conservative for it), and is left to NCCL when the independent GEMMs
 hold at least ``HIDE_FRACTION`` of that. The GEMMs are counted before the FP8 pass: one that
-becomes an FP8 GEMM hides about half as long, which ``HIDE_FRACTION`` leaves room for.
+becomes an FP8 GEMM hides about half as long, and the threshold is not adjusted for it (the backward
+reduce-scatter has no fused alternative, so leaving it to NCCL costs nothing even then).
 """
 
 from __future__ import annotations
