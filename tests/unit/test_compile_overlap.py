@@ -61,6 +61,33 @@ def _between(code: str, issue_name: str) -> list[str]:
     return lines[issue + 1:wait]
 
 
+def _fp8_against_the_recipe(make, recipe, x):
+    """``(program, Inductor's backward code)`` of ``make()`` compiled with FP8 ``recipe``, its
+    output and every gradient checked against a second ``make()`` with the same weights whose
+    ``up`` and ``down`` run the recipe's emulation."""
+    from torch._inductor.utils import run_and_get_code
+
+    from opfuse import fp8
+
+    torch.manual_seed(0)
+    model, reference = make(), make()
+    reference.load_state_dict(model.state_dict())
+    for layer in (reference.up, reference.down):
+        layer.forward = (lambda lin: lambda t: fp8.fp8_linear(t, lin.weight, None, recipe))(layer)
+    compiled = opfuse.optimize(model, fp8=recipe)
+    xc, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = compiled(xc)
+    _, codes = run_and_get_code(lambda: out.sum().backward())
+    want = reference(xr)
+    want.sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, ref in [(xc.grad, xr.grad)] + [(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                                            reference.parameters())]:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    (program,) = opfuse.programs(compiled)
+    return program, codes
+
+
 @pytest.fixture
 def cheap_collectives(monkeypatch):
     """A cost model under which this small block's weight-gradient GEMMs hide its all-reduce (the
@@ -226,31 +253,11 @@ def test_backward_reduce_scatter_is_left_to_nccl_with_the_weight_gradients_under
 def test_fp8_weight_gradients_run_under_the_backward_reduce_scatter(world1, cheap_collectives, monkeypatch):
     """With FP8 (the GEMMs written as aten ops, as on GPUs) the weight-gradient ``_scaled_mm``
     calls run under the reduce-scatter, and the gradients are still the recipe's."""
-    from torch._inductor.utils import run_and_get_code
-
     from opfuse import fp8
     from opfuse.torch_compile import fp8_aten
 
     monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})  # the CPU stand-in for scaled_mm
-    recipe = fp8.TensorScaling()
-    torch.manual_seed(0)
-    model = SPBlock(world1)
-    reference = SPBlock(world1)
-    reference.load_state_dict(model.state_dict())
-    for layer in (reference.up, reference.down):
-        layer.forward = (lambda lin: lambda t: fp8.fp8_linear(t, lin.weight, None, recipe))(layer)
-    x = torch.randn(16, H)
-    compiled = opfuse.optimize(model, fp8=recipe)
-    xc, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = compiled(xc)
-    _, codes = run_and_get_code(lambda: out.sum().backward())
-    want = reference(xr)
-    want.sum().backward()
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    for got, ref in [(xc.grad, xr.grad)] + [(p.grad, q.grad) for p, q in zip(model.parameters(),
-                                                                            reference.parameters())]:
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    (program,) = opfuse.programs(compiled)
+    program, codes = _fp8_against_the_recipe(lambda: SPBlock(world1), fp8.TensorScaling(), torch.randn(16, H))
     assert len(program.overlap_decisions) == 1, program.explain()
     backward = next(code for code in codes if "reduce_scatter_tensor" in code)
     between = _between(backward, "reduce_scatter_tensor")
@@ -309,29 +316,12 @@ def test_fp8_custom_op_backward_splits_so_the_weight_gradient_runs_under_the_col
     torch._scaled_mm), the linear whose input gradient is reduced gets a data-gradient call and a
     weight-gradient call, and the latter runs between the collective and its wait; gradients are
     the recipe's."""
-    from torch._inductor.utils import run_and_get_code
-
     from opfuse import fp8
 
     recipe = fp8.RowwiseScaling() if rowwise else fp8.TensorScaling()
-    torch.manual_seed(0)
-    make = TPBlock if block == "tp" else SPBlock
-    model, reference = make(world1), make(world1)
-    reference.load_state_dict(model.state_dict())
-    for layer in (reference.up, reference.down):
-        layer.forward = (lambda lin: lambda t: fp8.fp8_linear(t, lin.weight, None, recipe))(layer)
+    make = (lambda: TPBlock(world1)) if block == "tp" else (lambda: SPBlock(world1))
     x = torch.randn(2, 8, H) if block == "tp" else torch.randn(16, H)
-    compiled = opfuse.optimize(model, fp8=recipe)
-    xc, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out = compiled(xc)
-    _, codes = run_and_get_code(lambda: out.sum().backward())
-    want = reference(xr)
-    want.sum().backward()
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    for got, ref in [(xc.grad, xr.grad)] + [(p.grad, q.grad) for p, q in zip(model.parameters(),
-                                                                            reference.parameters())]:
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    (program,) = opfuse.programs(compiled)
+    program, codes = _fp8_against_the_recipe(make, recipe, x)
     assert len(program.overlap_decisions) == 1, program.explain()
     issue = "all_reduce" if block == "tp" else "reduce_scatter_tensor"
     backward = next(code for code in codes if issue in code and "wait_tensor" in code)
