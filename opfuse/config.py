@@ -81,6 +81,11 @@ class Config:
     #: and moves weight-only work (FP8 weight casts) under the forward collectives; ``fuse`` fuses
     #: every collective a rule matches and keeps the traced order.
     overlap_collectives: str = "auto"
+    #: SMs that the GEMMs scheduled under a collective left to NCCL leave free for it
+    #: (``OPFUSE_OVERLAP_SM_CARVEOUT``; 0 = all SMs to the GEMMs): cuBLAS's persistent GEMMs hold
+    #: every SM until they end, so inside a CUDA graph NCCL's kernel may wait for them instead of
+    #: running under them (opfuse/torch_compile/sm_carveout.py).
+    overlap_sm_carveout: int = 0
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they
     #: cover (add + norm, all-reduce + add + norm, GEMM + bias + activation): Inductor's own code for
@@ -277,6 +282,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "overlap_chunks": _integer(0),
     "overlap_alternate_streams": _choice("auto", "on", "off"),
     "overlap_collectives": _choice("auto", "fuse"),
+    "overlap_sm_carveout": _integer(0),
     "reference_fusions": _choice("auto", "inductor", "keep"),
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
@@ -300,6 +306,7 @@ _ENV_NAMES = {
     "overlap_chunks": "OVERLAP_CHUNKS",
     "overlap_alternate_streams": "OVERLAP_ALTERNATE_STREAMS",
     "overlap_collectives": "OVERLAP_COLLECTIVES",
+    "overlap_sm_carveout": "OVERLAP_SM_CARVEOUT",
     "reference_fusions": "REFERENCE_FUSIONS",
     "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",

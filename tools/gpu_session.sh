@@ -57,6 +57,9 @@
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
 #   tools/gpu_session.sh s15-fp8-graphs  # 2 GPUs (~9 min): opfuse FP8 under CUDA graphs vs compile bf16, train-sp
 #                                      # 2048, isolated A B B A after a warm-up run
+#   tools/gpu_session.sh s16-carveout  # 2 GPUs (~8 min): FP8 train-sp under graphs: as is, NCCL priority, SM carveout
+#   tools/gpu_session.sh s16-carveout2 # 2 GPUs (~6 min): the same leaving 16, 8 and 32 SMs
+#   tools/gpu_session.sh s16-bf16-sp   # 2 GPUs (~8 min): bf16 train-sp 2048, opfuse vs compile, isolated A B B A
 #   tools/gpu_session.sh s16-nccl-priority  # 2 GPUs (~9.5 min): s15-overlap with TORCH_NCCL_HIGH_PRIORITY=1 (the
 #                                      # collectives left to NCCL under the GEMMs of a CUDA graph?)
 #   tools/gpu_session.sh s15-overlap   # 2 GPUs (~9.5 min): FP8 train-sp under CUDA graphs with the backward reduce-
@@ -598,6 +601,38 @@ case "$stage" in
     final_summary() { model_lines fp8_graphs_profile; grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)" \
                         "$OUT/fp8_graphs_profile.log";
                       grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_graphs.log | grep -v "^|---"; }
+    ;;
+  s16-carveout)  # 2 GPUs (~8 min; prebuilt modules): why the collectives left to NCCL do not run under the FP8 GEMMs
+                 # of a CUDA graph: opfuse FP8 train-sp 2048 under graphs, kernel table each, as it is, with a
+                 # high-priority NCCL stream, with the GEMMs under a collective leaving 16 SMs, with both
+    END=${S16_BUDGET_S:-540}
+    sp=(python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 --no-aa --fp8 tensor-pow2
+        --only "opfuse fp8" --train-mode reduce-overhead --profile)
+    step fp8_as_is "$(fits 110 330)" "${sp[@]}"
+    TORCH_NCCL_HIGH_PRIORITY=1 step fp8_priority "$(fits 110 220)" "${sp[@]}"
+    OPFUSE_OVERLAP_SM_CARVEOUT=16 step fp8_carve16 "$(fits 110 110)" "${sp[@]}"
+    TORCH_NCCL_HIGH_PRIORITY=1 OPFUSE_OVERLAP_SM_CARVEOUT=16 step fp8_carve16_priority "$(fits 110 0)" "${sp[@]}"
+    final_summary() { for name in fp8_as_is fp8_priority fp8_carve16 fp8_carve16_priority; do model_lines $name;
+                        grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)|under the collective" "$OUT/$name.log" \
+                        | cut -c1-300; done; }
+    ;;
+  s16-carveout2)  # 2 GPUs (~6 min; prebuilt modules): s16-carveout's SM carveouts once the carveout GEMMs got their
+                  # traced operand layouts: opfuse FP8 train-sp 2048 under graphs leaving 16, 8 and 32 SMs
+    END=${S16_BUDGET_S:-420}
+    sp=(python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 --no-aa --fp8 tensor-pow2
+        --only "opfuse fp8" --train-mode reduce-overhead --profile)
+    OPFUSE_OVERLAP_SM_CARVEOUT=16 step fp8_carve16 "$(fits 110 220)" "${sp[@]}"
+    OPFUSE_OVERLAP_SM_CARVEOUT=8 step fp8_carve8 "$(fits 110 110)" "${sp[@]}"
+    OPFUSE_OVERLAP_SM_CARVEOUT=32 step fp8_carve32 "$(fits 110 0)" "${sp[@]}"
+    final_summary() { for name in fp8_carve16 fp8_carve8 fp8_carve32; do model_lines $name;
+                        grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)|under the collective" "$OUT/$name.log" \
+                        | cut -c1-300; done; }
+    ;;
+  s16-bf16-sp)  # 2 GPUs (~8 min; prebuilt modules): bf16 train-sp 2048 after session 15's backward reduce-scatter
+                # scheduling (never slower than torch.compile?): opfuse vs compile, each alone, A B B A after a warm-up
+    step isolated_bf16_sp 500 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --warmup-run --run-timeout 100 --json "$OUT/isolated_bf16_sp.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_bf16_sp.log | grep -v "^|---"; }
     ;;
   s16-nccl-priority)  # 2 GPUs (~9 min; prebuilt modules): does a high-priority NCCL stream let the collectives
                       # opfuse leaves to NCCL run under the FP8 GEMMs in a CUDA graph (session 15: they did not)?

@@ -32,6 +32,7 @@ from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
 from .overlap import fill_with_weight_work, plan_overlaps, schedule_overlaps
 from .program import GraphProgram
+from .sm_carveout import carve_sms_under_collectives
 from .reference_fusions import left_to_inductor
 
 __all__ = ["FusionPass", "PassChain", "fuse_graph"]
@@ -100,6 +101,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     schedule_overlaps(gm.graph, overlaps)
     filled = fill_with_weight_work(gm.graph, lambda p: _is_parameter(settings, p)) \
         if config.overlap_collectives == "auto" else []
+    carved = carve_sms_under_collectives(gm.graph, overlaps, config.overlap_sm_carveout)
     use_direct_overloads(gm.graph)
     gm.recompile()
     settings.joined.extend(joined_inputs(gm.graph))
@@ -111,7 +113,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     program = GraphProgram(index, "training" if training else "inference", op_graph.gm, ctx.unfused, ctx.fusions,
                            fused_phases, [("torch_compile", note) for note in op_graph.notes + settings.notes]
                            + ctx.notes
-                           + [("overlap", o.describe()) for o in overlaps] + [("overlap", note) for note in filled],
+                           + [("overlap", o.describe()) for o in overlaps] + [("overlap", note) for note in filled + carved],
                            len(gm.graph.nodes))
     program.overlap_decisions = [(o.wait.name, o.describe()) for o in overlaps]
     program.seconds = time.perf_counter() - started

@@ -327,3 +327,46 @@ def test_fp8_custom_op_backward_splits_so_the_weight_gradient_runs_under_the_col
     backward = next(code for code in codes if issue in code and "wait_tensor" in code)
     between = _between(backward, issue)
     assert any("fp8_linear_backward" in line for line in between), "\n".join(between)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemms_under_the_collective_leave_sms_to_it(world1, cheap_collectives, monkeypatch, fp8):
+    """With ``overlap_sm_carveout`` the weight-gradient GEMMs between the reduce-scatter and its
+    wait become carveout calls (``mm`` and ``_scaled_mm`` alike), the data-gradient GEMMs that feed
+    the collective stay as they were, gradients are unchanged, the setting is restored after each call and explain() says it."""
+    from torch._inductor.utils import run_and_get_code
+
+    from opfuse import fp8 as opfuse_fp8
+    from opfuse.torch_compile import fp8_aten
+
+    with opfuse.config.override(overlap_sm_carveout=8):
+        if fp8:
+            monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+            program, codes = _fp8_against_the_recipe(lambda: SPBlock(world1), opfuse_fp8.TensorScaling(),
+                                                     torch.randn(16, H))
+        else:
+            torch.manual_seed(0)
+            model = SPBlock(world1)
+            x = torch.randn(16, H, requires_grad=True)
+            compiled = opfuse.optimize(model)
+            out = compiled(x)
+            _, codes = run_and_get_code(lambda: out.sum().backward())
+            torch.testing.assert_close(x.grad, torch.autograd.grad(model(x).sum(), x)[0])
+            (program,) = opfuse.programs(compiled)
+    assert torch._C._get_sm_carveout_experimental() is None
+    backward = next(code for code in codes if "reduce_scatter_tensor" in code)
+    between = _between(backward, "reduce_scatter_tensor")
+    op = "scaled_mm_sm_carveout" if fp8 else "mm_sm_carveout"
+    assert sum(f"{op}.direct(" in line and not line.startswith("assert") for line in between) == 2, \
+        "\n".join(between)
+    calls = [line for line in backward.splitlines() if not line.strip().startswith(("#", "assert"))]
+    before = calls[:next(i for i, line in enumerate(calls) if "reduce_scatter_tensor" in line)]
+    # the data gradients, which feed the collective, keep all the SMs
+    assert not any(op in line for line in before)
+    assert any(("_scaled_mm" if fp8 else "extern_kernels.mm") in line for line in before), "\n".join(before)
+    assert "the 2 GEMM(s) under the collective leave 8 SMs to NCCL" in program.explain(), program.explain()
+
+
+def test_sm_carveout_setting_is_checked():
+    with pytest.raises(ValueError, match="overlap_sm_carveout=-1.*integer >= 0"):
+        opfuse.config.overlap_sm_carveout = -1
