@@ -1,19 +1,19 @@
-"""GEMMs scheduled under a collective left to NCCL leave some SMs free for it.
+"""GEMMs scheduled under a collective left to NCCL can leave some SMs free for it.
 
 :mod:`.overlap` leaves a backward reduction to NCCL and orders the graph so that the weight-gradient
 GEMMs run between its issue and its wait. That makes the two *able* to run together, not sure to:
 cuBLAS's Hopper GEMMs are persistent (one block per SM, each SM held until the last tile), and
-inside a CUDA graph the collective and the GEMMs are sibling nodes launched in no set order. When a
-GEMM reaches the SMs first, NCCL's kernel waits for a free SM, which only comes when the GEMM ends,
-and the collective runs after it instead of under it.
+inside a CUDA graph the collective and the GEMMs are sibling nodes launched in no set order, so a
+GEMM that reaches the SMs first can keep NCCL's kernel waiting for a free SM until it ends.
 
 :func:`carve_sms_under_collectives` rewrites the GEMMs between an overlap's issue and wait
 (``aten._scaled_mm``, ``aten.mm``) into calls that ask cuBLASLt for ``SMs - carveout`` SMs
 (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``, which torch sets from
-``torch._C._set_sm_carveout_experimental`` for the call) so that NCCL's blocks find SMs at once.
-The GEMM then runs on fewer SMs for its whole length, so a carveout pays only where the
-collective it uncovers is longer than that slowdown: ``opfuse.config.overlap_sm_carveout``
-(``OPFUSE_OVERLAP_SM_CARVEOUT``, SMs; 0 leaves the GEMMs alone) sets it.
+``torch._C._set_sm_carveout_experimental`` for the call), so that NCCL's blocks find SMs at once.
+The GEMM then runs on fewer SMs for its whole length: a carveout pays only where the collective it
+uncovers is longer than that slowdown. ``opfuse.config.overlap_sm_carveout``
+(``OPFUSE_OVERLAP_SM_CARVEOUT``, SMs) sets it; 0, the default, leaves the GEMMs alone (what it
+gave on GPUs: docs/PERF_NOTES.md, "Results, session 16").
 """
 
 from __future__ import annotations
