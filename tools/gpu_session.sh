@@ -57,6 +57,7 @@
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
 #   tools/gpu_session.sh s15-fp8-graphs  # 2 GPUs (~9 min): opfuse FP8 under CUDA graphs vs compile bf16, train-sp
 #                                      # 2048, isolated A B B A after a warm-up run
+#   tools/gpu_session.sh s16-gpu-tests # 1 GPU (~1 min): tests/gpu/test_sm_carveout.py (not yet run on a GPU)
 #   tools/gpu_session.sh s16-carveout  # 2 GPUs (~8 min): FP8 train-sp under graphs: as is, NCCL priority, SM carveout
 #   tools/gpu_session.sh s16-carveout2 # 2 GPUs (~6 min): the same leaving 16, 8 and 32 SMs
 #   tools/gpu_session.sh s16-bf16-sp   # 2 GPUs (~8 min): bf16 train-sp 2048, opfuse vs compile, isolated A B B A
@@ -601,6 +602,11 @@ case "$stage" in
     final_summary() { model_lines fp8_graphs_profile; grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)" \
                         "$OUT/fp8_graphs_profile.log";
                       grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_graphs.log | grep -v "^|---"; }
+    ;;
+  s16-gpu-tests)  # 1 GPU (~1 min; prebuilt modules): session 16's GPU tests of the SM-carveout GEMMs, written after
+                   # its device time was spent
+    tests sm_carveout_tests 120 -q tests/gpu/test_sm_carveout.py
+    final_summary() { grep -h -E "passed|failed|error" "$OUT/sm_carveout_tests.log" | tail -3; }
     ;;
   s16-carveout)  # 2 GPUs (~8 min; prebuilt modules): why the collectives left to NCCL do not run under the FP8 GEMMs
                  # of a CUDA graph: opfuse FP8 train-sp 2048 under graphs, kernel table each, as it is, with a
