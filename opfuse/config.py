@@ -84,7 +84,8 @@ class Config:
     #: SMs that the GEMMs scheduled under a collective left to NCCL leave free for it
     #: (``OPFUSE_OVERLAP_SM_CARVEOUT``; 0 = all SMs to the GEMMs): cuBLAS's persistent GEMMs hold
     #: every SM until they end, so inside a CUDA graph NCCL's kernel may wait for them instead of
-    #: running under them (opfuse/torch_compile/sm_carveout.py).
+    #: running under them (opfuse/torch_compile/sm_carveout.py). Off: on 2x H200 it did not make
+    #: them overlap (docs/PERF_NOTES.md, "Results, session 16").
     overlap_sm_carveout: int = 0
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they

@@ -48,6 +48,17 @@ def _carveout(sms: int, through_lt: bool):
             torch._C._set_blas_preferred_backend(backend)
 
 
+def _check_sms(sms: int, device: torch.device) -> None:
+    """A carveout must leave the GEMM at least one SM of ``device``."""
+    if device.type != "cuda":
+        return
+    count = torch.cuda.get_device_properties(device).multi_processor_count
+    if not 0 <= sms < count:
+        raise ValueError(f"opfuse: OPFUSE_OVERLAP_SM_CARVEOUT={sms} (opfuse.config.overlap_sm_carveout) leaves the "
+                         f"GEMMs no SM of the {count} on {torch.cuda.get_device_name(device)}; accepted: 0 to "
+                         f"{count - 1}")
+
+
 def _scaled_mm_fake(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, carveout):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)
 
@@ -57,6 +68,7 @@ def scaled_mm_sm_carveout(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor
                           out_dtype: Optional[torch.dtype], use_fast_accum: bool, carveout: int) -> Tensor:
     """``torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype,
     use_fast_accum=use_fast_accum)`` leaving ``carveout`` SMs free."""
+    _check_sms(carveout, a.device)
     if a.stride(-1) != 1:
         a = a.contiguous()
     if b.stride(0) != 1:
@@ -72,6 +84,7 @@ def _mm_fake(a, b, carveout):
 @graph_op("opfuse::mm_sm_carveout", _mm_fake)
 def mm_sm_carveout(a: Tensor, b: Tensor, carveout: int) -> Tensor:
     """``a @ b`` leaving ``carveout`` SMs free."""
+    _check_sms(carveout, a.device)
     with _carveout(carveout, through_lt=a.is_cuda and torch.version.hip is None):
         return torch.mm(a, b)
 
@@ -116,6 +129,10 @@ def carve_sms_under_collectives(graph: fx.Graph, overlaps, sms: int) -> list[str
             if calls(node, aten.mm.default, aten._scaled_mm.default):
                 gemms.append(node)
             node = node.next
+        for gemm in gemms[:1]:
+            val = gemm.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                _check_sms(sms, val.device)
         done = sum(_rewrite(graph, gemm, sms) for gemm in gemms)
         if done:
             notes.append(f"{overlap.wait.name}: the {done} GEMM(s) under the collective leave {sms} SMs to NCCL "

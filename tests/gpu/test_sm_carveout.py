@@ -70,3 +70,10 @@ def test_carveout_gemm_replays_in_a_cuda_graph():
         out.fill_(float("nan"))
         graph.replay()
         _close(out, a, b)
+
+
+def test_a_carveout_of_every_sm_is_refused_by_name():
+    count = torch.cuda.get_device_properties(0).multi_processor_count
+    a = torch.randn(8, 8, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"OPFUSE_OVERLAP_SM_CARVEOUT={count}.*accepted: 0 to {count - 1}"):
+        torch.ops.opfuse.mm_sm_carveout(a, a, count)
