@@ -57,6 +57,7 @@
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
 #   tools/gpu_session.sh s15-fp8-graphs  # 2 GPUs (~9 min): opfuse FP8 under CUDA graphs vs compile bf16, train-sp
 #                                      # 2048, isolated A B B A after a warm-up run
+#   tools/gpu_session.sh s17-fp8-gather # 2 GPUs (~9.5 min): GPU tests, FP8 train-sp graphs A B B A with FP8 gathers
 #   tools/gpu_session.sh s16-gpu-tests # 1 GPU (~1 min): tests/gpu/test_sm_carveout.py (not yet run on a GPU)
 #   tools/gpu_session.sh s16-carveout  # 2 GPUs (~8 min): FP8 train-sp under graphs: as is, NCCL priority, SM carveout
 #   tools/gpu_session.sh s16-carveout2 # 2 GPUs (~6 min): the same leaving 16, 8 and 32 SMs
@@ -602,6 +603,17 @@ case "$stage" in
     final_summary() { model_lines fp8_graphs_profile; grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)" \
                         "$OUT/fp8_graphs_profile.log";
                       grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_graphs.log | grep -v "^|---"; }
+    ;;
+  s17-fp8-gather)  # 2 GPUs (~9.5 min; prebuilt modules): session 16's CPU-checked change, the per-layer forward
+                   # all-gathers of FP8 train-sp moving FP8 bytes (quantize fused into the norm): the SM-carveout and
+                   # FP8 GPU tests, then opfuse FP8 under CUDA graphs against torch.compile bf16, A B B A after a warm-up
+    END=${S17_BUDGET_S:-560}
+    tests gpu_tests "$(fits 90 450)" -x -q tests/gpu/test_sm_carveout.py tests/gpu/test_fp8_dist.py
+    step isolated_fp8_gather "$(fits 450 0)" python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8@graphs" --warmup-run --run-timeout 110 \
+      --json "$OUT/isolated_fp8_gather.json"
+    final_summary() { grep -h -E "passed|failed" "$OUT/gpu_tests.log" | tail -2;
+                      grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_gather.log | grep -v "^|---"; }
     ;;
   s16-gpu-tests)  # 1 GPU (~1 min; prebuilt modules): session 16's GPU tests of the SM-carveout GEMMs, written after
                    # its device time was spent

@@ -23,6 +23,7 @@ import torch
 from torch import fx, nn
 
 from ..core import dispatch as implementations
+from ..core.passes.fp8 import token_view
 from ..core.passes.select import forced_implementations
 from ..families.collective_linear.fp8.op import AllGatherLinearFp8, LinearReduceScatterFp8
 from ..families.grouped_linear.fp8.op import GroupedGemmFp8
@@ -32,9 +33,11 @@ from ..families.linear.fp8.op import Fp8Linear
 from ..families.quantize.op import QuantizeActivation
 from ..families.residual_norm.op import _NormQuantize
 from ..fp8.tensor import tag
+from ..machinery.aten import c10d, calls
 from ..machinery.implementation import choose
 from ..ops import group as groups
 from ..ops.base import TensorMeta
+from ..ops.collectives import AllGather
 from . import fp8_aten
 from .fp8_backward import LinearGrads
 from .fp8_ops import compiled_fp8_gemm, compiled_fp8_gemm_quantizing, compiled_norm_quantize, compiled_quantize
@@ -147,6 +150,7 @@ class JointLowering(_Lowering):
         #: Joint-graph GEMMs that .overlap scheduled under a collective (their own op where possible).
         self.hideable = set(hideable)
         self.payloads: dict[str, tuple[fx.Node, fx.Node]] = {}  # op-graph value -> (data, scale)
+        self.scale_shared_by: dict[str, str] = {}  # payload -> the group whose ranks share its scale ("" none)
 
     def lower_fused(self, node: fx.Node, module) -> None:
         if isinstance(module, GroupedGemm):
@@ -171,14 +175,18 @@ class JointLowering(_Lowering):
         inputs = [self.value_of(a) for a in node.args]
         wrapper = _QuantizePayload(module) if isinstance(module, QuantizeActivation) else _NormQuantizePayload(module)
         out = self.emit(wrapper, inputs, where=node.name, tokens_first=True)
+        amax_group = getattr(module, "amax_group", None)
+        shared = groups.group_name(amax_group) if amax_group is not None else ""
         if isinstance(module, QuantizeActivation):
             self.payloads[node.name] = (out[0], out[1])
+            self.scale_shared_by[node.name] = shared
             return
         for user in list(node.users):
             if not (user.op == "call_function" and user.args[0] is node and "opfuse_replaces" in user.meta):
                 continue
             if user.args[1] == 0:  # the quantized norm output
                 self.payloads[user.name] = (out[0], out[1])
+                self.scale_shared_by[user.name] = shared
             else:  # the exported pre-norm sum
                 self.replace(user.meta["opfuse_replaces"], out[2], rule, inputs)
                 self.values[user.name] = out[2]
@@ -191,6 +199,41 @@ class JointLowering(_Lowering):
                 return name
         raise LoweringError(f"opfuse: FP8 fusion {node.name} covers no linear")
 
+    def _payload_of(self, source) -> tuple[fx.Node, fx.Node] | None:
+        """``(data, scale)`` of op-graph value ``source`` where it is FP8: a producer's payload, or
+        that payload carried through the all-gathers and token views between the producer and the
+        GEMM (the Quantize moved above them, opfuse/core/passes/fp8.py): the gather is emitted on
+        the FP8 bytes and the high-precision aten gather and view it stands for are covered.
+        ``None`` where ``source`` is not FP8 that way, or where a gather's ranks would not share
+        the one scale per tensor (the GEMM then quantizes the high-precision value itself)."""
+        if not isinstance(source, fx.Node):
+            return None
+        if source.name in self.payloads:
+            return self.payloads[source.name]
+        gather = self.op_graph.gm.get_submodule(source.target) if source.op == "call_module" else None
+        if not (isinstance(gather, AllGather) or (gather is None and token_view(source))):
+            return None
+        inner = self._payload_of(source.args[0])
+        if inner is None:
+            return None
+        shared = self.scale_shared_by.get(source.args[0].name, "")
+        if isinstance(gather, AllGather):
+            data, scale = inner
+            rowwise = scale.meta["val"].shape[0] != 1
+            if not rowwise and shared != groups.group_name(gather.group):
+                return None  # each rank's own scale: one tensor scale cannot describe the gathered bytes
+            inner = self.emit(_GatherPayload(groups.group_name(gather.group), gather.world_size, rowwise),
+                              [data, scale], where=source.name)
+        # (a token view keeps the [tokens, features] payload as it is: the GEMMs read it 2-D)
+        old = self.op_graph.aten.get(source.name)
+        if old is not None:
+            self.covered.add(old)
+            if isinstance(gather, AllGather):
+                self.covered |= {a for a in old.all_input_nodes if calls(a, c10d.all_gather_into_tensor)}
+        self.payloads[source.name] = inner
+        self.scale_shared_by[source.name] = shared
+        return inner
+
     def _lower_gemm(self, node, module, rule: str) -> None:
         source = node.args[0]
         old = self.op_graph.aten.get(node.meta.get("opfuse_replaces"))
@@ -200,8 +243,9 @@ class JointLowering(_Lowering):
         data_t = None
         if isinstance(module, Fp8Linear) and self._lower_gemm_aten(node, module, rule, source, old):
             return
-        if isinstance(source, fx.Node) and source.name in self.payloads:
-            data, scale = self.payloads[source.name]
+        payload = self._payload_of(source)
+        if payload is not None:
+            data, scale = payload
             y = self.emit(_GemmFromPayload(module, out_dtype), [data, scale], where=node.name)
             inputs = [data, scale]
         else:
@@ -234,7 +278,7 @@ class JointLowering(_Lowering):
         backward, where :func:`.fp8_aten.applies`; ``False`` leaves it to the custom ops."""
         grads = self.grads.get(self._linear_node(node))
         need_wgrad = grads is not None and grads.wgrad is not None and module.recipe.fp8_wgrad
-        payload = self.payloads.get(source.name) if isinstance(source, fx.Node) else None
+        payload = self._payload_of(source)
         x = payload[0] if payload is not None else self.value_of(source)
         if fp8_aten.applies(module.impl, module.recipe, x.meta["val"].shape, need_wgrad) is not None:
             return False

@@ -5,7 +5,8 @@
   same model sharded by hand and run eagerly with every ``nn.Linear`` in the recipe's float32
   emulation (outputs and every gradient): each row-parallel projection's all-reduce fuses with the
   residual add, the next norm and the quantization of the next GEMMs' input; with sequence
-  parallelism each row projection's FP8 GEMM fuses with its reduce-scatter.
+  parallelism each row projection's FP8 GEMM fuses with its reduce-scatter, and each norm quantizes
+  the activation that the next all-gather then moves as FP8.
 * Mixtral- and Qwen2-MoE-style blocks (examples/hf_moe.py) with tensor-parallel experts: the
   rewritten blocks against Hugging Face's loop run eagerly, and the all-reduce after each MoE
   block fused with the residual add and the next norm.
@@ -68,6 +69,10 @@ def llama_case(rank, world, tp, recipe, seq=8):
     if tp == "dtensor-sp":
         assert forward.count("linear_reduce_scatter_fp8") == row_parallel, program.explain()
         assert forward.count("fp8_linear") == 5 * cfg.layers, program.explain()
+        # q/k/v and gate/up read their all-gather through a reshape ([1, S, H] -> [S, H]): the
+        # quantization still moves above the gather (FP8 bytes gathered) and into the norm
+        assert forward.count("add_rmsnorm_quantize") == 2 * cfg.layers, program.explain()
+        assert "quantize" not in forward, program.explain()
     else:
         # Every row projection's all-reduce + add + norm emits the next GEMMs' FP8 input (the
         # final norm's feeds the output head).

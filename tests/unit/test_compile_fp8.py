@@ -204,6 +204,47 @@ def test_sequence_parallel_gathers_fp8_and_scatters_after_the_fp8_gemm(world1, r
     assert {"add_rmsnorm_quantize", "all_gather_linear_fp8", "linear_reduce_scatter_fp8"} <= set(found), found
 
 
+class GatheredThroughAView(nn.Module):
+    """DTensor-style sequence parallelism: ``[1, S/world, H]`` shards gathered along the sequence
+    dim, the ``[1, S, H]`` result reshaped to ``[S, H]`` and read by q, k and v (several GEMMs: no
+    GEMM fuses with the gather); ``also_bf16`` adds a reader of the gathered value that is not a
+    GEMM."""
+
+    def __init__(self, group, also_bf16: bool, hidden=32):
+        super().__init__()
+        self.group, self.also_bf16 = group, also_bf16
+        self.norm = Norm(hidden)
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden, bias=False) for _ in range(3))
+        self.o = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        gathered = all_gather(self.norm(x), 1, self.group).reshape(-1, x.shape[-1])
+        h = torch.tanh(self.q(gathered)) * self.k(gathered) + self.v(gathered)
+        if self.also_bf16:
+            h = h + gathered.sin()
+        return x + reduce_scatter(self.o(h), "sum", 0, self.group).reshape(x.shape)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["tensor", "row"])
+@pytest.mark.parametrize("also_bf16", [False, True], ids=["gemms-only", "other-reader"])
+def test_gemms_reading_a_gather_through_a_view_get_fp8_gathered(world1, recipe, also_bf16):
+    """Where only FP8 GEMMs read the gathered activation (through a token reshape), the
+    quantization moves above the gather into the norm (``add_rmsnorm_quantize``: the gather moves
+    FP8 bytes); where another op reads it too, it stays after the gather (a ``quantize`` op), and
+    the values are the recipe's either way."""
+    x = torch.randn(1, 8, 32)
+    (y, grads), (want, want_grads), programs = run_both(lambda: GatheredThroughAView(world1, also_bf16), recipe, x)
+    assert relative(y, want) < 1e-5
+    for got, ref in zip(grads, want_grads):
+        assert relative(got, ref) < 1e-5
+    found = rules(programs, "forward")
+    if also_bf16:
+        assert "quantize" in found and "add_rmsnorm_quantize" not in found, found
+    else:
+        assert "add_rmsnorm_quantize" in found and "quantize" not in found, found
+        assert found.count("fp8_linear") == 3, found
+
+
 def test_bfloat16_model(world1):
     make = lambda: Block(dtype=torch.bfloat16, norm=torch_norm)  # noqa: E731
     x = torch.randn(2, 5, 32, dtype=torch.bfloat16)

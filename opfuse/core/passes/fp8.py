@@ -2,9 +2,12 @@
 and its input activation is quantized by a ``Quantize`` op.
 
 Where the ``Quantize`` goes: in front of the GEMM, moved up past the ops that only move its input
-(``AllGather``, ``GradAllReduce``) so that what they move is FP8. An all-gathered activation with
-one scale per tensor gets a scale shared by the group's ranks (the amax is all-reduced), so the
-gathered tensor has one scale too; with one scale per row each row travels with its own.
+(``AllGather``, ``GradAllReduce``, and the views of a traced graph that only regroup the token
+dims, ``[1, S, H] -> [S, H]``, between them and the GEMM) so that what they move is FP8, where
+every op reading the moved value is a GEMM that becomes FP8 too (q, k and v reading one
+all-gathered activation). An all-gathered activation with one scale per tensor gets a scale shared
+by the group's ranks (the amax is all-reduced), so the gathered tensor has one scale too; with one
+scale per row each row travels with its own.
 ``GroupedLinear`` quantizes its input inside the grouped GEMM (one scale per tensor must ignore the
 rows past ``sum(group_sizes)``, which only the grouped op knows).
 
@@ -21,6 +24,9 @@ it start from (``horizontal_gemm`` leaves FP8 GEMMs alone).
 
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import fx
 
 from ...ops import group as groups
@@ -31,10 +37,12 @@ from ...ops.linear import BasicLinear
 from ...ops.quantize import Quantize
 from ...machinery.rewrite import add_submodule
 
-__all__ = ["insert_fp8"]
+__all__ = ["insert_fp8", "token_view"]
 
 #: Ops a Quantize moves in front of (they move the value without computing on it).
 _MOVERS = (AllGather, GradAllReduce)
+#: Traced views a Quantize moves in front of where they keep rows and features (:func:`token_view`).
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 
 
 def _op(gm: fx.GraphModule, node) -> object:
@@ -55,16 +63,47 @@ def _shared_quantize(gm: fx.GraphModule, source: fx.Node, op: Quantize) -> fx.No
     return None
 
 
-def _quantize_input(gm: fx.GraphModule, gemm: fx.Node, recipe) -> None:
+def token_view(node: fx.Node) -> bool:
+    """``node`` is a traced view of its input that keeps its rows and features (a regrouping of the
+    leading token dims): an FP8 value read through it keeps its bytes and scales."""
+    if node.op != "call_function" or node.target not in _VIEWS or not isinstance(node.args[0], fx.Node):
+        return False
+    got, want = node.meta.get("opfuse_meta"), node.args[0].meta.get("opfuse_meta")
+    shapes = [getattr(m, "shape", None) for m in (got, want)]
+    return (all(s is not None and len(s) >= 2 for s in shapes) and shapes[0][-1] == shapes[1][-1]
+            and math.prod(shapes[0]) == math.prod(shapes[1]))
+
+
+def _read_by_fp8_gemms(gm: fx.GraphModule, value: fx.Node, converts) -> bool:
+    """Every reader of ``value`` is a GEMM that becomes FP8 reading it as its input
+    (``converts(node)``), a ``Quantize`` of it, or a token view read only that way: moving the
+    ``Quantize`` above ``value`` changes what nobody else reads."""
+    for user in value.users:
+        if isinstance(_op(gm, user), Quantize):
+            continue
+        if converts(user) and user.args[:1] == (value,):
+            continue
+        if token_view(user) and _read_by_fp8_gemms(gm, user, converts):
+            continue
+        return False
+    return True
+
+
+def _quantize_input(gm: fx.GraphModule, gemm: fx.Node, recipe, converts=None) -> None:
     """Insert ``Quantize`` on the GEMM's input, above the movers that feed it (or reuse the one
-    another GEMM reading the same value got)."""
+    another GEMM reading the same value got). ``converts(node)``: whether GEMM ``node`` becomes
+    FP8 too (a mover read by several GEMMs is moved past only if every one does)."""
     chain = [gemm]
     source = gemm.args[0]
-    while isinstance(_op(gm, source), _MOVERS) and len(source.users) == 1:
+    while isinstance(source, fx.Node) and (isinstance(_op(gm, source), _MOVERS) or token_view(source)):
+        if len(source.users) != 1 and (converts is None or not _read_by_fp8_gemms(gm, source, converts)):
+            break
         chain.append(source)
         source = source.args[0]
+    while len(chain) > 1 and _op(gm, chain[-1]) is None:
+        source = chain.pop()  # a view with no mover above it: the Quantize stays below it, by the GEMM
     if source.meta["opfuse_meta"].quantized is not None:
-        return  # already FP8 (a Quantize the user placed)
+        return  # already FP8 (a Quantize the user placed, or the one a GEMM reading the same value got)
     gathers = [_op(gm, n) for n in chain if isinstance(_op(gm, n), AllGather)]
     # The gather's group, resolved: ``None`` would mean "no group" to Quantize.
     op = Quantize.for_recipe(recipe, amax_group=groups.resolve(gathers[0].group, "AllGather") if gathers else None)
@@ -90,7 +129,10 @@ def _refresh_movers(gm: fx.GraphModule, chain: list[fx.Node]) -> None:
     """The movers now carry FP8: recompute their metadata (the GEMM's output is unchanged)."""
     for mover in reversed(chain[1:]):
         metas = [a.meta["opfuse_meta"] for a in mover.args if isinstance(a, fx.Node)]
-        mover.meta["opfuse_meta"] = output_meta(_op(gm, mover), *metas)
+        if _op(gm, mover) is None:  # a token view: its shape, its input's encoding
+            mover.meta["opfuse_meta"] = mover.meta["opfuse_meta"].with_(quantized=metas[0].quantized)
+        else:
+            mover.meta["opfuse_meta"] = output_meta(_op(gm, mover), *metas)
 
 
 def insert_fp8(gm: fx.GraphModule, ctx) -> None:
@@ -100,13 +142,18 @@ def insert_fp8(gm: fx.GraphModule, ctx) -> None:
     if recipe is None:
         return
     exempt = getattr(ctx, "fp8_exempt", None) or {}
+
+    def converts(node: fx.Node) -> bool:
+        op = _op(gm, node)
+        return isinstance(op, BasicLinear) and node.name not in exempt and op.recipe in (None, recipe)
+
     for node in list(gm.graph.nodes):
         op = _op(gm, node)
         if node.name in exempt:
             continue
         if isinstance(op, BasicLinear) and op.recipe is None:
             _swap_module(gm, node, op.with_recipe(recipe))
-            _quantize_input(gm, node, recipe)
+            _quantize_input(gm, node, recipe, converts)
         elif isinstance(op, BasicGroupedLinear) and op.recipe is None:
             _swap_module(gm, node, op.with_recipe(recipe))
     gm.delete_all_unused_submodules()
