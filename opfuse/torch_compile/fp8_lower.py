@@ -23,8 +23,8 @@ import torch
 from torch import fx, nn
 
 from ..core import dispatch as implementations
-from ..core.passes.fp8 import token_view
 from ..core.passes.select import forced_implementations
+from ..core.passes.token_views import token_view
 from ..families.collective_linear.fp8.op import AllGatherLinearFp8, LinearReduceScatterFp8
 from ..families.grouped_linear.fp8.op import GroupedGemmFp8
 from ..families.grouped_linear.op import GroupedGemm
@@ -199,6 +199,11 @@ class JointLowering(_Lowering):
                 return name
         raise LoweringError(f"opfuse: FP8 fusion {node.name} covers no linear")
 
+    def _gathered(self, group, data: fx.Node, scale: fx.Node, where: str) -> tuple[fx.Node, fx.Node]:
+        """An FP8 payload all-gathered along tokens over ``group`` (its per-row scales too)."""
+        return self.emit(_GatherPayload(groups.group_name(group), groups.world_size(group),
+                                        scale.meta["val"].shape[0] != 1), [data, scale], where=where)
+
     def _payload_of(self, source) -> tuple[fx.Node, fx.Node] | None:
         """``(data, scale)`` of op-graph value ``source`` where it is FP8: a producer's payload, or
         that payload carried through the all-gathers and token views between the producer and the
@@ -222,8 +227,7 @@ class JointLowering(_Lowering):
             rowwise = scale.meta["val"].shape[0] != 1
             if not rowwise and shared != groups.group_name(gather.group):
                 return None  # each rank's own scale: one tensor scale cannot describe the gathered bytes
-            inner = self.emit(_GatherPayload(groups.group_name(gather.group), gather.world_size, rowwise),
-                              [data, scale], where=source.name)
+            inner = self._gathered(gather.group, data, scale, where=source.name)
         # (a token view keeps the [tokens, features] payload as it is: the GEMMs read it 2-D)
         old = self.op_graph.aten.get(source.name)
         if old is not None:
@@ -264,10 +268,7 @@ class JointLowering(_Lowering):
         self.replace(node.meta["opfuse_replaces"], y, rule, inputs)
         self.values[node.name] = y
         if isinstance(module, AllGatherLinearFp8):  # the backward reads the gathered FP8 x
-            world = groups.world_size(module.group)
-            data, scale = self.emit(_GatherPayload(groups.group_name(module.group), world,
-                                                   scale.meta["val"].shape[0] != 1), [data, scale],
-                                    where=node.name + "_backward")
+            data, scale = self._gathered(module.group, data, scale, where=node.name + "_backward")
             data_t = None
         if data_t is not None and data_t.meta["val"].numel() == 0:
             data_t = None

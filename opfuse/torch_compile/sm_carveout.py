@@ -129,10 +129,8 @@ def carve_sms_under_collectives(graph: fx.Graph, overlaps, sms: int) -> list[str
             if calls(node, aten.mm.default, aten._scaled_mm.default):
                 gemms.append(node)
             node = node.next
-        for gemm in gemms[:1]:
-            val = gemm.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                _check_sms(sms, val.device)
+        if gemms and isinstance(gemms[0].meta.get("val"), torch.Tensor):
+            _check_sms(sms, gemms[0].meta["val"].device)
         done = sum(_rewrite(graph, gemm, sms) for gemm in gemms)
         if done:
             notes.append(f"{overlap.wait.name}: the {done} GEMM(s) under the collective leave {sms} SMs to NCCL "

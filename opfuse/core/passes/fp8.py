@@ -24,9 +24,6 @@ it start from (``horizontal_gemm`` leaves FP8 GEMMs alone).
 
 from __future__ import annotations
 
-import math
-
-import torch
 from torch import fx
 
 from ...ops import group as groups
@@ -36,13 +33,12 @@ from ...ops.grouped import BasicGroupedLinear
 from ...ops.linear import BasicLinear
 from ...ops.quantize import Quantize
 from ...machinery.rewrite import add_submodule
+from .token_views import token_view
 
-__all__ = ["insert_fp8", "token_view"]
+__all__ = ["insert_fp8"]
 
 #: Ops a Quantize moves in front of (they move the value without computing on it).
 _MOVERS = (AllGather, GradAllReduce)
-#: Traced views a Quantize moves in front of where they keep rows and features (:func:`token_view`).
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 
 
 def _op(gm: fx.GraphModule, node) -> object:
@@ -61,17 +57,6 @@ def _shared_quantize(gm: fx.GraphModule, source: fx.Node, op: Quantize) -> fx.No
                 and other.amax_group is op.amax_group):
             return user
     return None
-
-
-def token_view(node: fx.Node) -> bool:
-    """``node`` is a traced view of its input that keeps its rows and features (a regrouping of the
-    leading token dims): an FP8 value read through it keeps its bytes and scales."""
-    if node.op != "call_function" or node.target not in _VIEWS or not isinstance(node.args[0], fx.Node):
-        return False
-    got, want = node.meta.get("opfuse_meta"), node.args[0].meta.get("opfuse_meta")
-    shapes = [getattr(m, "shape", None) for m in (got, want)]
-    return (all(s is not None and len(s) >= 2 for s in shapes) and shapes[0][-1] == shapes[1][-1]
-            and math.prod(shapes[0]) == math.prod(shapes[1]))
 
 
 def _read_by_fp8_gemms(gm: fx.GraphModule, value: fx.Node, converts) -> bool:

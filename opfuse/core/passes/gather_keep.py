@@ -29,23 +29,15 @@ from ...families.collective_linear.keep import AllGatherLinearKeep
 from ...families.horizontal_linear.op import HorizontalLinear
 from ...machinery.rewrite import reorder_topologically
 from .sequence_batch import batch_fusion_refused
+from .token_views import token_view
 
 __all__ = ["all_gather_keep"]
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
-
 
 def _token_view(ctx, node: fx.Node, gathered: fx.Node) -> bool:
     """``node`` reads ``gathered`` through a view that keeps its rows and features (a regrouping of
     the leading token dims, e.g. ``[1, S, H] -> [S, H]``): fused ops treat every leading dim as
     tokens, so a GEMM after it reads the same rows."""
-    if node.op != "call_function" or node.target not in _VIEWS or node.args[0] is not gathered:
-        return False
-    got, want = ctx.meta(node), ctx.meta(gathered)
-    if not (got is not None and want is not None and hasattr(got, "shape") and hasattr(want, "shape")):
-        return False
-    return (len(got.shape) >= 2 and got.shape[-1] == want.shape[-1]
-            and math.prod(got.shape) == math.prod(want.shape))
+    return node.args[:1] == (gathered,) and token_view(node, ctx.meta)
 
 
 def _gemm(ctx, node: fx.Node, source: fx.Node) -> bool:

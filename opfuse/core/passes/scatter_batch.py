@@ -23,10 +23,10 @@ from torch import fx
 from ...config import config
 from ...families.collective_linear.op import LinearReduceScatter
 from ...machinery.rewrite import reorder_topologically
+from .token_views import RESHAPES
 
 __all__ = ["linear_reduce_scatter_batch"]
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -55,7 +55,7 @@ def _chain(ctx, scatter: fx.Node):
     linear = split.args[0]
     between = [split, *pieces, cat]
     if (isinstance(linear, fx.Node) and ctx.kind(linear) != "BasicLinear" and linear.op == "call_function"
-            and linear.target in _VIEWS and _only_user(linear) is split):
+            and linear.target in RESHAPES and _only_user(linear) is split):
         between.insert(0, linear)  # the GEMM's [rows, n] viewed as [batch, seq, n]
         linear = linear.args[0]
     if not isinstance(linear, fx.Node) or ctx.kind(linear) != "BasicLinear" or _only_user(linear) is not between[0]:
