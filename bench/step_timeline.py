@@ -124,7 +124,41 @@ def step_timeline(fn, steps: int = 4, min_gap_us: float = 10.0, top: int = 12) -
     gaps.sort(key=lambda g: -g["us"])
     return {"host_us": host_us, "gpu_wall_us": (reach - window_start) / 1e3 / measured,
             "busy_us": busy_ns / 1e3 / measured, "idle": {k: v / measured for k, v in idle.items()},
-            "gaps": gaps[:top], "gap_count": len(gaps), "steps": measured}
+            "gaps": gaps[:top], "gap_count": len(gaps), "steps": measured,
+            "collectives": _collectives(device, window_start, (reach - window_start) // measured)}
+
+
+def _stream(event):
+    return getattr(event, "device_resource_id", lambda: None)()
+
+
+def _collectives(device, window_start: int, step_ns: int) -> list[dict]:
+    """Every NCCL kernel of the last measured step: when it ran (us from that step's start), how long,
+    and how much of that time kernels of other streams ran beside it (the overlap a collective left
+    to NCCL is meant to get), with the kernels that ran beside it longest and the kernel that ended
+    on another stream just before it started (what it likely waited for)."""
+    ends = max(_end_ns(e) for e in device)
+    last_start = ends - step_ns
+    rows = []
+    for event in device:
+        if not event.name().startswith("nccl") or event.start_ns() < last_start:
+            continue
+        start, end, stream = event.start_ns(), _end_ns(event), _stream(event)
+        beside, before = {}, None
+        for other in device:
+            if _stream(other) == stream:
+                continue
+            lo, hi = max(start, other.start_ns()), min(end, _end_ns(other))
+            if hi > lo:
+                beside[other.name()] = beside.get(other.name(), 0) + hi - lo
+            if _end_ns(other) <= start and (before is None or _end_ns(other) > _end_ns(before)):
+                before = other
+        rows.append({"name": event.name(), "at_us": (start - last_start) / 1e3, "us": (end - start) / 1e3,
+                     "beside_us": sum(beside.values()) / 1e3,
+                     "beside": sorted(beside.items(), key=lambda kv: -kv[1])[:2],
+                     "after": before.name() if before is not None else "-",
+                     "after_gap_us": (start - _end_ns(before)) / 1e3 if before is not None else None})
+    return sorted(rows, key=lambda r: r["at_us"])
 
 
 def format_timeline(found: dict, title: str) -> str:
@@ -147,4 +181,15 @@ def format_timeline(found: dict, title: str) -> str:
                   if g["class"] == "host" else "")
             lines.append(f"  {g['us']:8.1f}  {g['class']:4s}  {late:>7s}  {g['before'][:55]} -> "
                          f"{g['after'][:55]}{op}")
+    for variant, t in found.items():
+        if not t.get("collectives"):
+            continue
+        lines.append(f"\n{title}, {variant}: NCCL kernels of the last step (us from its start, length, time other "
+                     f"streams' kernels ran beside it, the longest of them; the kernel that ended on another "
+                     f"stream just before it started, and how long before)")
+        for c in t["collectives"]:
+            beside = ", ".join(f"{name[:40]} {ns / 1e3:.0f}" for name, ns in c["beside"]) or "-"
+            gap = "-" if c["after_gap_us"] is None else f"{c['after_gap_us']:.1f}"
+            lines.append(f"  {c['at_us']:8.0f} {c['us']:7.1f} {c['beside_us']:7.1f}  {c['name'][:45]} | {beside} "
+                         f"| after {c['after'][:40]} +{gap}")
     return "\n".join(lines)

@@ -57,6 +57,10 @@
 #   tools/gpu_session.sh s11-sp        # 2 GPUs (~7.5 min): compile-backend test, train-sp batch 4 isolated A B B A
 #   tools/gpu_session.sh s15-fp8-graphs  # 2 GPUs (~9 min): opfuse FP8 under CUDA graphs vs compile bf16, train-sp
 #                                      # 2048, isolated A B B A after a warm-up run
+#   tools/gpu_session.sh s17-dtensor-order # 2 GPUs (~3 min): DTensor graphs without peak-memory reordering: FP8 graphs
+#                                      # and bf16 train-sp single runs, kernel tables with the NCCL-overlap view
+#   tools/gpu_session.sh s17-moe-fp8   # 1 GPU (~5 min): FP8 MoE: stack quantizer + grouped FP8 tests, bench/moe.py --fp8
+#                                      # --profile (kernel table per variant)
 #   tools/gpu_session.sh s17-fp8-gather # 2 GPUs (~9.5 min): GPU tests, FP8 train-sp graphs A B B A with FP8 gathers
 #   tools/gpu_session.sh s16-gpu-tests # 1 GPU (~1 min): tests/gpu/test_sm_carveout.py (not yet run on a GPU)
 #   tools/gpu_session.sh s16-carveout  # 2 GPUs (~8 min): FP8 train-sp under graphs: as is, NCCL priority, SM carveout
@@ -603,6 +607,26 @@ case "$stage" in
     final_summary() { model_lines fp8_graphs_profile; grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)" \
                         "$OUT/fp8_graphs_profile.log";
                       grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_graphs.log | grep -v "^|---"; }
+    ;;
+  s17-dtensor-order)  # 2 GPUs (~3 min; prebuilt modules): the waits of a DTensor model's collectives left to NCCL stay
+                      # after the GEMMs scheduled under them (Inductor's peak-memory reordering off for DTensor graphs)
+    END=${S17_BUDGET_S:-300}
+    sp=(python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 --no-aa --profile)
+    step fp8_graphs "$(fits 120 100)" "${sp[@]}" --fp8 tensor-pow2 --only "opfuse fp8" --train-mode reduce-overhead
+    step bf16_opfuse "$(fits 110 0)" "${sp[@]}" --only opfuse
+    final_summary() { for name in fp8_graphs bf16_opfuse; do model_lines $name;
+                        grep -E "^\| (gemm|nccl|GPU|first)" "$OUT/$name.log"; grep -A24 "NCCL kernels of" "$OUT/$name.log" \
+                        | cut -c1-200; done; }
+    ;;
+  s17-moe-fp8)  # 1 GPU (~5 min; prebuilt modules): the FP8 grouped GEMM's weight made once per step in one cast
+                # (both layouts), the tail/empty-expert fix-ups, views of stacked expert weights hitting the cache:
+                # GPU tests, then bench/moe.py --fp8 --profile
+    END=${S17_BUDGET_S:-560}
+    tests fp8_grouped_tests 150 -q tests/gpu/test_fp8.py -k "stack or grouped"
+    tests compile_fp8_moe_tests 150 -q tests/gpu/test_compile_fp8_moe.py
+    step moe_bench "$(fits 300 0)" python3 bench/moe.py --fp8 --profile --json "$OUT/moe.json"
+    final_summary() { grep -h -E "passed|failed" "$OUT/fp8_grouped_tests.log" "$OUT/compile_fp8_moe_tests.log" | tail -4;
+                      grep -E "^(\||relative|note|T=[0-9]+: GPU)" "$OUT/moe_bench.log" | grep -v "^|---" | cut -c1-260; }
     ;;
   s17-fp8-gather)  # 2 GPUs (~9.5 min; prebuilt modules): session 16's CPU-checked change, the per-layer forward
                    # all-gathers of FP8 train-sp moving FP8 bytes (quantize fused into the norm): the SM-carveout and

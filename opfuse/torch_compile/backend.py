@@ -82,8 +82,8 @@ class OpfuseBackend:
 
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(options)
-        _no_async_tp_under_graphs(gm, patches, inductor_config, settings)
-        if "reorder_for_peak_memory" not in patches and _keeps_collective_order(gm):
+        _no_async_tp_under_graphs(gm, patches, inductor_config, settings, example_inputs)
+        if "reorder_for_peak_memory" not in patches and _keeps_collective_order(gm, example_inputs):
             # Inductor's peak-memory reordering moves a collective's wait back before the GEMMs
             # that overlap.schedule_overlaps placed under it (measured: they then ran after it).
             patches["reorder_for_peak_memory"] = False
@@ -100,7 +100,8 @@ def _guarded(compiled, settings):
     return guard_layouts(compiled, settings.joined, [i.name for i in settings.inputs])
 
 
-def _no_async_tp_under_graphs(gm: torch.fx.GraphModule, patches: dict, inductor_config, settings) -> None:
+def _no_async_tp_under_graphs(gm: torch.fx.GraphModule, patches: dict, inductor_config, settings,
+                              example_inputs=()) -> None:
     """Turn Inductor's micro-pipeline TP off for a graph compiled with CUDA graphs
     (``mode="reduce-overhead"``) that has collectives, saying so in ``explain()``: its fused
     matmul + collective ops allocate their symmetric-memory workspace on first use, which under a
@@ -109,15 +110,19 @@ def _no_async_tp_under_graphs(gm: torch.fx.GraphModule, patches: dict, inductor_
     opfuse's own collective GEMMs keep their overlap: their memory is reserved when the graph is built."""
     graphs = patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
     async_tp = patches.get("_micro_pipeline_tp", getattr(inductor_config, "_micro_pipeline_tp", False))
-    if graphs and async_tp and _has_collectives(gm):
+    if graphs and async_tp and _has_collectives(gm, example_inputs):
         patches["_micro_pipeline_tp"] = False
         settings.notes.append("Inductor's async TP (_micro_pipeline_tp) off for this graph: with CUDA graphs its "
                               "symmetric-memory workspace would be allocated in the graph's pool during the warm-up, "
                               "which the cudagraph tree refuses; opfuse's collective GEMMs overlap instead")
 
 
-def _has_collectives(gm: torch.fx.GraphModule) -> bool:
-    """Whether the graph (or an autograd.Function body in it) calls a collective."""
+def _has_collectives(gm: torch.fx.GraphModule, example_inputs=()) -> bool:
+    """Whether the graph (or an autograd.Function body in it) calls a collective, or computes on
+    DTensors, whose collectives appear only when AOTAutograd lowers the subclass (Dynamo's graph of a
+    sequence-parallel DTensor model has none)."""
+    if _has_dtensors(gm, example_inputs):
+        return True
     for module in gm.modules():  # autograd.Function bodies are subgraphs (backward all-reduces)
         graph = getattr(module, "graph", None)
         for node in graph.nodes if isinstance(graph, torch.fx.Graph) else ():
@@ -127,12 +132,22 @@ def _has_collectives(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _keeps_collective_order(gm: torch.fx.GraphModule) -> bool:
+def _has_dtensors(gm: torch.fx.GraphModule, example_inputs=()) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    if any(isinstance(value, DTensor) for value in example_inputs):
+        return True
+    return any(isinstance(node.meta.get("example_value"), DTensor) for node in gm.graph.nodes)
+
+
+def _keeps_collective_order(gm: torch.fx.GraphModule, example_inputs=()) -> bool:
     """Whether this graph's collectives may be left to NCCL and scheduled under independent GEMMs
     (:mod:`.overlap`): the setting allows it and the graph has a collective at all."""
     from ..config import config
 
-    return config.overlap_collectives == "auto" and _has_collectives(gm)
+    return config.overlap_collectives == "auto" and _has_collectives(gm, example_inputs)
 
 
 _COLLECTIVE_NAMES = ("all_reduce", "reduce_scatter", "all_gather", "_c10d_functional", "distributed")

@@ -67,6 +67,30 @@ def test_quantizers_match_numerics_bit_for_bit(dtype, shape, fmt):
     assert torch.equal(kernels.quantize(zero, fmt, False).scale_inv, torch.ones(1, 1, device=DEV))
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 16), (3, 17, 48), (8, 300, 1000), (4, 1024, 2048)])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_stack_quantizer_matches_each_matrix_quantized_alone(dtype, shape, fmt):
+    """A grouped weight's experts, one scale each, both layouts in one pass: the bytes and scales
+    of quantizing every expert by itself (the two-pass path), on dirty memory, with one expert all
+    zeros and one 1000x larger than the others (the scales differ per expert)."""
+    w = randn(*shape, dtype=dtype, seed=shape[1], scale=2.0)
+    w[0].zero_()
+    if shape[0] > 1:
+        w[1] *= 1000.0 if dtype != torch.float16 else 10.0
+    _dirty_allocator(4 * w.numel() + (1 << 20))
+    data, data_t, scale_inv = kernels.quantize_stack(w, fmt)
+    assert data.shape == shape and data_t.shape == (shape[0], shape[2], shape[1]) and scale_inv.shape == shape[:1]
+    for g in range(shape[0]):
+        want = numerics.quantize(w[g], fmt, False)
+        assert torch.equal(data[g].view(torch.uint8), want.data.view(torch.uint8)), g
+        assert torch.equal(data_t[g].view(torch.uint8), want.data.t().contiguous().view(torch.uint8)), g
+        assert torch.equal(scale_inv[g].reshape(1, 1), want.scale_inv), g
+    with pytest.raises(ValueError, match=r"\[groups, rows, cols\]"):
+        kernels.quantize_stack(w[0], fmt)
+
+
 def _dirty_allocator(nbytes: int) -> None:
     """Fill and free a block of the caching allocator, so that outputs allocated next start as 0xFF
     bytes (NaN in both FP8 formats) instead of whatever was there: an element a kernel does not write
@@ -291,6 +315,7 @@ def test_scaled_grouped_mm_matches_emulation(recipe, case):
     b = randn(groups, n, seed=3) if bias else None
     dy = randn(tokens, n, seed=4)
     sizes = torch.tensor(sizes, device=DEV, dtype=torch.int32)
+    _dirty_allocator(8 * tokens * max(k, n) + 4 * groups * n * k)  # unwritten rows / experts show up as NaN
     with torch.cuda.device(DEV):
         torch.cuda.set_sync_debug_mode("error")  # device group sizes: no host sync in the kernels
         try:
@@ -314,6 +339,42 @@ def test_scaled_grouped_mm_matches_emulation(recipe, case):
         full = torch.cat([x[s:s + c].double() @ w[g].double().t() + (b[g].double() if bias else 0)
                           for g, (s, c) in enumerate(zip(starts, sizes.tolist()))])
         assert rel(y[:valid], full) < 0.08
+
+
+@needs_fp8
+@pytest.mark.parametrize("recipe", ["tensor", "row"])
+def test_scaled_grouped_mm_follows_in_place_updates_of_a_view_weight(recipe):
+    """The weight as a compiled graph passes it: a fresh view of a stacked storage on every call. The
+    second call with an unchanged storage reuses the FP8 copies; an in-place update through another
+    view is seen by the next call, forward and data gradient."""
+    from opfuse.families.grouped_linear.fp8 import reference as grouped_reference
+    from opfuse.families.grouped_linear.fp8 import scaled_grouped_mm
+
+    tokens, groups, k, n = 256, 4, 128, 64
+    key = RECIPES[recipe].key()
+    stacked = randn(2, groups, n, k, seed=2, scale=k ** -0.5)
+    x, dy = randn(tokens, k, seed=1), randn(tokens, n, seed=4)
+    sizes = torch.tensor([64, 0, 100, 92], device=DEV, dtype=torch.int32)
+
+    def run():
+        y = scaled_grouped_mm.forward(x, sizes, stacked[1], None, "", groups, key)
+        dx = scaled_grouped_mm.backward(dy, x, sizes, stacked[1], None, "", groups, key, True, False, False)[0]
+        return y, dx
+
+    def reference():
+        w = stacked[1].clone()
+        return (grouped_reference.forward(x, sizes, w, None, "", groups, key),
+                grouped_reference.backward(dy, x, sizes, w, None, "", groups, key, True, False, False)[0])
+
+    first = run()
+    assert torch.equal(run()[0], first[0])
+    for got, want in zip(first, reference()):
+        assert rel(got, want) < 4e-3
+    stacked[1, 2].mul_(-3.0)  # through another view: the version counter the views share moves
+    second = run()
+    assert not torch.equal(second[0], first[0])
+    for got, want in zip(second, reference()):
+        assert rel(got, want) < 4e-3
 
 
 @needs_fp8

@@ -370,3 +370,41 @@ def test_gemms_under_the_collective_leave_sms_to_it(world1, cheap_collectives, m
 def test_sm_carveout_setting_is_checked():
     with pytest.raises(ValueError, match="overlap_sm_carveout=-1.*integer >= 0"):
         opfuse.config.overlap_sm_carveout = -1
+
+
+def test_dtensor_graphs_keep_the_collectives_where_the_schedule_put_them(world1, monkeypatch):
+    """A DTensor model's Dynamo graph has no collective (AOTAutograd adds them when it lowers the
+    subclass), so the backend recognises DTensor inputs: their graphs too are compiled without
+    Inductor's peak-memory reordering, which otherwise moves every wait back before the GEMMs
+    scheduled under it (measured on 2x H200: no NCCL kernel of a sequence-parallel FP8 step ran
+    beside another kernel). A model without DTensors keeps Inductor's default."""
+    from torch._inductor import compile_fx as compile_fx_module
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    seen = []  # the backend's call's patches (compile_fx calls itself again inside them, with none)
+    real = compile_fx_module.compile_fx
+
+    def recording(gm, example_inputs, config_patches=None, **kwargs):
+        if config_patches:
+            seen.append(dict(config_patches))
+        return real(gm, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", recording)
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    plain = nn.Linear(H, H, bias=False)
+    sharded = nn.Linear(H, H, bias=False)
+    sharded.weight = nn.Parameter(distribute_tensor(plain.weight.detach().clone(), mesh, [Replicate()]))
+    x = torch.randn(4, H)
+    out = opfuse.optimize(sharded)(distribute_tensor(x, mesh, [Replicate()]))
+    torch.testing.assert_close(out.to_local(), plain(x))
+    assert seen and seen[0].get("reorder_for_peak_memory") is False, seen
+    seen.clear()
+    opfuse.optimize(plain)(x)
+    assert seen and "reorder_for_peak_memory" not in seen[0], seen
+    seen.clear()
+    with opfuse.config.override(overlap_collectives="fuse"):  # nothing left to NCCL: nothing to keep
+        torch._dynamo.reset()
+        opfuse.optimize(sharded)(distribute_tensor(x, mesh, [Replicate()]))
+    assert seen and "reorder_for_peak_memory" not in seen[0], seen

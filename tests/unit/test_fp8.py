@@ -366,3 +366,29 @@ def test_allreduce_norm_emitting_fp8_fires_and_matches_the_unfused_block(world1,
     assert "allreduce_add_rmsnorm" not in fusions and "quantize" not in fusions, fusions
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_weight_cache_keeps_a_views_copy_with_its_base():
+    """A compiled graph hands an FP8 op a fresh view of the same parameter storage on every call
+    (stacked expert weights): the view's FP8 copy is kept with its base, a different view of the
+    same base gets its own, and an in-place update of the base (through any view) invalidates."""
+    from opfuse.families.quantize import weight_cache
+
+    base = torch.randn(4, 6, 8)
+    builds = []
+
+    def build_for(view):
+        return lambda: builds.append(view.sum().item()) or view.clone()
+
+    first = base[1:3]
+    got = weight_cache.cached(first, "k", build_for(first))
+    again = base[1:3]  # a new Python object for the same view
+    assert again is not first and weight_cache.cached(again, "k", build_for(again)) is got
+    assert len(builds) == 1
+    other = base[0:2]  # same shape, another offset: another entry
+    assert torch.equal(weight_cache.cached(other, "k", build_for(other)), base[0:2])
+    assert len(builds) == 2
+    base[2].mul_(2.0)  # bumps the version counter the views share
+    fresh = weight_cache.cached(base[1:3], "k", build_for(base[1:3]))
+    assert len(builds) == 3 and torch.equal(fresh, base[1:3])
+    weight_cache.clear()

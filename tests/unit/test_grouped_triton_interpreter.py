@@ -61,11 +61,11 @@ SCRIPT = textwrap.dedent("""
                 torch.testing.assert_close(g.float(), r.float(), **tol,
                                            msg=lambda m: f"{name} {tokens, sizes, dtype, tma}: {m}")
         y = torch.full((tokens, n), 7.0, dtype=dtype)
-        torch_mm._zero_tail_rows(y, s)
+        torch_mm.zero_tail_rows(y, s)
         end = int(eff.sum())
         assert (y[:end] == 7).all() and (y[end:] == 0).all()
         dw = torch.full((groups, n, k), 5.0, dtype=dtype)
-        torch_mm._zero_empty_groups(dw, s, tokens)
+        torch_mm.zero_empty_groups(dw, s, tokens)
         for g in range(groups):
             assert (dw[g] == (5.0 if eff[g] > 0 else 0.0)).all()
     print("interpreter ok")

@@ -153,7 +153,7 @@ def forward(x, group_sizes, weight, bias):
     y = x.new_empty(tokens, n)
     frontend.execute(compiled, {TOKEN: x.contiguous(), WEIGHT: weight.contiguous(),
                                 OFFSETS: first_token_offsets(group_sizes, tokens), OUT: y})
-    torch_mm._zero_tail_rows(y, group_sizes)
+    torch_mm.zero_tail_rows(y, group_sizes)
     return y
 
 
@@ -174,11 +174,11 @@ def backward(dy, x, group_sizes, weight, *, need_dx, need_dw, need_db):
     if dgrad is not None:
         dx = x.new_empty(tokens, k)
         frontend.execute(dgrad, {TOKEN: dy, WEIGHT: weight.contiguous(), OFFSETS: offsets, OUT: dx})
-        torch_mm._zero_tail_rows(dx, group_sizes)
+        torch_mm.zero_tail_rows(dx, group_sizes)
     if wgrad is not None:
         dw = dy.new_empty(weight.shape)
         frontend.execute(wgrad, {DOUT: dy, TOKEN: x.contiguous(), OFFSETS: offsets, DWEIGHT: dw})
-        torch_mm._zero_empty_groups(dw, group_sizes, tokens)
+        torch_mm.zero_empty_groups(dw, group_sizes, tokens)
     rest_dx, rest_dw = need_dx and dgrad is None, need_dw and wgrad is None
     if rest_dx or rest_dw:
         fdx, fdw, _ = triton_impl.backward(dy, x, group_sizes, weight, need_dx=rest_dx, need_dw=rest_dw,

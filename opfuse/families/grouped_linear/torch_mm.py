@@ -20,7 +20,7 @@ from torch import Tensor
 from ...ops.base import dtype_name
 from .triton_impl import triton_status
 
-__all__ = ["check", "forward", "backward", "device_offsets"]
+__all__ = ["check", "forward", "backward", "device_offsets", "zero_tail_rows", "zero_empty_groups"]
 
 _MAX_GROUPS = 1023
 
@@ -60,7 +60,9 @@ def _aligned(t: Tensor) -> Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _zero_tail_rows(out: Tensor, group_sizes: Tensor) -> None:
+def zero_tail_rows(out: Tensor, group_sizes: Tensor) -> None:
+    """Zero the rows of ``out [T, N]`` at or past ``min(sum(max(group_sizes, 0)), T)`` (one launch;
+    programs wholly below that exit at once)."""
     import triton
 
     from .triton_impl import _next_pow2
@@ -72,7 +74,9 @@ def _zero_tail_rows(out: Tensor, group_sizes: Tensor) -> None:
         out, group_sizes, groups, tokens, n, out.stride(0), BM=64, BN=128, GP=_next_pow2(groups + 1), num_warps=4)
 
 
-def _zero_empty_groups(dw: Tensor, group_sizes: Tensor, tokens: int) -> None:
+def zero_empty_groups(dw: Tensor, group_sizes: Tensor, tokens: int) -> None:
+    """Zero ``dw[g]`` of every group ``g`` without rows (one launch; the other groups' programs exit
+    at once)."""
     from .triton_impl import _next_pow2
     from .triton_kernels import zero_empty_groups_kernel
 
@@ -88,7 +92,7 @@ def forward(x, group_sizes, weight, bias):
         return x.new_zeros(0, weight.shape[1])
     offs = device_offsets(group_sizes, tokens)
     y = torch._grouped_mm(_aligned(x), _aligned(weight).transpose(-2, -1), offs=offs)
-    _zero_tail_rows(y, group_sizes)
+    zero_tail_rows(y, group_sizes)
     return y
 
 
@@ -104,11 +108,11 @@ def backward(dy, x, group_sizes, weight, *, need_dx, need_dw, need_db):
     dx, dw = empty, empty
     if need_dx:
         dx = torch._grouped_mm(dy, _aligned(weight), offs=offs)
-        _zero_tail_rows(dx, group_sizes)
+        zero_tail_rows(dx, group_sizes)
     if need_dw:
         # dW[g] = dy_g.T @ x_g: both operands ragged along the tokens (the "2d x 2d" form).
         dw = torch._grouped_mm(dy.t(), _aligned(x), offs=offs)
-        _zero_empty_groups(dw, group_sizes, tokens)
+        zero_empty_groups(dw, group_sizes, tokens)
     if need_db:
         raise RuntimeError("grouped_linear torch_grouped_mm: no bias support (the capability check rejects it)")
     return dx, dw, empty

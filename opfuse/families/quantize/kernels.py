@@ -10,7 +10,7 @@ from ...fp8 import numerics
 from ...fp8.numerics import Quantized
 from ...runtime.device import triton_status
 
-__all__ = ["quantize", "fast_path_reason", "amax"]
+__all__ = ["quantize", "quantize_stack", "fast_path_reason", "amax"]
 
 _TILE_M, _TILE_N, _ROW_BLOCK = 32, 256, 1024
 
@@ -39,7 +39,7 @@ def amax(x: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tenso
 
     out = torch.zeros((1, 1), dtype=torch.float32, device=x.device)
     rows, cols = x.shape
-    amax_kernel[_grid(rows, cols)](x, out, valid_rows if valid_rows is not None else out, rows, cols, x.stride(0),
+    amax_kernel[_grid(rows, cols)](x, out, valid_rows if valid_rows is not None else out, rows, cols, x.stride(0), 0,
                                    HAS_VALID=valid_rows is not None, BM=_TILE_M, BN=_TILE_N, num_warps=4)
     return out
 
@@ -77,9 +77,38 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, *, amax_value: 
     # wrong with triton 3.6, so those are transposed by torch.
     fused_t = transpose and x.element_size() == 2
     data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if fused_t else data
-    cast_kernel[_grid(rows, cols)](x, a, data, data_t, scale_inv, rows, cols, x.stride(0), FMAX=limit,
+    cast_kernel[_grid(rows, cols)](x, a, data, data_t, scale_inv, rows, cols, x.stride(0), 0, FMAX=limit,
                                    WRITE_T=fused_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
     q = Quantized(data, scale_inv)
     if transpose and not fused_t:
         data_t = data.t().contiguous()
     return (q, Quantized(data_t, scale_inv)) if transpose else q
+
+
+def quantize_stack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stack of matrices ``w [G, R, C]`` (a grouped GEMM's experts) with one scale per matrix:
+    ``(data [G, R, C], data_t [G, C, R], scale_inv [G])``, the bytes of
+    ``quantize(w[g], dtype, False, transpose=True)`` for each ``g``. On CUDA two launches for the
+    whole stack (every matrix's amax, then one cast writing both layouts): 6 bytes of traffic per
+    16-bit element, where a torch transpose of the FP8 bytes alone reads them with a stride."""
+    if w.dim() != 3:
+        raise ValueError(f"quantize_stack: w must be [groups, rows, cols], got shape {tuple(w.shape)}")
+    groups, rows, cols = w.shape
+    w = w.contiguous()
+    if w.numel() == 0 or fast_path_reason(w) or w.element_size() != 2:
+        amaxes = torch.linalg.vector_norm(w.reshape(groups, -1).float(), float("inf"), dim=1)
+        q = numerics.quantize(w.reshape(groups * rows, cols), dtype, True, amaxes.repeat_interleave(rows).reshape(-1, 1))
+        data = q.data.view(groups, rows, cols)
+        return data, data.transpose(1, 2).contiguous(), q.scale_inv.view(groups, rows)[:, 0].contiguous()
+    from .triton_kernels import amax_kernel, cast_kernel
+
+    tiles = (*_grid(rows, cols), groups)
+    amaxes = torch.zeros(groups, dtype=torch.float32, device=w.device)
+    amax_kernel[tiles](w, amaxes, amaxes, rows, cols, cols, rows * cols, HAS_VALID=False, BM=_TILE_M, BN=_TILE_N,
+                       num_warps=4)
+    data = torch.empty((groups, rows, cols), dtype=dtype, device=w.device)
+    data_t = torch.empty((groups, cols, rows), dtype=dtype, device=w.device)
+    scale_inv = torch.empty(groups, dtype=torch.float32, device=w.device)
+    cast_kernel[tiles](w, amaxes, data, data_t, scale_inv, rows, cols, cols, rows * cols, FMAX=numerics.fp8_max(dtype),
+                       WRITE_T=True, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    return data, data_t, scale_inv

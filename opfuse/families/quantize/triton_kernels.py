@@ -6,6 +6,10 @@ bit: float32 products, round-to-nearest-even casts, IEEE divisions for the scale
 * :func:`cast_kernel`: ``saturate(x * scale)`` with ``scale = fp8_max / amax`` read on the device,
   optionally also writing the transposed bytes (the operand of a backward GEMM); program 0
   writes ``scale_inv``.
+
+Both take a third grid axis for a stack of same-shaped matrices (the experts of a grouped weight):
+program ``g`` of it reads matrix ``g`` (``group_stride`` elements apart) and its own amax / scale
+slot; a 2-D grid is the one-matrix case.
 * :func:`rowwise_kernel`: one program per row: its amax (or one given per row), scale, cast and
   ``scale_inv``.
 * :func:`pow2_hinted_cast_kernel` + :func:`pow2_fixup_kernel`: one-read quantization with a
@@ -21,8 +25,11 @@ import triton.language as tl
 
 
 @triton.jit
-def amax_kernel(x_ptr, out_ptr, valid_ptr, rows, cols, stride, HAS_VALID: tl.constexpr, BM: tl.constexpr,
-                BN: tl.constexpr):
+def amax_kernel(x_ptr, out_ptr, valid_ptr, rows, cols, stride, group_stride, HAS_VALID: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr):
+    group = tl.program_id(2).to(tl.int64)
+    x_ptr += group * group_stride
+    out_ptr += group
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     limit = rows
@@ -40,9 +47,14 @@ def _scale(amax, FMAX: tl.constexpr):
 
 
 @triton.jit
-def cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, stride, FMAX: tl.constexpr,
+def cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, stride, group_stride, FMAX: tl.constexpr,
                 WRITE_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n, group = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    x_ptr += group * group_stride
+    amax_ptr += group
+    q_ptr += group * rows * cols
+    qt_ptr += group * rows * cols
+    scale_inv_ptr += group
     scale = _scale(tl.load(amax_ptr), FMAX)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)

@@ -6,7 +6,10 @@ matters most where a GEMM streams its weight (decode: the FP8 weight is half the
 bfloat16 one, but only if it is not re-derived from the bfloat16 one each call).
 
 An entry is valid for one (storage, version) of the parameter: an optimizer step, ``copy_`` or
-any in-place update bumps ``tensor._version``. While a CUDA graph is being captured (or a
+any in-place update bumps ``tensor._version``. A view (a compiled graph hands an op a fresh view of
+the same parameter storage on every call, e.g. a grouped GEMM's expert weights stacked into one
+storage) lives with its base: the entry is the base's, keyed by the view's offset, shape and strides
+(views share their base's version counter). While a CUDA graph is being captured (or a
 cudagraph tree of ``mode="reduce-overhead"`` warms one up) the cache is not read: the captured
 graph quantizes on every replay, so it sees the optimizer steps taken between replays; under
 ``fp8.autocast(frozen_weights=True)`` (inference) it is, and the graph reads the FP8 weights made
@@ -38,14 +41,19 @@ def cached(weight: torch.Tensor, key: str, build: Callable[[], object]):
     if capturing and not weights_frozen():
         return build()
     stamp = (weight.data_ptr(), weight._version)
-    slot = _CACHE.get(id(weight))
+    anchor = weight._base
+    if anchor is None:
+        anchor = weight
+    else:
+        key = (key, weight.storage_offset(), tuple(weight.shape), weight.stride())
+    slot = _CACHE.get(id(anchor))
     if capturing:
-        hit = slot[1].get(key) if slot is not None and slot[0]() is weight else None
+        hit = slot[1].get(key) if slot is not None and slot[0]() is anchor else None
         return hit[1] if hit is not None and hit[0] == stamp else build()
-    if slot is None or slot[0]() is not weight:
-        slot = (weakref.ref(weight), {})
-        _CACHE[id(weight)] = slot
-        weakref.finalize(weight, _CACHE.pop, id(weight), None)
+    if slot is None or slot[0]() is not anchor:
+        slot = (weakref.ref(anchor), {})
+        _CACHE[id(anchor)] = slot
+        weakref.finalize(anchor, _CACHE.pop, id(anchor), None)
     entries = slot[1]
     hit = entries.get(key)
     if hit is not None and hit[0] == stamp:

@@ -5,7 +5,12 @@ torch's grouped FP8 GEMM takes E4M3 operands with per-row float32 scales: ``x`` 
 ``scale_a [T]``, the weight as ``[G, K, N]`` column-major (the ``[G, N, K]`` bytes transposed) with
 ``scale_b [G, N]``; K and N multiples of 16. One scale per tensor is passed as that scale on every
 row. Rows past the last offset are left unwritten by torch and zeroed here; the weight gradient
-(bfloat16, ``torch._grouped_mm``, "2d x 2d") of an expert without tokens is zeroed too.
+(bfloat16, ``torch._grouped_mm``, "2d x 2d") of an expert without tokens is zeroed too (the Triton
+fix-ups of :mod:`..torch_mm`: programs of rows and experts that hold data exit at once).
+
+With one scale per expert, the weight is quantized once per version into both operands, ``W`` for
+the forward and ``W.T`` for the data gradient (:func:`~opfuse.families.quantize.kernels.quantize_stack`:
+an amax pass and one cast writing both layouts), and the backward reuses the forward's copies.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ from __future__ import annotations
 import torch
 
 from ....fp8 import grouped as fp8_grouped
-from ....fp8.numerics import Quantized, row_mask
+from ....fp8.numerics import Quantized
 from ....fp8.recipe import recipe_from_key
 from ....ops.base import dtype_name
 from ...quantize import kernels, weight_cache
+from ..torch_mm import zero_empty_groups, zero_tail_rows
+from ..triton_impl import triton_status
 from . import common
 
 __all__ = ["check", "forward", "backward", "offsets"]
@@ -42,6 +49,9 @@ def check(spec) -> str | None:
         return f"{groups} groups (at most {_MAX_GROUPS})"
     if spec.requires_grad and not hasattr(torch, "_grouped_mm"):
         return "training needs torch._grouped_mm for the weight gradient"
+    reason = triton_status()
+    if reason:
+        return f"needs triton for its quantizers and tail/empty-group fix-ups: {reason}"
     return None
 
 
@@ -50,17 +60,26 @@ def offsets(group_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
     return torch.cumsum(group_sizes.clamp(min=0), 0, dtype=torch.int64).clamp_(max=tokens).to(torch.int32)
 
 
+def _both_weights(weight, r) -> tuple[Quantized, Quantized]:
+    """``(W, W.T)`` with one scale per expert, made together once per weight version."""
+    def build():
+        groups, n, k = weight.shape
+        data, data_t, scale_inv = kernels.quantize_stack(weight, r.forward_dtype)
+        return (Quantized(data, scale_inv.unsqueeze(1).expand(groups, n).contiguous()),
+                Quantized(data_t, scale_inv.unsqueeze(1).expand(groups, k).contiguous()))
+
+    return weight_cache.cached(weight, f"{r.key()}/grouped-w+wt", build)
+
+
 def _weight(weight, fsdp_group, num_groups, r) -> Quantized:
     if fsdp_group:  # shards change on every rank: no cache
         return common.weight_operand(weight, fsdp_group, num_groups, r)
+    if not r.rowwise:
+        return _both_weights(weight, r)[0]
 
     def build():
         groups, n, k = weight.shape
-        amax = None
-        if not r.rowwise:  # one scale per expert: its amax on each of its rows
-            amax = torch.linalg.vector_norm(weight.reshape(groups, -1), float("inf"), dim=1).float()
-            amax = amax.repeat_interleave(n)
-        q = kernels.quantize(weight.reshape(groups * n, k), r.forward_dtype, True, amax_value=amax)
+        q = kernels.quantize(weight.reshape(groups * n, k), r.forward_dtype, True)
         return Quantized(q.data.view(groups, n, k), q.scale_inv.view(groups, n))
 
     return weight_cache.cached(weight, f"{r.key()}/grouped-w", build)
@@ -69,10 +88,10 @@ def _weight(weight, fsdp_group, num_groups, r) -> Quantized:
 def _weight_t(weight, fsdp_group, num_groups, r) -> Quantized:
     if fsdp_group:
         return common.weight_t_operand(weight, fsdp_group, num_groups, r)
+    if not r.rowwise:
+        return _both_weights(weight, r)[1]
 
-    def build():
-        if not r.rowwise:
-            return fp8_grouped.weight_t_operand(_weight(weight, fsdp_group, num_groups, r), r)
+    def build():  # per-row scales of W.T: quantized along N, from the high-precision weight
         groups, n, k = weight.shape
         q = kernels.quantize(weight.transpose(1, 2).reshape(groups * k, n), r.forward_dtype, True)
         return Quantized(q.data.view(groups, k, n), q.scale_inv.view(groups, k))
@@ -97,13 +116,13 @@ def forward(x, group_sizes, weight, bias, fsdp_group, num_groups, recipe):
     n = wq.data.shape[1]
     if tokens == 0:
         return x.new_zeros(0, n)
-    valid = fp8_grouped.valid_rows(group_sizes, tokens)
-    xq = kernels.quantize(x, r.forward_dtype, r.rowwise, valid_rows=None if r.rowwise else valid)
+    valid = None if r.rowwise else fp8_grouped.valid_rows(group_sizes, tokens)
+    xq = kernels.quantize(x, r.forward_dtype, r.rowwise, valid_rows=valid)
     offs = offsets(group_sizes, tokens)
     y = torch._scaled_grouped_mm(_aligned(xq.data), wq.data.transpose(-2, -1),
                                  xq.scale_inv.reshape(-1).expand(tokens).contiguous(), wq.scale_inv, offs=offs,
                                  out_dtype=x.dtype)
-    y.masked_fill_(~row_mask(tokens, valid, x.device), 0)
+    zero_tail_rows(y, group_sizes)
     full_bias = common.full_bias(bias, fsdp_group, num_groups)
     if full_bias is not None:
         padded = torch.cat([full_bias, full_bias.new_zeros(1, n)])
@@ -116,25 +135,25 @@ def backward(dy, x, group_sizes, weight, bias, fsdp_group, num_groups, recipe, n
     groups, n, k = common.shape_of(weight, fsdp_group, num_groups)
     tokens = dy.shape[0]
     empty = dy.new_empty(0)
-    dx = torch.zeros_like(x) if need_dx else empty
-    dw = dy.new_zeros(groups, n, k) if need_dw else empty
-    db = dy.new_zeros(groups, n) if need_db else empty
-    if tokens:
-        offs = offsets(group_sizes, tokens)
-        valid = fp8_grouped.valid_rows(group_sizes, tokens)
-        if need_dx:
-            wt = _weight_t(weight, fsdp_group, num_groups, r)
-            dyq = kernels.quantize(dy, torch.float8_e4m3fn, True)
-            dx = torch._scaled_grouped_mm(_aligned(dyq.data), wt.data.transpose(-2, -1), dyq.scale_inv.reshape(-1),
-                                          wt.scale_inv, offs=offs, out_dtype=dy.dtype)
-            dx.masked_fill_(~row_mask(tokens, valid, dy.device), 0)
-        if need_dw:
-            dw = torch._grouped_mm(_aligned(dy).t(), _aligned(x), offs=offs)
-            counts = torch.diff(offs, prepend=offs.new_zeros(1))
-            dw.masked_fill_((counts == 0).view(-1, 1, 1), 0)
-        if need_db:
-            rows = _group_of_row(offs, tokens)
-            db = torch.zeros(groups + 1, n, dtype=torch.float32, device=dy.device).index_add_(0, rows, dy.float())
-            db = db[:groups].to(dy.dtype)
+    if tokens == 0:
+        dx = torch.zeros_like(x) if need_dx else empty
+        dw = dy.new_zeros(groups, n, k) if need_dw else empty
+        db = dy.new_zeros(groups, n) if need_db else empty
+        return (dx, *common.reduce_grads(dw, db, fsdp_group, need_dw, need_db, k))
+    dx, dw, db = empty, empty, empty
+    offs = offsets(group_sizes, tokens)
+    if need_dx:
+        wt = _weight_t(weight, fsdp_group, num_groups, r)
+        dyq = kernels.quantize(dy, torch.float8_e4m3fn, True)
+        dx = torch._scaled_grouped_mm(_aligned(dyq.data), wt.data.transpose(-2, -1), dyq.scale_inv.reshape(-1),
+                                      wt.scale_inv, offs=offs, out_dtype=dy.dtype)
+        zero_tail_rows(dx, group_sizes)
+    if need_dw:
+        dw = torch._grouped_mm(_aligned(dy).t(), _aligned(x), offs=offs)
+        zero_empty_groups(dw, group_sizes, tokens)
+    if need_db:
+        rows = _group_of_row(offs, tokens)
+        db = torch.zeros(groups + 1, n, dtype=torch.float32, device=dy.device).index_add_(0, rows, dy.float())
+        db = db[:groups].to(dy.dtype)
     dw, db = common.reduce_grads(dw, db, fsdp_group, need_dw, need_db, k)
     return dx, dw, db
