@@ -125,6 +125,8 @@ def measure(opts, fp8: bool, profile: bool = False):
         row = {"tokens": tokens}
         want = None
         for name, model, wrap in variants():
+            if opts.get("only") and name != "eager" and name not in opts["only"]:
+                continue
             fn = wrap(model)
             params = [p for p in model.parameters() if p.requires_grad]
 
@@ -174,13 +176,19 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="hidden 1024, ffn 3584, 4096 tokens")
     parser.add_argument("--cpu", action="store_true", help="the code paths on CPU (timings mean nothing)")
     parser.add_argument("--profile", action="store_true", help="a kernel table and an idle-time split per variant")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts (default: 4096 16384)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="VARIANT",
+                        help="time only these variants (eager is always run: the reference)")
     args = parser.parse_args()
     if args.from_json:
         data = common.load_json(args.from_json)
     else:
         if not args.cpu and common.skip_without_gpus("moe", 1):
             return 0
-        opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda")
+        opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda",
+                    only=args.only)
+        if args.tokens:
+            opts["tokens"] = args.tokens
         if args.cpu:
             import torch.distributed as dist
 

@@ -60,7 +60,8 @@
 #   tools/gpu_session.sh s17-dtensor-order # 2 GPUs (~3 min): DTensor graphs without peak-memory reordering: FP8 graphs
 #                                      # and bf16 train-sp single runs, kernel tables with the NCCL-overlap view
 #   tools/gpu_session.sh s17-moe-fp8   # 1 GPU (~5 min): FP8 MoE: stack quantizer + grouped FP8 tests, bench/moe.py --fp8
-#                                      # --profile (kernel table per variant)
+#                                      # --profile (kernel table per variant); rerun it for the forward's W.T kept
+#                                      # for its backward (written after session 17's device time was spent)
 #   tools/gpu_session.sh s17-fp8-gather # 2 GPUs (~9.5 min): GPU tests, FP8 train-sp graphs A B B A with FP8 gathers
 #   tools/gpu_session.sh s16-gpu-tests # 1 GPU (~1 min): tests/gpu/test_sm_carveout.py (not yet run on a GPU)
 #   tools/gpu_session.sh s16-carveout  # 2 GPUs (~8 min): FP8 train-sp under graphs: as is, NCCL priority, SM carveout

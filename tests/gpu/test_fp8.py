@@ -378,6 +378,33 @@ def test_scaled_grouped_mm_follows_in_place_updates_of_a_view_weight(recipe):
 
 
 @needs_fp8
+def test_scaled_grouped_mm_backward_takes_the_forwards_weight(monkeypatch):
+    """Inductor's code passes a fresh alias of the weight's storage on every call (no ``_base``, a
+    version of its own): the weight is quantized once for a forward and its backward (same
+    activation), and the data gradient is the one a fresh quantization gives."""
+    from opfuse.families.grouped_linear.fp8 import scaled_grouped_mm
+
+    tokens, groups, k, n = 256, 4, 128, 64
+    key = RECIPES["tensor"].key()
+    stacked = randn(groups, n, k, seed=2, scale=k ** -0.5)
+    x, dy = randn(tokens, k, seed=1), randn(tokens, n, seed=4)
+    sizes = torch.tensor([64, 0, 100, 92], device=DEV, dtype=torch.int32)
+    calls = []
+    real = kernels.quantize_stack
+    monkeypatch.setattr(kernels, "quantize_stack", lambda *args, **kw: calls.append(1) or real(*args, **kw))
+
+    def alias():
+        return torch.empty(0, device=DEV, dtype=stacked.dtype).set_(stacked.untyped_storage(), 0, stacked.shape,
+                                                                      stacked.stride())
+
+    scaled_grouped_mm.forward(x, sizes, alias(), None, "", groups, key)
+    dx = scaled_grouped_mm.backward(dy, x, sizes, alias(), None, "", groups, key, True, False, False)[0]
+    assert len(calls) == 1
+    fresh = scaled_grouped_mm.backward(dy, x.clone(), sizes, alias(), None, "", groups, key, True, False, False)[0]
+    assert len(calls) == 2 and torch.equal(dx, fresh)
+
+
+@needs_fp8
 def test_grouped_fp8_graph_replays_new_routing():
     layer = ops.GroupedLinear(8, 256, 128, device=DEV, dtype=torch.bfloat16)
     block = ops.Sequential(layer)

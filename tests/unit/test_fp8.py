@@ -392,3 +392,32 @@ def test_weight_cache_keeps_a_views_copy_with_its_base():
     fresh = weight_cache.cached(base[1:3], "k", build_for(base[1:3]))
     assert len(builds) == 3 and torch.equal(fresh, base[1:3])
     weight_cache.clear()
+
+
+def test_forward_keeps_a_weight_form_for_the_backward_of_the_same_activation():
+    """What Inductor's code needs (it passes a fresh alias of a weight's storage on every call, whose
+    version says nothing): the forward's FP8 weight handed to the backward called with the same
+    activation tensor, once; nothing for another activation, another weight view or a second take;
+    dropped when the activation is freed."""
+    import gc
+
+    from opfuse.families.quantize import weight_cache
+
+    storage = torch.randn(2, 4, 8)
+    x = torch.randn(5, 8)
+
+    def alias(i):  # a new tensor object on the same storage, without a base (as Inductor's aliases)
+        return torch.empty(0).set_(storage.untyped_storage(), i * 32, (4, 8), (8, 1))
+
+    assert alias(0)._base is None and alias(0) is not alias(0)
+    weight_cache.keep_for_backward(x, alias(1), "k", "forward's copy of weight 1")
+    assert weight_cache.take_for_backward(torch.randn(5, 8), alias(1), "k") is None  # another activation
+    assert weight_cache.take_for_backward(x, alias(0), "k") is None  # another weight
+    assert weight_cache.take_for_backward(x, alias(1), "other") is None  # another form
+    assert weight_cache.take_for_backward(x, alias(1), "k") == "forward's copy of weight 1"
+    assert weight_cache.take_for_backward(x, alias(1), "k") is None  # handed over once
+    weight_cache.keep_for_backward(x, alias(0), "k", "kept")
+    del x
+    gc.collect()
+    assert not weight_cache._KEPT  # gone with the activation
+    weight_cache.clear()

@@ -15,6 +15,12 @@ graph quantizes on every replay, so it sees the optimizer steps taken between re
 ``fp8.autocast(frozen_weights=True)`` (inference) it is, and the graph reads the FP8 weights made
 before the capture. Nothing is stored then (the graph's memory pool owns what it allocates, and a
 tree fails a pool tensor it does not track). Entries go when their parameter is freed.
+
+Inductor's generated code hands an op a fresh alias of a graph input's storage on every call (no
+``_base``, a version counter of its own that starts at 0), so no version tells whether such a
+weight changed. :func:`keep_for_backward` / :func:`take_for_backward` serve that case within one
+step: the forward's copy is kept with the activation the backward reads with it, handed to that
+backward once, and dropped with the activation at the latest (what ``ctx.save_for_backward`` would do).
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import torch
 from ...fp8.state import weights_frozen
 from ...runtime.device import allocating_to_graph_pool
 
-__all__ = ["cached", "clear"]
+__all__ = ["cached", "keep_for_backward", "take_for_backward", "clear"]
 
 # id(weight) -> (weakref to the weight, {key: (stamp, value)}); tensors cannot key a
 # WeakKeyDictionary (their == is elementwise).
 _CACHE: dict[int, tuple] = {}
+# id(activation) -> (weakref to it, {(key, weight storage, geometry): value}).
+_KEPT: dict[int, tuple] = {}
 
 
 def cached(weight: torch.Tensor, key: str, build: Callable[[], object]):
@@ -63,6 +71,43 @@ def cached(weight: torch.Tensor, key: str, build: Callable[[], object]):
     return value
 
 
+def keep_for_backward(activation: torch.Tensor, weight: torch.Tensor, key: str, value) -> None:
+    """Keep ``value`` (a form of ``weight`` the forward made) for the backward called with this same
+    ``activation`` tensor, as ``ctx.save_for_backward`` would: :func:`take_for_backward` hands it
+    over once. Kept at most until the activation is freed; nothing is kept while a CUDA graph is
+    captured (the memory would be the graph's)."""
+    if allocating_to_graph_pool():
+        return
+    slot = _KEPT.get(id(activation))
+    if slot is None or slot[0]() is not activation:
+        slot = (weakref.ref(activation), {})
+        _KEPT[id(activation)] = slot
+        weakref.finalize(activation, _forget, id(activation), slot)
+    slot[1][_entry(weight, key)] = value
+
+
+def take_for_backward(activation: torch.Tensor, weight: torch.Tensor, key: str):
+    """What the forward that read ``activation`` kept for ``weight`` under ``key`` (then forgotten:
+    a second backward, or the next forward's, makes its own), or ``None``; always ``None`` while a
+    CUDA graph is captured (the graph would read memory it does not own on every replay)."""
+    slot = _KEPT.get(id(activation))
+    if slot is None or slot[0]() is not activation:
+        return None
+    value = slot[1].pop(_entry(weight, key), None)
+    return None if allocating_to_graph_pool() else value
+
+
+def _entry(weight: torch.Tensor, key: str) -> tuple:
+    return (key, weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
+            weight.dtype)
+
+
+def _forget(ident: int, slot) -> None:
+    if _KEPT.get(ident) is slot:
+        del _KEPT[ident]
+
+
 def clear() -> None:
     """Drop every cached FP8 weight."""
     _CACHE.clear()
+    _KEPT.clear()

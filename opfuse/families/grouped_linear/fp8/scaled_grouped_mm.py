@@ -8,9 +8,11 @@ row. Rows past the last offset are left unwritten by torch and zeroed here; the 
 (bfloat16, ``torch._grouped_mm``, "2d x 2d") of an expert without tokens is zeroed too (the Triton
 fix-ups of :mod:`..torch_mm`: programs of rows and experts that hold data exit at once).
 
-With one scale per expert, the weight is quantized once per version into both operands, ``W`` for
-the forward and ``W.T`` for the data gradient (:func:`~opfuse.families.quantize.kernels.quantize_stack`:
-an amax pass and one cast writing both layouts), and the backward reuses the forward's copies.
+With one scale per expert, the weight is quantized into both operands at once, ``W`` for the
+forward and ``W.T`` for the data gradient (:func:`~opfuse.families.quantize.kernels.quantize_stack`:
+an amax pass and one cast writing both layouts), once per weight version, and the forward hands
+``W.T`` to its backward with the activation they share (``weight_cache.keep_for_backward``):
+Inductor passes a fresh alias of the weight on every call, whose version says nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from . import common
 __all__ = ["check", "forward", "backward", "offsets"]
 
 _MAX_GROUPS = 1023
+_KEPT = "/grouped-wt-for-backward"  # + the recipe key: the forward's W.T kept for its backward
 
 
 def check(spec) -> str | None:
@@ -112,7 +115,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 def forward(x, group_sizes, weight, bias, fsdp_group, num_groups, recipe):
     r = recipe_from_key(recipe)
     tokens = x.shape[0]
-    wq = _weight(weight, fsdp_group, num_groups, r)
+    if fsdp_group or r.rowwise:
+        wq = _weight(weight, fsdp_group, num_groups, r)
+    else:
+        wq, wt = _both_weights(weight, r)
+        weight_cache.keep_for_backward(x, weight, recipe + _KEPT, wt)
     n = wq.data.shape[1]
     if tokens == 0:
         return x.new_zeros(0, n)
@@ -143,7 +150,9 @@ def backward(dy, x, group_sizes, weight, bias, fsdp_group, num_groups, recipe, n
     dx, dw, db = empty, empty, empty
     offs = offsets(group_sizes, tokens)
     if need_dx:
-        wt = _weight_t(weight, fsdp_group, num_groups, r)
+        wt = weight_cache.take_for_backward(x, weight, recipe + _KEPT)
+        if wt is None:
+            wt = _weight_t(weight, fsdp_group, num_groups, r)
         dyq = kernels.quantize(dy, torch.float8_e4m3fn, True)
         dx = torch._scaled_grouped_mm(_aligned(dyq.data), wt.data.transpose(-2, -1), dyq.scale_inv.reshape(-1),
                                       wt.scale_inv, offs=offs, out_dtype=dy.dtype)
