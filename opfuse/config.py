@@ -78,14 +78,16 @@ class Config:
     #: Collectives in compiled models (``OPFUSE_OVERLAP_COLLECTIVES``): ``auto`` leaves a collective to
     #: NCCL, asynchronous and scheduled under independent GEMMs, where those GEMMs can hide it (a
     #: backward all-reduce or reduce-scatter next to the weight-gradient GEMMs), fuses it elsewhere,
-    #: and moves weight-only work (FP8 weight casts) under the forward collectives; ``fuse`` fuses
-    #: every collective a rule matches and keeps the traced order.
+    #: moves weight-only work (FP8 weight casts) under the forward collectives and a weight-gradient
+    #: GEMM under each backward collective that has none; ``fuse`` fuses every collective a rule
+    #: matches and keeps the traced order.
     overlap_collectives: str = "auto"
     #: SMs that the GEMMs scheduled under a collective left to NCCL leave free for it
     #: (``OPFUSE_OVERLAP_SM_CARVEOUT``; 0 = all SMs to the GEMMs): cuBLAS's persistent GEMMs hold
     #: every SM until they end, so inside a CUDA graph NCCL's kernel may wait for them instead of
     #: running under them (opfuse/torch_compile/sm_carveout.py). Off: on 2x H200 it did not make
-    #: them overlap (docs/PERF_NOTES.md, "Results, session 16").
+    #: them overlap (docs/PERF_NOTES.md, "Results, session 16"; the cause was the schedule, fixed in
+    #: session 17, with which it is not measured yet).
     overlap_sm_carveout: int = 0
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they

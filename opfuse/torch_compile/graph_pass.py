@@ -30,7 +30,7 @@ from .joins import view_adjacent_concatenations
 from .layout_guard import joined_inputs
 from .lower import lower_fusions
 from .op_graph import OpGraphModule, build_op_graph
-from .overlap import fill_with_weight_work, plan_overlaps, schedule_overlaps
+from .overlap import defer_weight_gradients, fill_with_weight_work, plan_overlaps, schedule_overlaps
 from .program import GraphProgram
 from .sm_carveout import carve_sms_under_collectives
 from .reference_fusions import left_to_inductor
@@ -100,7 +100,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         ctx.notes.extend(("reference_fusions", why) for why in left.values())
     schedule_overlaps(gm.graph, overlaps)
     filled = fill_with_weight_work(gm.graph, lambda p: _is_parameter(settings, p)) \
-        if config.overlap_collectives == "auto" else []
+        + defer_weight_gradients(gm.graph) if config.overlap_collectives == "auto" else []
     carved = carve_sms_under_collectives(gm.graph, overlaps, config.overlap_sm_carveout)
     use_direct_overloads(gm.graph)
     gm.recompile()

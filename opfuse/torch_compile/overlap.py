@@ -22,6 +22,13 @@ sequence-parallel layer's input) has no GEMM to hide under, but the work that re
 :func:`fill_with_weight_work` moves that work from after the wait to between issue and wait, so
 the weights are cast while the activations travel.
 
+A backward collective that feeds the GEMM right after it (the all-gather of a sequence-parallel
+output's gradient, which the row-parallel layer's data and weight gradients read) has nothing of
+its own to hide under, while the reduction before it often has more weight-gradient GEMMs under
+it than it needs. :func:`defer_weight_gradients` moves such a GEMM (one whose result goes only
+to the graph's outputs, a parameter's gradient) from before the exposed collective to under it,
+taking it from a window that keeps another GEMM, or from outside any window.
+
 The cost model is a ratio, not a timing: a reduction of ``B`` input bytes costs about as much as
 ``FLOPS_PER_BYTE * (B + LATENCY_BYTES)`` GEMM FLOPs (H100/H200: ~750 bf16 TFLOP/s against ~150 GB/s
 of all-reduce algorithm bandwidth, ~15 us of latency; a reduce-scatter moves half an all-reduce's
@@ -39,8 +46,8 @@ from torch import fx
 
 from ..machinery.aten import aten, c10d, calls, shape, value
 
-__all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "fill_with_weight_work", "FLOPS_PER_BYTE",
-           "LATENCY_BYTES", "HIDE_FRACTION"]
+__all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "fill_with_weight_work", "defer_weight_gradients",
+           "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
 
 FLOPS_PER_BYTE = 5000
 LATENCY_BYTES = 2 << 20
@@ -227,6 +234,61 @@ def fill_with_weight_work(graph: fx.Graph, is_weight) -> list[str]:
             notes.append(f"{wait.name}: {len(work)} weight-only op(s) ({names}) moved between the collective and its "
                          f"wait, to run while it moves the activations (OPFUSE_OVERLAP_COLLECTIVES=fuse keeps "
                          f"the traced order)")
+    if notes:
+        graph.lint()
+    return notes
+
+
+#: GEMMs as they stand after the lowering (FP8 GEMMs are ``_scaled_mm``; the SM-carveout pass runs later).
+_LOWERED_GEMMS = (aten.mm, aten.addmm, aten.bmm, aten._scaled_mm)
+
+
+def _is_gemm(node: fx.Node) -> bool:
+    return calls(node, *_LOWERED_GEMMS)
+
+
+def _gradient_sink(node: fx.Node, output: fx.Node) -> list[fx.Node] | None:
+    """The nodes between GEMM ``node`` and the graph's output when its result reaches nothing else
+    (no GEMM, collective or side effect on the way: a parameter's gradient, maybe reshaped or
+    cast), else ``None``."""
+    below = _descendants(node)
+    if output not in below:
+        return None
+    chain = [n for n in below if n is not output]
+    if any(_is_gemm(n) or _is_collective(n) or n.is_impure() for n in chain):
+        return None
+    return chain
+
+
+def defer_weight_gradients(graph: fx.Graph) -> list[str]:
+    """Give each backward collective with no GEMM between its issue and its wait a weight-gradient
+    GEMM from before it (see the module docstring); returns a line per move, for ``explain()``."""
+    backward = _backward_nodes(graph)
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    notes = []
+    for issue, wait in [pair for pair in _collectives(graph) if pair[0] in backward]:
+        nodes = list(graph.nodes)
+        order = {node: i for i, node in enumerate(nodes)}
+        if any(_is_gemm(n) for n in nodes[order[issue] + 1:order[wait]]):
+            continue
+        gemms_under = [(order[i], order[w], sum(_is_gemm(n) for n in nodes[order[i] + 1:order[w]]))
+                       for i, w in _collectives(graph)]
+        taken, chain = None, None
+        for node in reversed(nodes[:order[issue]]):
+            if node not in backward or not _is_gemm(node):
+                continue
+            if any(a < order[node] < b and count < 2 for a, b, count in gemms_under):
+                continue  # the only GEMM under another collective: it stays
+            chain = _gradient_sink(node, output)
+            if chain is not None:
+                taken = node
+                break
+        if taken is None:
+            continue
+        for node in sorted([taken] + [n for n in chain if order[n] < order[wait]], key=order.__getitem__):
+            wait.prepend(node)
+        notes.append(f"{wait.name}: weight-gradient GEMM {taken.name} moved under this backward collective, which "
+                     f"had no work of its own (OPFUSE_OVERLAP_COLLECTIVES=fuse keeps the traced order)")
     if notes:
         graph.lint()
     return notes

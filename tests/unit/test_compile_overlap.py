@@ -408,3 +408,78 @@ def test_dtensor_graphs_keep_the_collectives_where_the_schedule_put_them(world1,
         torch._dynamo.reset()
         opfuse.optimize(sharded)(distribute_tensor(x, mesh, [Replicate()]))
     assert seen and "reorder_for_peak_memory" not in seen[0], seen
+
+
+class TwoSPBlocks(nn.Module):
+    """Two :class:`SPBlock` in a row. In the backward, the second block's output-gradient all-gather
+    feeds its GEMMs at once (nothing of its own to hide under), while the reduce-scatter before it
+    holds two weight-gradient GEMMs."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.first, self.second = SPBlock(group), SPBlock(group)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def _collective_windows(code: str, issue_name: str) -> list[list[str]]:
+    """The lines between each ``issue_name`` call and its ``wait_tensor`` in Inductor's ``code``."""
+    lines = [line.strip() for line in code.splitlines() if line.strip() and not line.strip().startswith("#")]
+    windows = []
+    for i, line in enumerate(lines):
+        if issue_name in line and "=" in line and "assert" not in line:
+            buffer = line.split("=")[0].strip()
+            wait = next(j for j in range(i + 1, len(lines)) if f"wait_tensor.default({buffer})" in lines[j])
+            windows.append(lines[i + 1:wait])
+    return windows
+
+
+@pytest.mark.parametrize("recipe", [None, "tensor"], ids=["bf16", "fp8"])
+def test_exposed_backward_gather_gets_a_weight_gradient_from_the_reduction_before(world1, cheap_collectives,
+                                                                                  monkeypatch, recipe):
+    """The backward all-gather of a sequence-parallel output's gradient (no GEMM of its own) gets a
+    weight-gradient GEMM that the previous reduce-scatter did not need (it keeps one); the
+    gradients are those of the traced order (``OPFUSE_OVERLAP_COLLECTIVES=fuse``) and, in bf16,
+    eager's; explain() says what moved."""
+    from torch._inductor.utils import run_and_get_code
+
+    from opfuse import fp8
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})  # the CPU stand-in for scaled_mm
+    kwargs = {"fp8": fp8.TensorScaling()} if recipe else {}
+    torch.manual_seed(0)
+    model = TwoSPBlocks(world1)
+    x = torch.randn(16, H)
+
+    def grads(setting):
+        torch._dynamo.reset()
+        xi = x.clone().requires_grad_()
+        with opfuse.config.override(overlap_collectives=setting):
+            compiled = opfuse.optimize(model, **kwargs)
+            out = compiled(xi)
+            params = list(model.parameters())
+            _, codes = run_and_get_code(lambda: out.sum().backward(inputs=[xi] + params))
+        got = [xi.grad] + [p.grad.clone() for p in params]
+        model.zero_grad(set_to_none=True)
+        return compiled, codes, got
+
+    compiled, codes, got = grads("auto")
+    _, _, traced = grads("fuse")
+    for g, t in zip(got, traced):
+        torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-5)
+    if recipe is None:
+        xe = x.clone().requires_grad_()
+        model(xe).sum().backward()
+        torch.testing.assert_close(got[0], xe.grad)
+    backward = next(code for code in codes if "all_gather_into_tensor" in code and "reduce_scatter_tensor" in code)
+    gemm = ("extern_kernels.mm", "_scaled_mm")
+    gathers = _collective_windows(backward, "all_gather_into_tensor")
+    scatters = _collective_windows(backward, "reduce_scatter_tensor")
+    assert len(gathers) == 2 and len(scatters) == 2, backward
+    assert not any(g in line for g in gemm for line in gathers[0])  # the first has nothing before it to take
+    assert any(g in line for g in gemm for line in gathers[1]), "\n".join(gathers[1])
+    assert all(any(g in line for g in gemm for line in window) for window in scatters), scatters
+    (program,) = opfuse.programs(compiled)
+    assert "moved under this backward collective" in program.explain()
