@@ -13,9 +13,11 @@ after it was handed to the driver:
   of another stream, a peer rank's data).
 
 ``step_timeline(fn)`` returns ``{"host_us", "gpu_wall_us", "busy_us", "idle": {class: us}, ...}``
-per step and ``"gaps"``: the ``top`` longest gaps, each with the kernels around it and, for
+per step, ``"gaps"``: the ``top`` longest gaps, each with the kernels around it and, for
 ``host`` gaps, the innermost host op running when the GPU ran dry and the one that made the late
-launch. ``format_timeline(found, title)`` renders ``{variant: step_timeline(...)}`` as markdown.
+launch, and ``"collectives"``: each NCCL kernel of the last step with the time other streams'
+kernels ran beside it (a collective left to NCCL that nothing runs beside is not overlapped,
+whatever the graph's order says). ``format_timeline(found, title)`` renders ``{variant: step_timeline(...)}`` as markdown.
 """
 
 from __future__ import annotations
@@ -125,18 +127,19 @@ def step_timeline(fn, steps: int = 4, min_gap_us: float = 10.0, top: int = 12) -
     return {"host_us": host_us, "gpu_wall_us": (reach - window_start) / 1e3 / measured,
             "busy_us": busy_ns / 1e3 / measured, "idle": {k: v / measured for k, v in idle.items()},
             "gaps": gaps[:top], "gap_count": len(gaps), "steps": measured,
-            "collectives": _collectives(device, window_start, (reach - window_start) // measured)}
+            "collectives": _collectives(device, (reach - window_start) // measured)}
 
 
 def _stream(event):
     return getattr(event, "device_resource_id", lambda: None)()
 
 
-def _collectives(device, window_start: int, step_ns: int) -> list[dict]:
-    """Every NCCL kernel of the last measured step: when it ran (us from that step's start), how long,
-    and how much of that time kernels of other streams ran beside it (the overlap a collective left
-    to NCCL is meant to get), with the kernels that ran beside it longest and the kernel that ended
-    on another stream just before it started (what it likely waited for)."""
+def _collectives(device, step_ns: int) -> list[dict]:
+    """Every NCCL kernel of the last measured step (the step length back from the last kernel's end):
+    when it ran (us from that window's start), how long, and how much of that time kernels of other
+    streams ran beside it (the overlap a collective left to NCCL is meant to get), with the kernels
+    that ran beside it longest and the kernel that ended on another stream just before it started
+    (what it likely waited for)."""
     ends = max(_end_ns(e) for e in device)
     last_start = ends - step_ns
     rows = []

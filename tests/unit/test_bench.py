@@ -152,3 +152,40 @@ def test_every_peer_kernel_of_opfuse_has_its_kernel_table_category():
                    "void opfuse::(anonymous namespace)::oneshot_kernel<float, 2, (opfuse::QuantMode)1>(...)",
                    "void opfuse::(anonymous namespace)::twoshot_kernel<__half, 1, (opfuse::QuantMode)0>(...)"):
         assert category_of(kernel) == "opfuse all-reduce+norm", kernel
+
+
+def test_step_timeline_says_what_ran_beside_each_collective():
+    """The per-collective view that found session 17's missing overlap: for each NCCL kernel of the
+    last step, the time kernels of other streams ran beside it and the kernel it started after."""
+    sys.path.insert(0, ROOT)
+    from bench import step_timeline
+
+    class Event:  # the parts of a profiler event the timeline reads
+        def __init__(self, name, start, end, stream):
+            self._name, self._start, self._end, self._stream = name, start, end, stream
+
+        def name(self):
+            return self._name
+
+        def start_ns(self):
+            return self._start
+
+        def end_ns(self):
+            return self._end
+
+        def device_resource_id(self):
+            return self._stream
+
+    step = [("dx_gemm", 0, 5000, 7), ("ncclDevKernel_ReduceScatter", 5500, 9000, 20), ("dw_gemm", 6000, 8000, 7),
+            ("ncclDevKernel_AllGather", 9500, 11000, 20)]  # the gather: nothing beside it
+    events = [Event(n, a + k * 12000, b + k * 12000, s) for k in range(2) for n, a, b, s in step]
+    rows = step_timeline._collectives(events, 12000)
+    assert [r["name"] for r in rows] == ["ncclDevKernel_ReduceScatter", "ncclDevKernel_AllGather"]
+    scatter, gather = rows
+    assert scatter["beside_us"] == 2.0 and scatter["beside"] == [("dw_gemm", 2000)]
+    # the last step: the step length back from the last kernel's end (23 us - 12 us = 11 us on)
+    assert scatter["after"] == "dx_gemm" and scatter["after_gap_us"] == 0.5 and scatter["at_us"] == 17.5 - 11.0
+    assert gather["beside_us"] == 0.0 and gather["after"] == "dw_gemm"
+    text = step_timeline.format_timeline({"v": {"host_us": 0, "gpu_wall_us": 0, "busy_us": 0, "idle": {}, "gaps": [],
+                                                "collectives": rows}}, "t")
+    assert "NCCL kernels of the last step" in text and "dw_gemm 2" in text
