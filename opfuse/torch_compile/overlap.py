@@ -240,7 +240,7 @@ def fill_with_weight_work(graph: fx.Graph, is_weight) -> list[str]:
 
 
 #: GEMMs as they stand after the lowering (FP8 GEMMs are ``_scaled_mm``; the SM-carveout pass runs later).
-_LOWERED_GEMMS = (aten.mm, aten.addmm, aten.bmm, aten._scaled_mm)
+_LOWERED_GEMMS = (*_GEMMS, aten._scaled_mm)
 
 
 def _is_gemm(node: fx.Node) -> bool:

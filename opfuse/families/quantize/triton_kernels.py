@@ -7,15 +7,16 @@ bit: float32 products, round-to-nearest-even casts, IEEE divisions for the scale
   optionally also writing the transposed bytes (the operand of a backward GEMM); program 0
   writes ``scale_inv``.
 
-Both take a third grid axis for a stack of same-shaped matrices (the experts of a grouped weight):
-program ``g`` of it reads matrix ``g`` (``group_stride`` elements apart) and its own amax / scale
-slot; a 2-D grid is the one-matrix case.
 * :func:`rowwise_kernel`: one program per row: its amax (or one given per row), scale, cast and
   ``scale_inv``.
 * :func:`pow2_hinted_cast_kernel` + :func:`pow2_fixup_kernel`: one-read quantization with a
   power-of-two scale (``opfuse.fp8.numerics.pow2_scales_from_amax``): the cast uses the exponent
   a hint holds (the previous call's) while it reduces the amax; the fixup derives the true
   exponent, writes ``scale_inv`` and the hint, and casts again only if the hint was wrong.
+
+``amax_kernel`` and ``cast_kernel`` take a third grid axis for a stack of same-shaped matrices (the
+experts of a grouped weight): program ``g`` of it reads matrix ``g`` (``group_stride`` elements
+apart) and its own amax / scale slot; a 2-D grid is the one-matrix case.
 
 Imported only on CUDA hosts with triton.
 """

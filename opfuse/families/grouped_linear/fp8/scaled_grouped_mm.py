@@ -24,6 +24,7 @@ from ....fp8.numerics import Quantized
 from ....fp8.recipe import recipe_from_key
 from ....ops.base import dtype_name
 from ...quantize import kernels, weight_cache
+from ..torch_mm import device_offsets as offsets  # the same cumulative, clamped int32 offsets
 from ..torch_mm import zero_empty_groups, zero_tail_rows
 from ..triton_impl import triton_status
 from . import common
@@ -56,11 +57,6 @@ def check(spec) -> str | None:
     if reason:
         return f"needs triton for its quantizers and tail/empty-group fix-ups: {reason}"
     return None
-
-
-def offsets(group_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Cumulative int32 end offsets, clamped to ``[0, tokens]`` (the reference's clamping)."""
-    return torch.cumsum(group_sizes.clamp(min=0), 0, dtype=torch.int64).clamp_(max=tokens).to(torch.int32)
 
 
 def _both_weights(weight, r) -> tuple[Quantized, Quantized]:
