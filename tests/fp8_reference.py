@@ -68,7 +68,10 @@ def grouped_reference(x, sizes, w, b, dy, recipe):
     for g, (s, e) in enumerate(zip(starts, ends)):
         y[s:e] = xq[s:e] @ wq[g].t() + b[g].double()
         dx[s:e] = dyq[s:e] @ wt[g].t()
-        dw[g] = dy[s:e].double().t() @ x[s:e].double()
+        if recipe.fp8_wgrad:  # each operand's column scaled over the expert's tokens: rows of its transpose
+            dw[g] = fq(dy[s:e].t(), E4M3, True) @ fq(x[s:e].t(), E4M3, True).t() if e > s else 0
+        else:
+            dw[g] = dy[s:e].double().t() @ x[s:e].double()
         db[g] = dy[s:e].double().sum(0)
     return y, dx, dw, db
 

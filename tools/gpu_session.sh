@@ -671,6 +671,21 @@ case "$stage" in
                         grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)|under the collective" "$OUT/$name.log" \
                         | cut -c1-300; done; }
     ;;
+  s18-moe-wgrad)  # 1 GPU (~4.5 min; prebuilt modules): the FP8 grouped weight gradient (E4M3 per expert and feature,
+                  # operands transposed into a padded token layout by two Triton kernels): GPU tests, then the MoE bench
+    END=${S18_BUDGET_S:-380}
+    tests fp8_grouped_tests 120 -q tests/gpu/test_fp8.py -k "stack or grouped or group_column"
+    step moe_bench "$(fits 200 0)" python3 bench/moe.py --fp8 --profile --json "$OUT/moe.json"
+    final_summary() { grep -h -E "passed|failed" "$OUT/fp8_grouped_tests.log" | tail -2;
+                      grep -h -E "^(FAILED|ERROR)" "$OUT/fp8_grouped_tests.log" | head -8;
+                      grep -E "^(\||relative|note|T=[0-9]+: GPU)" "$OUT/moe_bench.log" | grep -v "^|---" | cut -c1-260; }
+    ;;
+  s18-bf16-tp)  # 2 GPUs (~6 min; prebuilt modules): bf16 train-tp 2048 (torch.distributed all-reduces) after session 17's
+                # deferred weight gradients (never slower than torch.compile?): each alone, A B B A after a warm-up
+    step isolated_bf16_tp 500 python3 bench/model_isolated.py --world 2 --cases train-tp --train 2048 \
+      --train-batch 1 --warmup-run --run-timeout 100 --json "$OUT/isolated_bf16_tp.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_bf16_tp.log | grep -v "^|---"; }
+    ;;
   s16-bf16-sp)  # 2 GPUs (~8 min; prebuilt modules): bf16 train-sp 2048 after session 15's backward reduce-scatter
                 # scheduling (never slower than torch.compile?): opfuse vs compile, each alone, A B B A after a warm-up
     step isolated_bf16_sp 500 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \

@@ -9,16 +9,24 @@ GEMM       computes                       A operand, scales               B oper
 =========  =============================  ==============================  =====================
 forward    ``y_g = x_g @ W_g.T``          x, E4M3, ``[T]``                W, E4M3, ``[G, N]``
 dgrad      ``dx_g = dy_g @ W_g``          dy, E4M3 per row, ``[T]``       W.T, E4M3, ``[G, K]`` (*)
-wgrad      ``dW_g = dy_g.T @ x_g``        in float32 accumulation, the parameter dtype (not FP8)
+wgrad (**) ``dW_g = dy_g.T @ x_g``        dy.T, E4M3, ``[G, N]``          x, E4M3, ``[G, K]``
 =========  =============================  ==============================  =====================
 
 (*) One scale per expert: W's bytes transposed. One per row: W.T quantized along N from the
 high-precision weight (under FSDP the backward gathers the weight shards in their dtype).
 
-The gradient operand is E4M3 with one scale per token whatever the recipe: torch's grouped FP8
-GEMM takes E4M3 operands only, and per-token scales give E4M3 the range gradients need. The
-weight gradient contracts over each expert's ragged token range, where an FP8 operand would need
-per-expert scales along the tokens; it stays in high precision.
+(**) With ``recipe.fp8_wgrad`` (else float32 accumulation of the high-precision operands, rounded
+to the parameter dtype). The weight gradient contracts over each expert's ragged token range, so
+its operands are scaled per expert and feature: ``dy_g``'s column ``n`` (and ``x_g``'s column
+``k``) gets the scale of its amax over the expert's tokens (:func:`group_columns_operand`). The
+GEMM reads both operands along the tokens (FP8 tensor cores take K-major operands only), so they
+are stored transposed, ``[N, T_pad]`` and ``[K, T_pad]``, each expert's tokens starting on a
+multiple of :data:`TOKEN_ALIGN` (the 16-byte alignment the GEMM's tiles load from) with zeros in
+between (:func:`padded_group_ends`).
+
+The gradient operands are E4M3 whatever the recipe: torch's grouped FP8 GEMM takes E4M3 operands
+only, and per-token (dgrad) or per-expert-and-feature (wgrad) scales give E4M3 the range
+gradients need.
 
 Scales are stored per row of each operand (what ``torch._scaled_grouped_mm`` takes): one scale per
 tensor is that scale on every row (x: one for all tokens, the unused tail excluded from the amax;
@@ -35,7 +43,11 @@ from .numerics import Quantized, amax, cast, quantize, scales_from_amax
 from .recipe import Recipe
 
 __all__ = ["valid_rows", "input_operand", "weight_rows_operand", "weight_t_operand", "grad_operand",
-           "host_bounds", "emulated_forward", "emulated_backward"]
+           "TOKEN_ALIGN", "padded_group_ends", "group_columns_operand", "host_bounds", "emulated_forward",
+           "emulated_backward"]
+
+#: Each expert's first token in the weight gradient's FP8 operands sits on a multiple of this.
+TOKEN_ALIGN = 16
 
 
 def valid_rows(group_sizes: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -87,6 +99,38 @@ def weight_t_operand(wq: Quantized | None, recipe: Recipe, weight: torch.Tensor 
     return Quantized(q.data.view(groups, k, n), q.scale_inv.view(groups, k))
 
 
+def padded_group_ends(group_sizes: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(ends, padded_ends, padded_tokens)``: each group's cumulative end row in ``[0, tokens]``
+    (int32, clamped like the kernels), its end in the padded layout of the weight gradient's
+    operands (each group's size rounded up to :data:`TOKEN_ALIGN`; int32) and that layout's length, a
+    multiple of :data:`TOKEN_ALIGN` large enough for any sizes (no host sync)."""
+    ends = torch.cumsum(group_sizes.clamp(min=0), 0, dtype=torch.int64).clamp_(max=tokens)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = torch.cumsum((sizes + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN, 0)
+    groups = group_sizes.shape[0]
+    padded_tokens = -(-(tokens + (TOKEN_ALIGN - 1) * groups) // TOKEN_ALIGN) * TOKEN_ALIGN
+    return ends.to(torch.int32), padded.to(torch.int32), padded_tokens
+
+
+def group_columns_operand(t: torch.Tensor, group_sizes: torch.Tensor) -> Quantized:
+    """``t [T, C]`` as an operand of the FP8 weight gradient: E4M3 ``data [C, padded_tokens]`` (group
+    ``g``'s rows at ``[padded_ends[g-1], padded_ends[g-1] + size_g)``, zeros elsewhere; see
+    :func:`padded_group_ends`) and ``scale_inv [G, C]``, one scale per group and column from that
+    column's amax over the group's rows (reference: a loop over the host group sizes)."""
+    tokens, cols = t.shape
+    groups = group_sizes.shape[0]
+    _, padded_ends, padded_tokens = padded_group_ends(group_sizes, tokens)
+    data = torch.zeros(cols, padded_tokens, dtype=torch.float8_e4m3fn, device=t.device)
+    scale_inv = torch.ones(groups, cols, dtype=torch.float32, device=t.device)
+    starts = [0] + padded_ends.tolist()[:-1]
+    for g, (start, end) in enumerate(host_bounds(group_sizes, tokens)):
+        if end > start:
+            q = quantize(t[start:end].t().contiguous(), torch.float8_e4m3fn, True)
+            data[:, starts[g]:starts[g] + end - start] = q.data
+            scale_inv[g] = q.scale_inv.reshape(-1)
+    return Quantized(data, scale_inv)
+
+
 def host_bounds(group_sizes: torch.Tensor, tokens: int) -> list[tuple[int, int]]:
     """``[(start, end)]`` per group, clamped to ``tokens`` like the kernels (reads the sizes on
     the host)."""
@@ -119,9 +163,11 @@ def emulated_forward(xq: Quantized, group_sizes: torch.Tensor, wq: Quantized, bi
 
 
 def emulated_backward(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, wt: Quantized | None,
-                      need_dx: bool, need_dw: bool, need_db: bool, shape) -> tuple:
+                      need_dx: bool, need_dw: bool, need_db: bool, shape, fp8_wgrad: bool = False) -> tuple:
     """``(dx [T, K], dW [G, N, K], db [G, N])`` (empty when not needed): dx from FP8 operands (``wt``:
-    :func:`weight_t_operand`), dW and db in float32, rounded to ``dy``'s dtype. ``shape`` = ``(G, N, K)``."""
+    :func:`weight_t_operand`), dW from FP8 operands with ``fp8_wgrad`` (:func:`group_columns_operand`)
+    else from ``dy`` and ``x``, db from ``dy``; float32 sums rounded to ``dy``'s dtype.
+    ``shape`` = ``(G, N, K)``."""
     ct = torch.float64 if dy.dtype == torch.float64 else torch.float32
     groups, n, k = shape
     tokens = dy.shape[0]
@@ -131,13 +177,20 @@ def emulated_backward(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tens
     db = torch.zeros(groups, n, dtype=ct, device=dy.device) if need_db else empty
     if need_dx:
         dyq = grad_operand(dy)
+    if need_dw and fp8_wgrad:
+        dyt, xt = group_columns_operand(dy, group_sizes), group_columns_operand(x, group_sizes)
+        padded_starts = [0] + padded_group_ends(group_sizes, tokens)[1].tolist()[:-1]
     for g, (start, end) in enumerate(host_bounds(group_sizes, tokens)):
         if end == start:
             continue
         if need_dx:
             w = wt.data[g].to(ct) * wt.scale_inv[g].to(ct).unsqueeze(1)
             dx[start:end] = _rows(dyq, start, end, ct) @ w.t()
-        if need_dw:
+        if need_dw and fp8_wgrad:
+            cols = slice(padded_starts[g], padded_starts[g] + end - start)
+            dw[g] = ((dyt.data[:, cols].to(ct) * dyt.scale_inv[g].to(ct).unsqueeze(1))
+                     @ (xt.data[:, cols].to(ct) * xt.scale_inv[g].to(ct).unsqueeze(1)).t())
+        elif need_dw:
             dw[g] = dy[start:end].to(ct).t() @ x[start:end].to(ct)
         if need_db:
             db[g] = dy[start:end].to(ct).sum(0)

@@ -125,8 +125,9 @@ class BasicGroupedLinear(BasicOp):
         The process group the parameters are sharded over, or ``None``.
     recipe:
         An :mod:`opfuse.fp8` recipe: the GEMM and its data gradient run on FP8 operands (x
-        quantized here; FSDP weights gathered as FP8); the weight gradient stays in float32
-        accumulation and the parameter dtype. Set by the FP8 pass under :func:`opfuse.fp8.autocast`.
+        quantized here; FSDP weights gathered as FP8); the weight gradient too with
+        ``recipe.fp8_wgrad`` (one scale per expert and feature), else in float32 accumulation of
+        the parameter-dtype operands. Set by the FP8 pass under :func:`opfuse.fp8.autocast`.
     """
 
     num_extra_inputs = 1

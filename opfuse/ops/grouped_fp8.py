@@ -43,8 +43,8 @@ def fp8_grouped_weight(weight: torch.Tensor, num_groups: int, out_features: int,
 
 class Fp8GroupedFn(torch.autograd.Function):
     """The FP8 grouped GEMM, emulated (reference of ``BasicGroupedLinear`` with a recipe): forward
-    and dgrad on FP8 operands, wgrad in float32; FSDP weights gathered as FP8, gradients
-    reduce-scattered."""
+    and dgrad on FP8 operands, wgrad too with ``recipe.fp8_wgrad`` (else in float32); FSDP weights
+    gathered as FP8, gradients reduce-scattered."""
 
     @staticmethod
     def forward(ctx, x, group_sizes, weight, bias, op):
@@ -69,7 +69,7 @@ class Fp8GroupedFn(torch.autograd.Function):
             wt = fp8_grouped.weight_t_operand(wq, op.recipe)
         shape = (op.num_groups, op.out_features, op.in_features)
         dx, dw, db = fp8_grouped.emulated_backward(dy.contiguous(), x, group_sizes, wt, need_dx, need_dw, need_db,
-                                                   shape)
+                                                   shape, op.recipe.fp8_wgrad)
         if op.fsdp:
             if need_dw:
                 dw = coll.raw_reduce_scatter(dw.reshape(-1, op.in_features), op.fsdp_group)

@@ -91,6 +91,31 @@ def test_stack_quantizer_matches_each_matrix_quantized_alone(dtype, shape, fmt):
         kernels.quantize_stack(w[0], fmt)
 
 
+@needs_triton
+@pytest.mark.parametrize("sizes, tokens, cols", [([5, 0, 37, 100], 150, 200), ([0, 0, 3], 10, 48),
+                                                 ([4000, 1, 17, 0], 4100, 1040), ([-3, 40, 200], 120, 32),
+                                                 ([0, 0], 64, 16), ([256] * 16, 4096, 2048)])
+def test_group_column_quantizer_matches_the_reference_bit_for_bit(sizes, tokens, cols):
+    """The FP8 grouped weight gradient's operands: each group's column amax and the transposed,
+    padded cast (``kernels.quantize_group_columns``) against ``fp8.grouped.group_columns_operand``,
+    every byte (padding included: outputs start as NaN bytes), without a host sync."""
+    from opfuse.fp8 import grouped
+
+    t = randn(tokens, cols, seed=tokens, scale=3.0) * torch.logspace(-3, 2, cols, device=DEV).to(torch.bfloat16)
+    t[:, 5] = 0
+    group_sizes = torch.tensor(sizes, device=DEV)
+    want = grouped.group_columns_operand(t, group_sizes)
+    _dirty_allocator(4 * cols * (tokens + 16 * len(sizes)) + (1 << 20))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got, padded_ends = kernels.quantize_group_columns(t, group_sizes)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(padded_ends, grouped.padded_group_ends(group_sizes, tokens)[1])
+    _same_bytes(got.data, want.data, "data")
+    assert torch.equal(got.scale_inv, want.scale_inv)
+
+
 def _dirty_allocator(nbytes: int) -> None:
     """Fill and free a block of the caching allocator, so that outputs allocated next start as 0xFF
     bytes (NaN in both FP8 formats) instead of whatever was there: an element a kernel does not write
@@ -303,7 +328,7 @@ GROUPED_CASES = [  # tokens, groups, K, N, sizes (several non-empty groups: a ke
 
 
 @needs_fp8
-@pytest.mark.parametrize("recipe", ["tensor", "row"])
+@pytest.mark.parametrize("recipe", ["tensor", "row", "tensor-hp-wgrad", "row-fp8-wgrad"])
 @pytest.mark.parametrize("case", range(len(GROUPED_CASES)))
 def test_scaled_grouped_mm_matches_emulation(recipe, case):
     from opfuse.families.grouped_linear.fp8 import reference as grouped_reference
@@ -339,6 +364,9 @@ def test_scaled_grouped_mm_matches_emulation(recipe, case):
         full = torch.cat([x[s:s + c].double() @ w[g].double().t() + (b[g].double() if bias else 0)
                           for g, (s, c) in enumerate(zip(starts, sizes.tolist()))])
         assert rel(y[:valid], full) < 0.08
+        full_dw = torch.stack([dy[s:s + c].double().t() @ x[s:s + c].double()
+                               for s, c in zip(starts, sizes.tolist())])
+        assert rel(grads[1], full_dw) < 0.08
 
 
 @needs_fp8

@@ -39,7 +39,7 @@ TABLE = ImplementationTable("grouped_linear", {
         Implementation("scaled_grouped_mm", scaled_grouped_mm.check, scaled_grouped_mm.forward,
                        scaled_grouped_mm.backward,
                        description="torch._scaled_grouped_mm (E4M3, per-row scales) with device offsets; wgrad "
-                                   "torch._grouped_mm in bfloat16"),
+                                   "on E4M3 per expert and feature (recipe.fp8_wgrad) or torch._grouped_mm"),
         Implementation("reference", always, fp8_grouped_reference.forward, fp8_grouped_reference.backward,
                        description="float32 emulation, loop over host group sizes (syncs on a GPU)"),
     ],

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from ...fp8 import grouped as fp8_grouped
 from ...fp8 import numerics
 from ...fp8.numerics import Quantized
 from ...runtime.device import triton_status
 
-__all__ = ["quantize", "quantize_stack", "fast_path_reason", "amax"]
+__all__ = ["quantize", "quantize_stack", "quantize_group_columns", "fast_path_reason", "amax"]
 
 _TILE_M, _TILE_N, _ROW_BLOCK = 32, 256, 1024
 
@@ -112,3 +113,38 @@ def quantize_stack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     cast_kernel[tiles](w, amaxes, data, data_t, scale_inv, rows, cols, cols, rows * cols, FMAX=numerics.fp8_max(dtype),
                        WRITE_T=True, BM=_TILE_M, BN=_TILE_N, num_warps=4)
     return data, data_t, scale_inv
+
+
+_GROUP_SLICES, _GROUP_TILE_T, _GROUP_TILE_C = 8, 64, 128
+
+
+def quantize_group_columns(t: torch.Tensor, group_sizes: torch.Tensor) -> tuple[Quantized, torch.Tensor]:
+    """``t [T, C]`` (rows sorted by group) as an operand of the FP8 grouped weight gradient, the bytes
+    and scales of :func:`opfuse.fp8.grouped.group_columns_operand`, and the padded groups' int32 end
+    offsets (the GEMM's ``offs``). On CUDA two launches and no host sync: each group's amax per
+    column, then one cast writing the transposed, padded layout (2 reads of ``t``, 1 FP8 write)."""
+    if t.dim() != 2:
+        raise ValueError(f"quantize_group_columns: t must be [tokens, columns], got shape {tuple(t.shape)}")
+    if t.numel() == 0 or fast_path_reason(t) or t.element_size() != 2:
+        return fp8_grouped.group_columns_operand(t, group_sizes), fp8_grouped.padded_group_ends(group_sizes,
+                                                                                               t.shape[0])[1]
+    return _group_columns_triton(t.contiguous(), group_sizes)
+
+
+def _group_columns_triton(t: torch.Tensor, group_sizes: torch.Tensor) -> tuple[Quantized, torch.Tensor]:
+    from .triton_kernels import group_column_amax_kernel, group_column_cast_kernel
+
+    tokens, cols = t.shape
+    ends, padded_ends, padded_tokens = fp8_grouped.padded_group_ends(group_sizes, tokens)
+    groups = group_sizes.shape[0]
+    column_blocks = triton_cdiv(cols, _GROUP_TILE_C)
+    amaxes = torch.zeros(groups, cols, dtype=torch.float32, device=t.device)
+    group_column_amax_kernel[(column_blocks, groups, _GROUP_SLICES)](
+        t, ends, amaxes, cols, t.stride(0), SLICES=_GROUP_SLICES, BT=_GROUP_TILE_T, BC=_GROUP_TILE_C, num_warps=4)
+    scale, scale_inv = numerics.scales_from_amax(amaxes, torch.float8_e4m3fn)
+    data = torch.empty(cols, padded_tokens, dtype=torch.float8_e4m3fn, device=t.device)
+    group_column_cast_kernel[(triton_cdiv(padded_tokens, _GROUP_TILE_T), column_blocks)](
+        t, ends, padded_ends, scale, data, groups, cols, t.stride(0), padded_tokens,
+        FMAX=numerics.fp8_max(torch.float8_e4m3fn), BT=_GROUP_TILE_T, BC=_GROUP_TILE_C,
+        GP=max(16, 1 << (groups - 1).bit_length()), num_warps=4)
+    return Quantized(data, scale_inv), padded_ends

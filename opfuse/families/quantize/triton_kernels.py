@@ -14,6 +14,10 @@ bit: float32 products, round-to-nearest-even casts, IEEE divisions for the scale
   a hint holds (the previous call's) while it reduces the amax; the fixup derives the true
   exponent, writes ``scale_inv`` and the hint, and casts again only if the hint was wrong.
 
+* :func:`group_column_amax_kernel` + :func:`group_column_cast_kernel`: an operand of the grouped
+  weight gradient (:func:`opfuse.fp8.grouped.group_columns_operand`): each group's amax per column,
+  then the cast with those scales, written transposed into the padded token layout.
+
 ``amax_kernel`` and ``cast_kernel`` take a third grid axis for a stack of same-shaped matrices (the
 experts of a grouped weight): program ``g`` of it reads matrix ``g`` (``group_stride`` elements
 apart) and its own amax / scale slot; a 2-D grid is the one-matrix case.
@@ -154,3 +158,57 @@ def pow2_fixup_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, scale_inv_ptr
             tile = first + pid  # past the last tile: rows past the end, every element masked off
             _pow2_cast_tile(x_ptr, q_ptr, qt_ptr, tile // tiles_n, tile % tiles_n, e, rows, cols, stride, FMAX,
                             WRITE_T, BM, BN, False, scratch_ptr)
+
+
+@triton.jit
+def group_column_amax_kernel(x_ptr, ends_ptr, amax_ptr, cols, stride, SLICES: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr):
+    """``amax[g, c] = max |x[r, c]|`` over group ``g``'s rows (``amax`` zero on entry): program
+    ``(c block, g, s)`` reduces slice ``s`` of ``SLICES`` of the group's rows (so one large group
+    still spreads over the GPU) and combines by atomic max."""
+    pid_c, group, piece = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(ends_ptr + group - 1, mask=group > 0, other=0)
+    end = tl.load(ends_ptr + group)
+    chunk = tl.cdiv(tl.cdiv(end - start, SLICES), BT) * BT
+    lo = start + piece * chunk
+    hi = tl.minimum(lo + chunk, end)
+    offs_c = pid_c * BC + tl.arange(0, BC)
+    acc = tl.zeros([BC], dtype=tl.float32)
+    first = lo
+    while first < hi:  # a while loop: bounds read on the device (the interpreter's range() takes no tensors)
+        offs_r = first + tl.arange(0, BT)
+        mask = (offs_r[:, None] < hi) & (offs_c[None, :] < cols)
+        x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * stride + offs_c[None, :], mask=mask, other=0.0)
+        acc = tl.maximum(acc, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+        first += BT
+    if hi > lo:
+        tl.atomic_max(amax_ptr + group.to(tl.int64) * cols + offs_c, acc, mask=offs_c < cols)
+
+
+@triton.jit
+def group_column_cast_kernel(x_ptr, ends_ptr, padded_ends_ptr, scale_ptr, q_ptr, groups, cols, stride, padded_tokens,
+                             FMAX: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, GP: tl.constexpr):
+    """``q[c, p] = saturate(x[row(p), c] * scale[g(p), c])`` for every padded position ``p`` of the
+    tile (0 where ``p`` is padding): the row of ``p`` is its group's first row plus ``p``'s distance
+    from the group's padded start."""
+    pid_p, pid_c = tl.program_id(0), tl.program_id(1)
+    offs_p = pid_p * BT + tl.arange(0, BT)
+    every = tl.arange(0, GP)
+    padded_ends = tl.load(padded_ends_ptr + every, mask=every < groups, other=2147483647)
+    group = tl.sum((padded_ends[None, :] <= offs_p[:, None]).to(tl.int32), axis=1)  # == groups past the last
+    g = tl.minimum(group, groups - 1)
+    first = g > 0
+    padded_start = tl.load(padded_ends_ptr + g - 1, mask=first, other=0)
+    start = tl.load(ends_ptr + g - 1, mask=first, other=0)
+    end = tl.load(ends_ptr + g)
+    row = start + offs_p - padded_start
+    valid = (group < groups) & (row < end)
+    offs_c = pid_c * BC + tl.arange(0, BC)
+    in_cols = offs_c < cols
+    mask = valid[:, None] & in_cols[None, :]
+    x = tl.load(x_ptr + row[:, None].to(tl.int64) * stride + offs_c[None, :], mask=mask, other=0.0)
+    scale = tl.load(scale_ptr + g[:, None].to(tl.int64) * cols + offs_c[None, :], mask=mask, other=1.0)
+    y = tl.minimum(tl.maximum(x.to(tl.float32) * scale, -FMAX), FMAX)
+    out_mask = (offs_p[:, None] < padded_tokens) & in_cols[None, :]
+    tl.store(q_ptr + offs_c[:, None].to(tl.int64) * padded_tokens + offs_p[None, :],
+             tl.trans(y).to(q_ptr.dtype.element_ty), mask=tl.trans(out_mask))

@@ -21,6 +21,6 @@ def backward(dy, x, group_sizes, weight, bias, fsdp_group, num_groups, recipe, n
     r = recipe_from_key(recipe)
     shape = common.shape_of(weight, fsdp_group, num_groups)
     wt = common.weight_t_operand(weight, fsdp_group, num_groups, r) if need_dx else None
-    dx, dw, db = fp8_grouped.emulated_backward(dy, x, group_sizes, wt, need_dx, need_dw, need_db, shape)
+    dx, dw, db = fp8_grouped.emulated_backward(dy, x, group_sizes, wt, need_dx, need_dw, need_db, shape, r.fp8_wgrad)
     dw, db = common.reduce_grads(dw, db, fsdp_group, need_dw, need_db, shape[2])
     return dx, dw.to(weight.dtype) if need_dw else dw, db

@@ -4,9 +4,12 @@ host sync, CUDA-graph capturable.
 torch's grouped FP8 GEMM takes E4M3 operands with per-row float32 scales: ``x`` ``[T, K]`` with
 ``scale_a [T]``, the weight as ``[G, K, N]`` column-major (the ``[G, N, K]`` bytes transposed) with
 ``scale_b [G, N]``; K and N multiples of 16. One scale per tensor is passed as that scale on every
-row. Rows past the last offset are left unwritten by torch and zeroed here; the weight gradient
-(bfloat16, ``torch._grouped_mm``, "2d x 2d") of an expert without tokens is zeroed too (the Triton
-fix-ups of :mod:`..torch_mm`: programs of rows and experts that hold data exit at once).
+row. Rows past the last offset are left unwritten by torch and zeroed here. The weight gradient
+("2d x 2d": both operands ragged along the tokens) runs on E4M3 with ``recipe.fp8_wgrad``, its
+operands transposed into the padded token layout by
+:func:`~opfuse.families.quantize.kernels.quantize_group_columns`, else in bfloat16
+(``torch._grouped_mm``); an expert without tokens gets zeros either way (the Triton fix-ups of
+:mod:`..torch_mm`: programs of rows and experts that hold data exit at once).
 
 With one scale per expert, the weight is quantized into both operands at once, ``W`` for the
 forward and ``W.T`` for the data gradient (:func:`~opfuse.families.quantize.kernels.quantize_stack`:
@@ -45,7 +48,7 @@ def check(spec) -> str | None:
         return f"compute capability {major}.{minor}: torch's grouped FP8 GEMM is tested on sm90 here"
     w = spec.inputs["weight"]
     if spec.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return f"dtype {dtype_name(spec.dtype)}: the grouped FP8 GEMM writes bfloat16 (and its wgrad is bfloat16)"
+        return f"dtype {dtype_name(spec.dtype)}: the grouped FP8 GEMM writes bfloat16 (and its gradients are bfloat16)"
     groups, n, k = w.shape
     if k % 16 or n % 16:
         return f"in_features {k} / out_features {n} must be multiples of 16"
@@ -153,7 +156,13 @@ def backward(dy, x, group_sizes, weight, bias, fsdp_group, num_groups, recipe, n
         dx = torch._scaled_grouped_mm(_aligned(dyq.data), wt.data.transpose(-2, -1), dyq.scale_inv.reshape(-1),
                                       wt.scale_inv, offs=offs, out_dtype=dy.dtype)
         zero_tail_rows(dx, group_sizes)
-    if need_dw:
+    if need_dw and r.fp8_wgrad:  # dW_g = dy_g.T @ x_g on E4M3, both read along the padded tokens
+        dyt, padded_offs = kernels.quantize_group_columns(dy, group_sizes)
+        xt, _ = kernels.quantize_group_columns(x, group_sizes)
+        dw = torch._scaled_grouped_mm(dyt.data, xt.data.t(), dyt.scale_inv.reshape(-1), xt.scale_inv.reshape(-1),
+                                      offs=padded_offs, out_dtype=dy.dtype)
+        zero_empty_groups(dw, group_sizes, tokens)
+    elif need_dw:
         dw = torch._grouped_mm(_aligned(dy).t(), _aligned(x), offs=offs)
         zero_empty_groups(dw, group_sizes, tokens)
     if need_db:
