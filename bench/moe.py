@@ -7,6 +7,7 @@ same model (Inductor; the loop's data-dependent shapes break the graph at every 
     PYTHONPATH=. python3 bench/moe.py --fp8               # also opfuse with fp8=TensorScaling()
     PYTHONPATH=. python3 bench/moe.py --quick             # hidden 1024, ffn 3584
     PYTHONPATH=. python3 bench/moe.py --fp8 --profile     # and a kernel table + idle-time split per variant
+    PYTHONPATH=. python3 bench/moe.py --fp8 --fp8-wgrad-ab --only "opfuse fp8" "opfuse fp8 hp-wgrad"
     python3 bench/moe.py --cpu                             # the code paths on CPU (tiny; timings mean nothing)
 
 Variants (same weights, same seed):
@@ -18,7 +19,8 @@ Variants (same weights, same seed):
                    the two compile variants
   rewrite+compile  opfuse.torch_compile.prepare_model, then torch.compile (Inductor): the rewrite alone
   opfuse           opfuse.optimize (rewrite + opfuse's backend)
-  opfuse fp8       opfuse.optimize(fp8=TensorScaling()) (--fp8)
+  opfuse fp8       opfuse.optimize(fp8=TensorScaling()) (--fp8): the weight gradient in FP8 too
+  opfuse fp8 hp-wgrad  the same with TensorScaling(fp8_wgrad=False) (--fp8-wgrad-ab): the bfloat16 wgrad
 
 Method: CUDA events around CALLS back-to-back steps (forward, backward of sum(out * g)), median of
 REPS, after two warm-up steps (compilation). Each step first bumps every parameter's version counter
@@ -91,7 +93,7 @@ class _RecompileLimitHits(logging.Handler):
         super().close()
 
 
-def measure(opts, fp8: bool, profile: bool = False):
+def measure(opts, fp8: bool, profile: bool = False, wgrad_ab: bool = False):
     import opfuse
 
     device = opts["device"]
@@ -114,6 +116,9 @@ def measure(opts, fp8: bool, profile: bool = False):
 
         yield "rewrite+compile", copy.deepcopy(base), rewritten
         yield "opfuse", copy.deepcopy(base), lambda m: opfuse.optimize(m, **options)
+        if fp8 and wgrad_ab:
+            yield "opfuse fp8 hp-wgrad", copy.deepcopy(base), lambda m: opfuse.optimize(
+                m, fp8=opfuse.fp8.TensorScaling(fp8_wgrad=False), **options)
         if fp8:
             yield "opfuse fp8", copy.deepcopy(base), lambda m: opfuse.optimize(m, fp8=opfuse.fp8.TensorScaling(),
                                                                                 **options)
@@ -173,6 +178,8 @@ def measure(opts, fp8: bool, profile: bool = False):
 def main() -> int:
     parser = common.parser("moe", __doc__)
     parser.add_argument("--fp8", action="store_true", help="also opfuse with fp8=TensorScaling()")
+    parser.add_argument("--fp8-wgrad-ab", action="store_true",
+                        help="with --fp8, also opfuse with TensorScaling(fp8_wgrad=False) (bfloat16 weight gradient)")
     parser.add_argument("--quick", action="store_true", help="hidden 1024, ffn 3584, 4096 tokens")
     parser.add_argument("--cpu", action="store_true", help="the code paths on CPU (timings mean nothing)")
     parser.add_argument("--profile", action="store_true", help="a kernel table and an idle-time split per variant")
@@ -194,9 +201,12 @@ def main() -> int:
 
             if not dist.is_initialized():
                 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        data = measure(opts, args.fp8, args.profile)
+        if args.fp8_wgrad_ab and not args.fp8:
+            parser.error("--fp8-wgrad-ab needs --fp8")
+        data = measure(opts, args.fp8, args.profile, args.fp8_wgrad_ab)
     opts = data["opts"]
-    names = [n for n in ("eager", "compile", "compile dynamic", "rewrite+compile", "opfuse", "opfuse fp8")
+    names = [n for n in ("eager", "compile", "compile dynamic", "rewrite+compile", "opfuse", "opfuse fp8 hp-wgrad",
+                         "opfuse fp8")
              if any(n in r for r in data["rows"])]
     print(f"\nMixtral-style MoE, hidden {opts['hidden']}, ffn {opts['ffn']}, {opts['experts']} experts top-"
           f"{opts['top_k']}, {opts['layers']} layers, forward + backward, microseconds per step")

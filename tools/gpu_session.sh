@@ -59,6 +59,10 @@
 #                                      # 2048, isolated A B B A after a warm-up run
 #   tools/gpu_session.sh s17-dtensor-order # 2 GPUs (~3 min): DTensor graphs without peak-memory reordering: FP8 graphs
 #                                      # and bf16 train-sp single runs, kernel tables with the NCCL-overlap view
+#   tools/gpu_session.sh s18-bf16-tp   # 2 GPUs (~6 min): bf16 train-tp 2048, opfuse vs compile, isolated A B B A
+#   tools/gpu_session.sh s18-moe-wgrad # 1 GPU (~4.5 min): FP8 grouped wgrad: grouped FP8 GPU tests, bench/moe.py --fp8
+#   tools/gpu_session.sh s19-wgrad-sweep # 1 GPU (~5 min): FP8 vs bf16 grouped wgrad over 2048-16384 tokens, profiled
+#   tools/gpu_session.sh s19-fp8-dist  # 2 GPUs (~1.5 min): tests/gpu/test_fp8_dist.py (FSDP grouped FP8 wgrad, world 2)
 #   tools/gpu_session.sh s17-moe-fp8   # 1 GPU (~5 min): FP8 MoE: stack quantizer + grouped FP8 tests, bench/moe.py --fp8
 #                                      # --profile (kernel table per variant); rerun it for the forward's W.T kept
 #                                      # for its backward (written after session 17's device time was spent)
@@ -670,6 +674,18 @@ case "$stage" in
     final_summary() { for name in fp8_carve16 fp8_carve8 fp8_carve32; do model_lines $name;
                         grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)|under the collective" "$OUT/$name.log" \
                         | cut -c1-300; done; }
+    ;;
+  s19-wgrad-sweep)  # 1 GPU (~5 min; prebuilt modules): where the FP8 grouped weight gradient starts to pay (faster at
+                    # 16384 tokens, slower at 4096 in session 18): FP8 vs bfloat16 wgrad over a token sweep, profiled
+    step moe_sweep 420 python3 bench/moe.py --fp8 --fp8-wgrad-ab --tokens 2048 4096 8192 16384 \
+      --only "compile dynamic" "opfuse fp8 hp-wgrad" "opfuse fp8" --profile --json "$OUT/moe_sweep.json"
+    final_summary() { grep -E "^(\||relative|note|T=[0-9]+: GPU)" "$OUT/moe_sweep.log" | grep -v "^|---" | cut -c1-200; }
+    ;;
+  s19-fp8-dist)  # 2 GPUs (~1.5 min; prebuilt modules): session 18's FP8 grouped weight gradient under FSDP at world 2
+                 # (tests/gpu/test_fp8_dist.py's grouped_fsdp: scaled_grouped_mm against the reference, gradients
+                 # reduce-scattered), with the FP8 collective GEMM cases
+    tests fp8_dist_tests 200 -q tests/gpu/test_fp8_dist.py
+    final_summary() { grep -h -E "passed|failed" "$OUT/fp8_dist_tests.log" | tail -2; }
     ;;
   s18-moe-wgrad)  # 1 GPU (~4.5 min; prebuilt modules): the FP8 grouped weight gradient (E4M3 per expert and feature,
                   # operands transposed into a padded token layout by two Triton kernels): GPU tests, then the MoE bench

@@ -118,24 +118,25 @@ def quantize_stack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 _GROUP_SLICES, _GROUP_TILE_T, _GROUP_TILE_C = 8, 64, 128
 
 
-def quantize_group_columns(t: torch.Tensor, group_sizes: torch.Tensor) -> tuple[Quantized, torch.Tensor]:
-    """``t [T, C]`` (rows sorted by group) as an operand of the FP8 grouped weight gradient, the bytes
-    and scales of :func:`opfuse.fp8.grouped.group_columns_operand`, and the padded groups' int32 end
-    offsets (the GEMM's ``offs``). On CUDA two launches and no host sync: each group's amax per
-    column, then one cast writing the transposed, padded layout (2 reads of ``t``, 1 FP8 write)."""
+def quantize_group_columns(t: torch.Tensor, group_sizes: torch.Tensor, layout=None) -> Quantized:
+    """``t [T, C]`` (rows sorted by group) as an operand of the FP8 grouped weight gradient: the bytes
+    and scales of :func:`opfuse.fp8.grouped.group_columns_operand`. ``layout``: the
+    :func:`~opfuse.fp8.grouped.padded_group_ends` of ``(group_sizes, T)`` when the caller has them
+    (both operands share them). On CUDA two launches and no host sync: each group's amax per column,
+    then one cast writing the transposed, padded layout (2 reads of ``t``, 1 FP8 write)."""
     if t.dim() != 2:
         raise ValueError(f"quantize_group_columns: t must be [tokens, columns], got shape {tuple(t.shape)}")
     if t.numel() == 0 or fast_path_reason(t) or t.element_size() != 2:
-        return fp8_grouped.group_columns_operand(t, group_sizes), fp8_grouped.padded_group_ends(group_sizes,
-                                                                                               t.shape[0])[1]
-    return _group_columns_triton(t.contiguous(), group_sizes)
+        return fp8_grouped.group_columns_operand(t, group_sizes)
+    return _group_columns_triton(t.contiguous(), group_sizes,
+                                 layout or fp8_grouped.padded_group_ends(group_sizes, t.shape[0]))
 
 
-def _group_columns_triton(t: torch.Tensor, group_sizes: torch.Tensor) -> tuple[Quantized, torch.Tensor]:
+def _group_columns_triton(t: torch.Tensor, group_sizes: torch.Tensor, layout) -> Quantized:
     from .triton_kernels import group_column_amax_kernel, group_column_cast_kernel
 
     tokens, cols = t.shape
-    ends, padded_ends, padded_tokens = fp8_grouped.padded_group_ends(group_sizes, tokens)
+    ends, padded_ends, padded_tokens = layout
     groups = group_sizes.shape[0]
     column_blocks = triton_cdiv(cols, _GROUP_TILE_C)
     amaxes = torch.zeros(groups, cols, dtype=torch.float32, device=t.device)
@@ -147,4 +148,4 @@ def _group_columns_triton(t: torch.Tensor, group_sizes: torch.Tensor) -> tuple[Q
         t, ends, padded_ends, scale, data, groups, cols, t.stride(0), padded_tokens,
         FMAX=numerics.fp8_max(torch.float8_e4m3fn), BT=_GROUP_TILE_T, BC=_GROUP_TILE_C,
         GP=max(16, 1 << (groups - 1).bit_length()), num_warps=4)
-    return Quantized(data, scale_inv), padded_ends
+    return Quantized(data, scale_inv)
