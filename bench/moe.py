@@ -5,6 +5,7 @@ same model (Inductor; the loop's data-dependent shapes break the graph at every 
 
     PYTHONPATH=. python3 bench/moe.py                     # hidden 4096, ffn 14336, 2 layers, 4096 / 16384 tokens
     PYTHONPATH=. python3 bench/moe.py --fp8               # also opfuse with fp8=TensorScaling()
+    PYTHONPATH=. python3 bench/moe.py --fp8 --fp8-pow2    # and TensorScaling(pow2_weight_scales=True)
     PYTHONPATH=. python3 bench/moe.py --quick             # hidden 1024, ffn 3584
     PYTHONPATH=. python3 bench/moe.py --fp8 --profile     # and a kernel table + idle-time split per variant
     PYTHONPATH=. python3 bench/moe.py --fp8 --fp8-wgrad-ab --only "opfuse fp8" "opfuse fp8 hp-wgrad"
@@ -20,7 +21,9 @@ Variants (same weights, same seed):
   rewrite+compile  opfuse.torch_compile.prepare_model, then torch.compile (Inductor): the rewrite alone
   opfuse           opfuse.optimize (rewrite + opfuse's backend)
   opfuse fp8       opfuse.optimize(fp8=TensorScaling()) (--fp8): the weight gradient in FP8 too
-  opfuse fp8 hp-wgrad  the same with TensorScaling(fp8_wgrad=False) (--fp8-wgrad-ab): the bfloat16 wgrad
+  opfuse fp8 hp-wgrad  the same with fp8_wgrad=False (--fp8-wgrad-ab): the bfloat16 wgrad
+  opfuse fp8 pow2  TensorScaling(pow2_weight_scales=True) (--fp8-pow2): each expert's weight scale a power
+                   of two, the stacked weights quantized in one read
 
 Method: CUDA events around CALLS back-to-back steps (forward, backward of sum(out * g)), median of
 REPS, after two warm-up steps (compilation). Each step first bumps every parameter's version counter
@@ -93,7 +96,7 @@ class _RecompileLimitHits(logging.Handler):
         super().close()
 
 
-def measure(opts, fp8: bool, profile: bool = False, wgrad_ab: bool = False):
+def measure(opts, fp8: bool, profile: bool = False, wgrad_ab: bool = False, pow2: bool = False):
     import opfuse
 
     device = opts["device"]
@@ -116,12 +119,12 @@ def measure(opts, fp8: bool, profile: bool = False, wgrad_ab: bool = False):
 
         yield "rewrite+compile", copy.deepcopy(base), rewritten
         yield "opfuse", copy.deepcopy(base), lambda m: opfuse.optimize(m, **options)
-        if fp8 and wgrad_ab:
-            yield "opfuse fp8 hp-wgrad", copy.deepcopy(base), lambda m: opfuse.optimize(
-                m, fp8=opfuse.fp8.TensorScaling(fp8_wgrad=False), **options)
-        if fp8:
-            yield "opfuse fp8", copy.deepcopy(base), lambda m: opfuse.optimize(m, fp8=opfuse.fp8.TensorScaling(),
-                                                                                **options)
+        recipes = {"opfuse fp8 hp-wgrad": opfuse.fp8.TensorScaling(fp8_wgrad=False) if fp8 and wgrad_ab else None,
+                   "opfuse fp8": opfuse.fp8.TensorScaling() if fp8 else None,
+                   "opfuse fp8 pow2": opfuse.fp8.TensorScaling(pow2_weight_scales=True) if fp8 and pow2 else None}
+        for name, recipe in recipes.items():
+            if recipe is not None:
+                yield name, copy.deepcopy(base), lambda m, recipe=recipe: opfuse.optimize(m, fp8=recipe, **options)
 
     rows, notes, profiles = [], [], {}
     for tokens in opts["tokens"]:
@@ -178,6 +181,8 @@ def measure(opts, fp8: bool, profile: bool = False, wgrad_ab: bool = False):
 def main() -> int:
     parser = common.parser("moe", __doc__)
     parser.add_argument("--fp8", action="store_true", help="also opfuse with fp8=TensorScaling()")
+    parser.add_argument("--fp8-pow2", action="store_true",
+                        help="with --fp8, also opfuse with TensorScaling(pow2_weight_scales=True)")
     parser.add_argument("--fp8-wgrad-ab", action="store_true",
                         help="with --fp8, also opfuse with TensorScaling(fp8_wgrad=False) (bfloat16 weight gradient)")
     parser.add_argument("--quick", action="store_true", help="hidden 1024, ffn 3584, 4096 tokens")
@@ -201,25 +206,28 @@ def main() -> int:
 
             if not dist.is_initialized():
                 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        if args.fp8_wgrad_ab and not args.fp8:
-            parser.error("--fp8-wgrad-ab needs --fp8")
-        data = measure(opts, args.fp8, args.profile, args.fp8_wgrad_ab)
+        for flag in ("fp8_wgrad_ab", "fp8_pow2"):
+            if getattr(args, flag) and not args.fp8:
+                parser.error(f"--{flag.replace('_', '-')} needs --fp8")
+        data = measure(opts, args.fp8, args.profile, args.fp8_wgrad_ab, args.fp8_pow2)
     opts = data["opts"]
     names = [n for n in ("eager", "compile", "compile dynamic", "rewrite+compile", "opfuse", "opfuse fp8 hp-wgrad",
-                         "opfuse fp8")
+                         "opfuse fp8", "opfuse fp8 pow2")
              if any(n in r for r in data["rows"])]
+    rated = [n for n in ("opfuse", "opfuse fp8", "opfuse fp8 pow2") if n == "opfuse" or n in names]
     print(f"\nMixtral-style MoE, hidden {opts['hidden']}, ffn {opts['ffn']}, {opts['experts']} experts top-"
           f"{opts['top_k']}, {opts['layers']} layers, forward + backward, microseconds per step")
-    print("| tokens | " + " | ".join(names) + " | opfuse / best compile | opfuse fp8 / best compile | fusions |")
-    print("|" + "---|" * (len(names) + 4))
+    print("| tokens | " + " | ".join(names) + " | " + " | ".join(f"{n} / best compile" for n in rated)
+          + " | fusions |")
+    print("|" + "---|" * (len(names) + len(rated) + 2))
     summary = []
     for r in data["rows"]:
         compiled = [r[n] for n in ("compile", "compile dynamic") if r.get(n)]
-        speeds = [(r.get(n) / min(compiled)) if r.get(n) and compiled else None for n in ("opfuse", "opfuse fp8")]
+        speeds = [(r.get(n) / min(compiled)) if r.get(n) and compiled else None for n in rated]
         summary.append((r["tokens"], *speeds))
         cells = " | ".join("-" if r.get(n) is None else f"{r[n]:.0f}" for n in names)
         ratios = " | ".join("-" if v is None else f"{v:.2f}" for v in speeds)
-        fusions = sorted(set(r.get("opfuse fusions", [])) | set(r.get("opfuse fp8 fusions", [])))
+        fusions = sorted(set().union(*(r.get(f"{n} fusions", []) for n in rated)))
         print(f"| {r['tokens']} | {cells} | {ratios} | {', '.join(fusions)} |")
     errors = "; ".join(f"T={r['tokens']}: " + ", ".join(f"{n} {r[n + ' err']:.1e}" for n in names if n + " err" in r)
                        for r in data["rows"])
@@ -235,13 +243,13 @@ def main() -> int:
             print(step_timeline.format_timeline(timelines, f"T={tokens}"))
     print(f"\nsummary (target of issue 27: opfuse <= {TARGET}x compile; the faster of its static and dynamic variants)")
     for tokens, *speeds in summary:
-        for name, speed in zip(("opfuse", "opfuse fp8"), speeds):
+        for name, speed in zip(rated, speeds):
             met = "-" if speed is None else ("yes" if speed <= TARGET else "NO")
             print(f"| T={tokens} | {name} / best compile | {'-' if speed is None else f'{speed:.2f}'} | <= {TARGET} "
                   f"| {met} |")
     if args.cpu:
         print("\n(--cpu: a dry run of the code paths; the timings mean nothing)")
-    common.finish(args, data, bars={f"T={t}": s for t, s, _ in summary if s is not None},
+    common.finish(args, data, bars={f"T={t}": s for t, s, *_ in summary if s is not None},
                   title="Mixtral-style MoE: opfuse / torch.compile", ylabel="time ratio (< 1: opfuse faster)")
     return 0
 

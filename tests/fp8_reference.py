@@ -60,7 +60,7 @@ def grouped_reference(x, sizes, w, b, dy, recipe):
         xq = fq(x, E4M3, True)
     else:  # one scale from the rows the groups own
         xq = fq(x, E4M3, False, amax=x[:valid].abs().amax().reshape(1, 1) if valid else torch.zeros(1, 1))
-    wq = torch.stack([fq(w[g], E4M3, recipe.rowwise) for g in range(groups)])
+    wq = torch.stack([fq(w[g], E4M3, recipe.rowwise, pow2=recipe.pow2_weight_scales) for g in range(groups)])
     dyq = fq(dy, E4M3, True)
     wt = torch.stack([wq[g].t() if not recipe.rowwise else fq(w[g].t(), E4M3, True) for g in range(groups)])
     y, dx = torch.zeros(tokens, w.shape[1], dtype=torch.float64), torch.zeros(tokens, w.shape[2], dtype=torch.float64)

@@ -61,6 +61,7 @@
 #                                      # and bf16 train-sp single runs, kernel tables with the NCCL-overlap view
 #   tools/gpu_session.sh s18-bf16-tp   # 2 GPUs (~6 min): bf16 train-tp 2048, opfuse vs compile, isolated A B B A
 #   tools/gpu_session.sh s18-moe-wgrad # 1 GPU (~4.5 min): FP8 grouped wgrad: grouped FP8 GPU tests, bench/moe.py --fp8
+#   tools/gpu_session.sh s19-moe       # 1 GPU (~6 min): GPU tests of the pow2 stack quantizer, FP8 MoE bf16/FP8 wgrad/pow2
 #   tools/gpu_session.sh s19-wgrad-sweep # 1 GPU (~5 min): FP8 vs bf16 grouped wgrad over 2048-16384 tokens, profiled
 #   tools/gpu_session.sh s19-fp8-dist  # 2 GPUs (~1.5 min): tests/gpu/test_fp8_dist.py (FSDP grouped FP8 wgrad, world 2)
 #   tools/gpu_session.sh s17-moe-fp8   # 1 GPU (~5 min): FP8 MoE: stack quantizer + grouped FP8 tests, bench/moe.py --fp8
@@ -674,6 +675,17 @@ case "$stage" in
     final_summary() { for name in fp8_carve16 fp8_carve8 fp8_carve32; do model_lines $name;
                         grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)|under the collective" "$OUT/$name.log" \
                         | cut -c1-300; done; }
+    ;;
+  s19-moe)  # 1 GPU (~6 min; prebuilt modules): session 18's CPU-checked pieces: the one-read power-of-two quantizer
+            # over stacked expert weights (and the dense one's fixup loop rewritten as a while loop), the shared
+            # padded layout of the FP8 wgrad; then FP8 MoE: bf16 wgrad, FP8 wgrad, pow2 expert weights, one run
+    END=${S19_BUDGET_S:-560}
+    tests fp8_tests 150 -q tests/gpu/test_fp8.py -k "stack or grouped or group_column or one_read"
+    step moe_bench "$(fits 330 0)" python3 bench/moe.py --fp8 --fp8-wgrad-ab --fp8-pow2 --profile \
+      --json "$OUT/moe.json"
+    final_summary() { grep -h -E "passed|failed" "$OUT/fp8_tests.log" | tail -2;
+                      grep -h -E "^(FAILED|ERROR)" "$OUT/fp8_tests.log" | head -8;
+                      grep -E "^(\||relative|note|T=[0-9]+: GPU)" "$OUT/moe_bench.log" | grep -v "^|---" | cut -c1-260; }
     ;;
   s19-wgrad-sweep)  # 1 GPU (~5 min; prebuilt modules): where the FP8 grouped weight gradient starts to pay (faster at
                     # 16384 tokens, slower at 4096 in session 18): FP8 vs bfloat16 wgrad over a token sweep, profiled

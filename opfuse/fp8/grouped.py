@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from .numerics import Quantized, amax, cast, quantize, scales_from_amax
+from .numerics import Quantized, amax, cast, pow2_scales_from_amax, quantize, scales_from_amax
 from .recipe import Recipe
 
 __all__ = ["valid_rows", "input_operand", "weight_rows_operand", "weight_t_operand", "grad_operand",
@@ -82,7 +82,8 @@ def weight_rows_operand(rows: torch.Tensor, first_row: int, out_features: int, n
     per_group = per_group.scatter_reduce(0, group_of_row, row_amax, reduce="amax", include_self=True)
     if reduce_amax is not None:
         reduce_amax(per_group)
-    scale, scale_inv = scales_from_amax(per_group, recipe.forward_dtype)
+    scale, scale_inv = (pow2_scales_from_amax if recipe.pow2_weight_scales else scales_from_amax)(
+        per_group, recipe.forward_dtype)
     data = cast(rows, scale[group_of_row].unsqueeze(1), recipe.forward_dtype)
     return Quantized(data, scale_inv[group_of_row])
 

@@ -23,8 +23,8 @@ import torch
 
 from .recipe import FP8_DTYPES
 
-__all__ = ["Quantized", "fp8_max", "amax", "scales_from_amax", "cast", "quantize", "dequantize", "emulated_mm",
-           "row_mask", "POW2_EXPONENTS", "pow2_exponent", "pow2_scales", "pow2_scales_from_amax"]
+__all__ = ["Quantized", "fp8_max", "amax", "scales_from_amax", "cast", "quantize", "quantize_stack", "dequantize",
+           "emulated_mm", "row_mask", "POW2_EXPONENTS", "pow2_exponent", "pow2_scales", "pow2_scales_from_amax"]
 
 
 class Quantized(typing.NamedTuple):
@@ -125,6 +125,17 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, amax_value: tor
     a = amax(x, rowwise, valid_rows) if amax_value is None else amax_value
     scale, scale_inv = (pow2_scales_from_amax if pow2 else scales_from_amax)(a, dtype)
     return Quantized(cast(x, scale, dtype), scale_inv)
+
+
+def quantize_stack(w: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    """Each matrix of ``w [G, R, C]`` (a grouped GEMM's experts) quantized with one scale of its own
+    (rounded down to a power of two with ``pow2``): ``(data [G, R, C], data_t [G, C, R],
+    scale_inv [G])``."""
+    groups, rows, cols = w.shape
+    amaxes = torch.linalg.vector_norm(w.reshape(groups, -1).float(), float("inf"), dim=1)
+    q = quantize(w.reshape(groups * rows, cols), dtype, True, amaxes.repeat_interleave(rows).reshape(-1, 1), pow2=pow2)
+    data = q.data.view(groups, rows, cols)
+    return data, data.transpose(1, 2).contiguous(), q.scale_inv.view(groups, rows)[:, 0].contiguous()
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -45,7 +45,7 @@ class Recipe:
     grad_dtype: torch.dtype = E5M2
     #: Run the weight-gradient GEMM in FP8 (else in the parameter dtype).
     fp8_wgrad: bool = True
-    #: Round each dense weight's scale down to a power of two (:class:`TensorScaling` only).
+    #: Round each weight's (each expert's) scale down to a power of two (:class:`TensorScaling` only).
     pow2_weight_scales: bool = False
 
     def __post_init__(self):
@@ -88,8 +88,8 @@ class Recipe:
 class TensorScaling(Recipe):
     """One scale per tensor, from its current amax; gradients in E5M2 by default.
 
-    ``pow2_weight_scales=True`` rounds each dense weight's scale ``fp8_max / amax`` down to a
-    power of two (activations and gradients keep exact scales; MoE experts' weights too). The
+    ``pow2_weight_scales=True`` rounds each weight's scale ``fp8_max / amax`` down to a power of
+    two (each expert's, for MoE expert weights; activations and gradients keep exact scales). The
     quantized weight then depends on its amax only through the amax's exponent, so a weight is
     quantized in one read: with the exponent of its previous step, checked against the amax
     that the same pass computes, and done again only when the exponent moved (rare: a weight's

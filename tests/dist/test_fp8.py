@@ -169,6 +169,12 @@ def all_cases(rank, world):
             ep = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             fs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
             grouped(rank, world, recipe, ep_group=ep[rank // 2], fsdp_group=fs[rank % 2])
+    # power-of-two expert scales, from the experts' amax all-reduced over the FSDP group
+    pow2 = fp8.TensorScaling(pow2_weight_scales=True)
+    if world == 2:
+        grouped(rank, world, pow2)
+    else:
+        grouped(rank, world, pow2, ep_group=ep[rank // 2], fsdp_group=fs[rank % 2])
 
 
 @pytest.mark.dist

@@ -130,6 +130,36 @@ def _same_bytes(got, want, what):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(1, 16, 16), (3, 33, 257), (8, 512, 1024)])
+def test_one_read_stack_quantizer_matches_each_matrix_quantized_alone(dtype, shape):
+    """``weight_pow2.quantize_stack`` (experts' weights, one power-of-two scale each, one read)
+    against each matrix's two-pass power-of-two quantization, bit for bit (dirty memory), while the
+    experts' amaxes move apart: no hint, right hints, some wrong (one expert up, one down, one zero).
+    The hints end as the true exponents."""
+    from opfuse.families.quantize import weight_pow2
+
+    groups = shape[0]
+    base = randn(*shape, dtype=torch.float32, seed=shape[1] + 11, scale=3.0)
+    key = ("gpu-test-stack", shape, str(dtype))
+    factors = [torch.ones(groups), torch.ones(groups), torch.linspace(0.5, 4.0, groups),
+               torch.linspace(4.0, 0.01, groups), torch.zeros(groups)]
+    for step, factor in enumerate(factors):
+        w = (base * factor.to(DEV).view(-1, 1, 1)).to(dtype)
+        _dirty_allocator(6 * w.numel() + (1 << 20))
+        data, data_t, scale_inv = weight_pow2.quantize_stack(w, E4M3, key)
+        for g in range(groups):
+            want = numerics.quantize(w[g], E4M3, False, pow2=True)
+            _same_bytes(data[g], want.data, (step, g, "data"))
+            _same_bytes(data_t[g], want.data.t().contiguous(), (step, g, "data_t"))
+            assert torch.equal(scale_inv[g].reshape(1, 1), want.scale_inv), (step, g)
+        amaxes = w.float().reshape(groups, -1).abs().amax(1)
+        assert torch.equal(weight_pow2._hint(key, w.device, groups), numerics.pow2_exponent(amaxes, E4M3)), step
+    with pytest.raises(ValueError, match=r"\[groups, rows, cols\]"):
+        weight_pow2.quantize_stack(base[0], E4M3)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(1, 16), (17, 48), (33, 257), (300, 1000), (2048, 8192)])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_one_read_weight_quantizer_matches_two_passes_whatever_the_hint(dtype, shape, fmt):
@@ -329,7 +359,7 @@ GROUPED_CASES = [  # tokens, groups, K, N, sizes (several non-empty groups: a ke
 
 
 @needs_fp8
-@pytest.mark.parametrize("recipe", ["tensor", "row", "tensor-hp-wgrad", "row-fp8-wgrad"])
+@pytest.mark.parametrize("recipe", ["tensor", "row", "tensor-hp-wgrad", "row-fp8-wgrad", "tensor-pow2-weights"])
 @pytest.mark.parametrize("case", range(len(GROUPED_CASES)))
 def test_scaled_grouped_mm_matches_emulation(recipe, case):
     from opfuse.families.grouped_linear.fp8 import reference as grouped_reference

@@ -143,16 +143,18 @@ def test_moe_cpu_dry_run_takes_the_target_against_the_faster_compile_variant(tmp
     assert f"| T=64 | opfuse / best compile | {row['opfuse'] / best:.2f} |" in run.stdout, run.stdout
 
 
-def test_moe_cpu_dry_run_times_the_fp8_weight_gradient_against_the_bfloat16_one(tmp_path):
+def test_moe_cpu_dry_run_times_the_fp8_variants_side_by_side(tmp_path):
     data = tmp_path / "moe.json"
-    run = bench("bench/moe.py", "--cpu", "--fp8", "--fp8-wgrad-ab", "--only", "opfuse fp8", "opfuse fp8 hp-wgrad",
-                "--json", str(data))
+    run = bench("bench/moe.py", "--cpu", "--fp8", "--fp8-wgrad-ab", "--fp8-pow2", "--only", "opfuse fp8",
+                "opfuse fp8 hp-wgrad", "opfuse fp8 pow2", "--json", str(data))
     assert run.returncode == 0, run.stderr
     row = json.loads(data.read_text())["rows"][0]
-    assert row["opfuse fp8"] > 0 and row["opfuse fp8 hp-wgrad"] > 0
-    assert "| tokens | eager | opfuse fp8 hp-wgrad | opfuse fp8 |" in run.stdout
-    refused = bench("bench/moe.py", "--cpu", "--fp8-wgrad-ab")
-    assert refused.returncode != 0 and "--fp8-wgrad-ab needs --fp8" in refused.stderr
+    assert row["opfuse fp8"] > 0 and row["opfuse fp8 hp-wgrad"] > 0 and row["opfuse fp8 pow2"] > 0
+    assert "| tokens | eager | opfuse fp8 hp-wgrad | opfuse fp8 | opfuse fp8 pow2 |" in run.stdout
+    assert "| opfuse fp8 pow2 / best compile |" in run.stdout
+    for flag in ("--fp8-wgrad-ab", "--fp8-pow2"):
+        refused = bench("bench/moe.py", "--cpu", flag)
+        assert refused.returncode != 0 and f"{flag} needs --fp8" in refused.stderr
 
 
 def test_every_peer_kernel_of_opfuse_has_its_kernel_table_category():

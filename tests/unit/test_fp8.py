@@ -277,7 +277,7 @@ def test_norm_emitting_fp8_against_float64_reference(world1, rng, norm, recipe):
 # Grouped -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", RECIPES[:4], ids=IDS[:4])
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 @pytest.mark.parametrize("sizes", [[5, 0, 9, 3], [0, 0, 0, 0], [12, 30, 0, 1]])
 def test_grouped_fp8_against_float64_reference(world1, rng, recipe, sizes):
     layer = ops.GroupedLinear(4, 32, 48, bias=True)

@@ -1,13 +1,16 @@
-"""The Triton kernels of the FP8 grouped weight gradient's operands
+"""Triton quantizer kernels under Triton's CPU interpreter (``TRITON_INTERPRET=1``), so their index
+arithmetic is checked on hosts without a GPU: the FP8 grouped weight gradient's operands
 (``kernels.quantize_group_columns``: per-group column amax, then the transposed cast into the padded
-token layout) under Triton's CPU interpreter (``TRITON_INTERPRET=1``), against the reference
-:func:`opfuse.fp8.grouped.group_columns_operand`: empty groups, sizes past the tokens, negative
-sizes, one group larger than the amax kernel's slices, widths off the tile. Needs triton and numpy
-(skipped otherwise, e.g. on CI); runs in a subprocess because the interpreter is chosen when
-kernels are defined. The interpreter's own FP8 conversion rounds some values one E4M3 step away
-from a GPU's and drops the carry of a value rounding up to a power of two (the existing cast
-kernels show the same), so the values are compared up to that and the zeros (padding, empty
-columns) exactly; tests/gpu compares the bytes exactly."""
+token layout) against :func:`opfuse.fp8.grouped.group_columns_operand` (empty groups, sizes past
+the tokens, negative sizes, one group larger than the amax kernel's slices, widths off the tile),
+and the one-read power-of-two weight quantizer over a stack of expert weights
+(``weight_pow2.quantize_stack``) and one matrix, through right and wrong hints.
+
+Needs triton and numpy (skipped otherwise, e.g. on CI); each check runs in a subprocess because
+the interpreter is chosen when kernels are defined. The interpreter's own FP8 conversion rounds
+some values one E4M3 step away from a GPU's and drops the carry of a value rounding up to a power
+of two (the older cast kernels show the same), so bytes are compared up to that, scales, hints and
+zeros exactly; tests/gpu compares the bytes exactly."""
 
 import os
 import subprocess
@@ -21,8 +24,18 @@ pytest.importorskip("numpy")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SCRIPT = textwrap.dedent("""
+CLOSE = textwrap.dedent("""
     import torch
+
+    def close(want, got):
+        # within one E4M3 step (or one subnormal step), or the carry into the exponent dropped
+        a, b = want.float(), got.float()
+        one_step = (a - b).abs() <= torch.maximum(torch.maximum(a.abs(), b.abs()) / 8, torch.tensor(2.0 ** -9))
+        carry_lost = (2 * b == a) & (torch.frexp(a)[0].abs() == 0.5)
+        return bool((one_step | carry_lost).all()) and (a != b).float().mean() < 0.08
+""")
+
+GROUP_COLUMNS = CLOSE + textwrap.dedent("""
     from opfuse.fp8 import grouped
     from opfuse.families.quantize import kernels
 
@@ -36,17 +49,47 @@ SCRIPT = textwrap.dedent("""
         got = kernels._group_columns_triton(t, group_sizes, grouped.padded_group_ends(group_sizes, tokens))
         assert got.data.shape == want.data.shape and got.data.shape[1] % grouped.TOKEN_ALIGN == 0
         assert torch.equal(got.scale_inv, want.scale_inv), sizes
-        a, b = want.data.float(), got.data.float()
-        assert torch.equal(a == 0, b == 0), sizes
-        one_step = (a - b).abs() <= torch.maximum(a.abs(), b.abs()) / 8
-        carry_lost = (2 * b == a) & (torch.frexp(a)[0].abs() == 0.5)  # rounded up to a power of two on a GPU
-        assert bool((one_step | carry_lost).all()), sizes
-        assert (a != b).float().mean() < 0.05, sizes
+        assert torch.equal(want.data.float() == 0, got.data.float() == 0), sizes  # padding, empty columns
+        assert close(want.data, got.data), sizes
+    print("ok")
+""")
+
+POW2_STACK = CLOSE + textwrap.dedent("""
+    from opfuse.families.quantize import weight_pow2
+    from opfuse.fp8 import numerics
+
+    torch.manual_seed(0)
+    base = torch.randn(3, 40, 300) * torch.tensor([1.0, 100.0, 0.01]).view(3, 1, 1)
+    # the hint: unset, right, wrong upwards, wrong downwards with one matrix zero, all zero
+    for step, factor in enumerate([1.0, 1.0, 3.0, 0.2, 0.0]):
+        w = (base * factor).to(torch.bfloat16)
+        if step == 3:
+            w[2] = 0
+        want = weight_pow2.quantize_stack(w, torch.float8_e4m3fn)  # a CPU tensor: the torch reference
+        got = weight_pow2._one_read(w, torch.float8_e4m3fn, True, "stack", True)
+        assert torch.equal(want[2], got[2]), step
+        assert close(want[0], got[0]) and torch.equal(got[1], got[0].transpose(1, 2)), step
+        exponents = numerics.pow2_exponent(w.float().reshape(3, -1).abs().amax(1), torch.float8_e4m3fn)
+        assert torch.equal(weight_pow2._hints[("stack", w.device, 3)], exponents.int()), step
+    w = (torch.randn(33, 257) * 5).to(torch.bfloat16)  # one matrix, as quantize_weight launches it
+    want = numerics.quantize(w, torch.float8_e4m3fn, False, pow2=True)
+    data, data_t, scale_inv = weight_pow2._one_read(w.unsqueeze(0), torch.float8_e4m3fn, True, "matrix", True)
+    assert torch.equal(scale_inv.reshape(1, 1), want.scale_inv) and close(want.data, data[0])
+    assert torch.equal(data_t[0], data[0].t())
     print("ok")
 """)
 
 
-def test_group_column_quantizer_under_the_interpreter():
+def _run(script: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_group_column_quantizer_under_the_interpreter():
+    _run(GROUP_COLUMNS)
+
+
+def test_one_read_pow2_quantizer_of_a_stack_under_the_interpreter():
+    """Scales and hints exact through right and wrong hints (one exponent per matrix)."""
+    _run(POW2_STACK)

@@ -97,10 +97,7 @@ def quantize_stack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     groups, rows, cols = w.shape
     w = w.contiguous()
     if w.numel() == 0 or fast_path_reason(w) or w.element_size() != 2:
-        amaxes = torch.linalg.vector_norm(w.reshape(groups, -1).float(), float("inf"), dim=1)
-        q = numerics.quantize(w.reshape(groups * rows, cols), dtype, True, amaxes.repeat_interleave(rows).reshape(-1, 1))
-        data = q.data.view(groups, rows, cols)
-        return data, data.transpose(1, 2).contiguous(), q.scale_inv.view(groups, rows)[:, 0].contiguous()
+        return numerics.quantize_stack(w, dtype)
     from .triton_kernels import amax_kernel, cast_kernel
 
     tiles = (*_grid(rows, cols), groups)

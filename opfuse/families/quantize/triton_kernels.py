@@ -10,9 +10,10 @@ bit: float32 products, round-to-nearest-even casts, IEEE divisions for the scale
 * :func:`rowwise_kernel`: one program per row: its amax (or one given per row), scale, cast and
   ``scale_inv``.
 * :func:`pow2_hinted_cast_kernel` + :func:`pow2_fixup_kernel`: one-read quantization with a
-  power-of-two scale (``opfuse.fp8.numerics.pow2_scales_from_amax``): the cast uses the exponent
-  a hint holds (the previous call's) while it reduces the amax; the fixup derives the true
-  exponent, writes ``scale_inv`` and the hint, and casts again only if the hint was wrong.
+  power-of-two scale (``opfuse.fp8.numerics.pow2_scales_from_amax``) of one matrix or of each
+  matrix of a stack: the cast uses the exponent a hint holds (the previous call's) while it
+  reduces the amax; the fixup derives the true exponent, writes ``scale_inv`` and the hint, and
+  casts again only if the hint was wrong.
 
 * :func:`group_column_amax_kernel` + :func:`group_column_cast_kernel`: an operand of the grouped
   weight gradient (:func:`opfuse.fp8.grouped.group_columns_operand`): each group's amax per column,
@@ -126,12 +127,17 @@ def _pow2_cast_tile(x_ptr, q_ptr, qt_ptr, pid_m, pid_n, e, rows, cols, stride, F
 
 
 @triton.jit
-def pow2_hinted_cast_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, rows, cols, stride, FMAX: tl.constexpr,
-                            WRITE_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def pow2_hinted_cast_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, rows, cols, stride, group_stride,
+                            FMAX: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Cast with the hint's exponent (any int32: clamped, and checked by the fixup) and reduce
     ``max |x|`` into ``scratch[0]`` (zero on entry); program 0 records the exponent used in
-    ``scratch[1]``."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    ``scratch[1]``. Grid axis 2: matrix ``g`` of a stack, with hint ``g`` and ``scratch[2g:2g+2]``."""
+    pid_m, pid_n, group = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    x_ptr += group * group_stride
+    hint_ptr += group
+    scratch_ptr += 2 * group
+    q_ptr += group * rows * cols
+    qt_ptr += group * rows * cols
     e = tl.minimum(tl.maximum(tl.load(hint_ptr), -126), 126)
     _pow2_cast_tile(x_ptr, q_ptr, qt_ptr, pid_m, pid_n, e, rows, cols, stride, FMAX, WRITE_T, BM, BN, True,
                     scratch_ptr)
@@ -140,24 +146,32 @@ def pow2_hinted_cast_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, rows, c
 
 
 @triton.jit
-def pow2_fixup_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, stride, tiles_n,
-                      tiles, programs, FMAX: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr,
+def pow2_fixup_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, stride, group_stride,
+                      tiles_n, tiles, programs, FMAX: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr,
                       BN: tl.constexpr):
     """The true exponent from the amax; program 0 writes ``scale_inv`` and the hint (the other
     programs read the exponent the cast used from ``scratch[1]``, never the hint, so no program
     sees the new hint); where the exponent differs from the one used, the programs cast every
-    tile again, grid-stride (``programs``: the grid's size)."""
-    pid = tl.program_id(0)
+    tile again, grid-stride (``programs``: the grid's size along axis 0). Grid axis 1: matrix ``g``
+    of a stack, as in :func:`pow2_hinted_cast_kernel` (``scale_inv[g]``)."""
+    pid, group = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    x_ptr += group * group_stride
+    hint_ptr += group
+    scratch_ptr += 2 * group
+    q_ptr += group * rows * cols
+    qt_ptr += group * rows * cols
+    scale_inv_ptr += group
     e = _pow2_exponent(tl.load(scratch_ptr), FMAX)
     used = tl.load(scratch_ptr + 1).to(tl.int32)
     if pid == 0:
         tl.store(scale_inv_ptr, ((127 - e) << 23).to(tl.float32, bitcast=True))
         tl.store(hint_ptr, e)
     if e != used:
-        for first in range(0, tiles, programs):
-            tile = first + pid  # past the last tile: rows past the end, every element masked off
+        tile = pid
+        while tile < tiles:  # grid-stride (a while loop: Triton's interpreter takes no tensor range bounds)
             _pow2_cast_tile(x_ptr, q_ptr, qt_ptr, tile // tiles_n, tile % tiles_n, e, rows, cols, stride, FMAX,
                             WRITE_T, BM, BN, False, scratch_ptr)
+            tile += programs
 
 
 @triton.jit

@@ -34,7 +34,8 @@ from ...machinery.fused_op import graph_op
 from ...runtime.device import allocating_to_graph_pool, is_capturing, outside_graph_pool
 from .kernels import fast_path_reason
 
-__all__ = ["quantize_weight", "quantize_weight_pow2", "new_key", "reserve_hint", "forget_hints", "dtype_name"]
+__all__ = ["quantize_weight", "quantize_stack", "quantize_weight_pow2", "new_key", "reserve_hint", "forget_hints",
+           "dtype_name"]
 
 #: Tile of the cast (rows x columns of the weight); 16-bit tiles are written transposed too.
 _TILE_M, _TILE_N = 32, 256
@@ -78,15 +79,15 @@ def forget_hints() -> None:
         _hints.clear()
 
 
-def _hint(key, device: torch.device) -> Tensor:
+def _hint(key, device: torch.device, size: int = 1) -> Tensor:
     # Made on a key's first call unless reserved (reserve_hint). A first call inside a CUDA-graph
     # capture would capture the fill too, and every replay would reset the hint (correct bytes, two
     # casts each time); one inside a cudagraph tree's pool would leave an untracked tensor there.
-    slot = (key, device)
+    slot = (key, device) if size == 1 else (key, device, size)  # a stack: one exponent per matrix
     found = _hints.get(slot)
     if found is None:
         def make():
-            return torch.full((1,), _UNSET, dtype=torch.int32, device=device)
+            return torch.full((size,), _UNSET, dtype=torch.int32, device=device)
 
         # In a cudagraph tree's warm-up the hint would land in the graph's pool, untracked.
         made = outside_graph_pool(make) if allocating_to_graph_pool() and not is_capturing() else make()
@@ -96,6 +97,8 @@ def _hint(key, device: torch.device) -> Tensor:
 
 
 def _programs(device: torch.device, tiles: int) -> int:
+    if device.type != "cuda":  # Triton's CPU interpreter (tests)
+        return max(1, min(tiles, 4))
     return max(1, min(tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
@@ -107,41 +110,69 @@ def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=Non
     triton) the torch reference."""
     if weight.dim() != 2:
         raise ValueError(f"opfuse.fp8: a weight must be 2-D to quantize, got shape {list(weight.shape)}")
-    if dtype not in numerics.FP8_DTYPES:
-        raise ValueError(f"opfuse.fp8: {dtype} is not an FP8 format; accepted: {list(numerics.FP8_DTYPES)}")
+    _check_dtype(dtype)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     if weight.numel() == 0 or fast_path_reason(weight):
         q = numerics.quantize(weight, dtype, False, pow2=True)
         return (q, Quantized(q.data.t().contiguous(), q.scale_inv)) if transpose else q
+    data, data_t, scale_inv = _one_read(weight.unsqueeze(0), dtype, transpose, key, create)
+    q = Quantized(data[0], scale_inv.reshape(1, 1))
+    if not transpose:
+        return q
+    return q, Quantized(data_t[0], q.scale_inv)
+
+
+def quantize_stack(w: Tensor, dtype: torch.dtype, key=None, create: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """A stack of matrices ``w [G, R, C]`` (a grouped GEMM's experts), each with its own
+    power-of-two scale, in one read: ``(data [G, R, C], data_t [G, C, R], scale_inv [G])``, the bytes
+    of :func:`quantize_weight` of each ``w[g]`` with ``transpose=True``. ``key`` names one hint per
+    matrix (as in :func:`quantize_weight`)."""
+    if w.dim() != 3:
+        raise ValueError(f"opfuse.fp8: quantize_stack: w must be [groups, rows, cols], got shape {list(w.shape)}")
+    _check_dtype(dtype)
+    if w.numel() == 0 or fast_path_reason(w):
+        return numerics.quantize_stack(w, dtype, pow2=True)
+    return _one_read(w.contiguous(), dtype, True, key, create)
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in numerics.FP8_DTYPES:
+        raise ValueError(f"opfuse.fp8: {dtype} is not an FP8 format; accepted: {list(numerics.FP8_DTYPES)}")
+
+
+def _one_read(w: Tensor, dtype: torch.dtype, transpose: bool, key, create: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The hinted cast and its fixup over a stack ``w [G, R, C]`` (last dim contiguous):
+    ``(data [G, R, C], data_t [G, C, R] or data, scale_inv [G])``."""
     from .triton_kernels import pow2_fixup_kernel, pow2_hinted_cast_kernel
 
-    rows, cols = weight.shape
-    device = weight.device
+    groups, rows, cols = w.shape
+    device = w.device
     limit = numerics.fp8_max(dtype)
-    hint = None if key is None else _hint(key, device) if create else _hints.get((key, device))
+    hint = None if key is None else _hint(key, device, groups) if create else _hints.get(
+        (key, device) if groups == 1 else (key, device, groups))
     if hint is None:
         if key is not None and (key, device) not in _unreserved:
             _unreserved.add((key, device))
             _log.info("quantize_weight_pow2: no hint reserved for key %r on %s: two casts per call", key, device)
-        hint = torch.full((1,), _UNSET, dtype=torch.int32, device=device)
-    scratch = torch.zeros(2, dtype=torch.float32, device=device)  # [amax, exponent the cast used]
-    data = torch.empty((rows, cols), dtype=dtype, device=device)
+        hint = torch.full((groups,), _UNSET, dtype=torch.int32, device=device)
+    scratch = torch.zeros(groups, 2, dtype=torch.float32, device=device)  # [amax, exponent the cast used]
+    data = torch.empty((groups, rows, cols), dtype=dtype, device=device)
     # float32 tiles came out of tl.trans wrong with triton 3.6 (kernels.quantize): torch transposes those.
-    fused_t = transpose and weight.element_size() == 2
-    data_t = torch.empty((cols, rows), dtype=dtype, device=device) if fused_t else data
-    scale_inv = torch.empty((1, 1), dtype=torch.float32, device=device)
+    fused_t = transpose and w.element_size() == 2
+    data_t = torch.empty((groups, cols, rows), dtype=dtype, device=device) if fused_t else data
+    scale_inv = torch.empty(groups, dtype=torch.float32, device=device)
     tiles_m, tiles_n = -(-rows // _TILE_M), -(-cols // _TILE_N)
-    pow2_hinted_cast_kernel[(tiles_m, tiles_n)](weight, hint, scratch, data, data_t, rows, cols, weight.stride(0),
-                                                FMAX=limit, WRITE_T=fused_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    pow2_hinted_cast_kernel[(tiles_m, tiles_n, groups)](w, hint, scratch, data, data_t, rows, cols, w.stride(1),
+                                                        w.stride(0), FMAX=limit, WRITE_T=fused_t, BM=_TILE_M,
+                                                        BN=_TILE_N, num_warps=4)
     programs = _programs(device, tiles_m * tiles_n)
-    pow2_fixup_kernel[(programs,)](weight, hint, scratch, data, data_t, scale_inv, rows, cols, weight.stride(0),
-                                   tiles_n, tiles_m * tiles_n, programs, FMAX=limit, WRITE_T=fused_t, BM=_TILE_M,
-                                   BN=_TILE_N, num_warps=4)
-    q = Quantized(data, scale_inv)
-    if not transpose:
-        return q
-    return q, Quantized(data_t if fused_t else data.t().contiguous(), scale_inv)
+    pow2_fixup_kernel[(programs, groups)](w, hint, scratch, data, data_t, scale_inv, rows, cols, w.stride(1),
+                                          w.stride(0), tiles_n, tiles_m * tiles_n, programs, FMAX=limit,
+                                          WRITE_T=fused_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    if transpose and not fused_t:
+        data_t = data.transpose(1, 2).contiguous()
+    return data, data_t, scale_inv
 
 
 def _quantize_weight_pow2_fake(weight, key, dtype, transpose):

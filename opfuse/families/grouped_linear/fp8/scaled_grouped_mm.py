@@ -13,7 +13,8 @@ operands transposed into the padded token layout by
 
 With one scale per expert, the weight is quantized into both operands at once, ``W`` for the
 forward and ``W.T`` for the data gradient (:func:`~opfuse.families.quantize.kernels.quantize_stack`:
-an amax pass and one cast writing both layouts), once per weight version, and the forward hands
+an amax pass and one cast writing both layouts; with power-of-two scales
+:func:`~opfuse.families.quantize.weight_pow2.quantize_stack`, one read), once per weight version, and the forward hands
 ``W.T`` to its backward with the activation they share (``weight_cache.keep_for_backward``):
 Inductor passes a fresh alias of the weight on every call, whose version says nothing.
 """
@@ -26,7 +27,7 @@ from ....fp8 import grouped as fp8_grouped
 from ....fp8.numerics import Quantized
 from ....fp8.recipe import recipe_from_key
 from ....ops.base import dtype_name
-from ...quantize import kernels, weight_cache
+from ...quantize import kernels, weight_cache, weight_pow2
 from ..torch_mm import device_offsets as offsets  # the same cumulative, clamped int32 offsets
 from ..torch_mm import zero_empty_groups, zero_tail_rows
 from ..triton_impl import triton_status
@@ -63,10 +64,16 @@ def check(spec) -> str | None:
 
 
 def _both_weights(weight, r) -> tuple[Quantized, Quantized]:
-    """``(W, W.T)`` with one scale per expert, made together once per weight version."""
+    """``(W, W.T)`` with one scale per expert, made together once per weight version (with
+    power-of-two scales in one read of the weight: the exponents of its previous version as hints,
+    keyed by its storage)."""
     def build():
         groups, n, k = weight.shape
-        data, data_t, scale_inv = kernels.quantize_stack(weight, r.forward_dtype)
+        if r.pow2_weight_scales:
+            key = ("grouped", weight.data_ptr(), tuple(weight.shape))
+            data, data_t, scale_inv = weight_pow2.quantize_stack(weight, r.forward_dtype, key)
+        else:
+            data, data_t, scale_inv = kernels.quantize_stack(weight, r.forward_dtype)
         return (Quantized(data, scale_inv.unsqueeze(1).expand(groups, n).contiguous()),
                 Quantized(data_t, scale_inv.unsqueeze(1).expand(groups, k).contiguous()))
 
