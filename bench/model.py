@@ -179,6 +179,9 @@ def _fusions(compiled) -> tuple[str, float]:
             if source == "overlap" and "weight-only" in note:
                 key = "weight work under a forward collective"
                 counts[key] = counts.get(key, 0) + 1
+            if source == "overlap" and "moved under this backward collective" in note:
+                key = "weight gradient moved under a backward collective"
+                counts[key] = counts.get(key, 0) + 1
             if source == "reference_fusions":  # "<node>: <fused op> left to Inductor: ..."
                 key = f"left to Inductor: {note.split(': ')[1].split(' left')[0]}"
                 counts[key] = counts.get(key, 0) + 1
