@@ -66,14 +66,18 @@ POW2_STACK = CLOSE + textwrap.dedent("""
         if step == 3:
             w[2] = 0
         want = weight_pow2.quantize_stack(w, torch.float8_e4m3fn)  # a CPU tensor: the torch reference
-        got = weight_pow2._one_read(w, torch.float8_e4m3fn, True, "stack", True)
+        got = (torch.empty(3, 40, 300, dtype=torch.float8_e4m3fn), torch.empty(3, 300, 40, dtype=torch.float8_e4m3fn),
+               torch.empty(3))
+        weight_pow2._one_read(w, torch.float8_e4m3fn, True, "stack", True, *got)
         assert torch.equal(want[2], got[2]), step
         assert close(want[0], got[0]) and torch.equal(got[1], got[0].transpose(1, 2)), step
         exponents = numerics.pow2_exponent(w.float().reshape(3, -1).abs().amax(1), torch.float8_e4m3fn)
         assert torch.equal(weight_pow2._hints[("stack", w.device, 3)], exponents.int()), step
     w = (torch.randn(33, 257) * 5).to(torch.bfloat16)  # one matrix, as quantize_weight launches it
     want = numerics.quantize(w, torch.float8_e4m3fn, False, pow2=True)
-    data, data_t, scale_inv = weight_pow2._one_read(w.unsqueeze(0), torch.float8_e4m3fn, True, "matrix", True)
+    data, data_t, scale_inv = (torch.empty(1, 33, 257, dtype=torch.float8_e4m3fn),
+                               torch.empty(1, 257, 33, dtype=torch.float8_e4m3fn), torch.empty(1))
+    weight_pow2._one_read(w.unsqueeze(0), torch.float8_e4m3fn, True, "matrix", True, data, data_t, scale_inv)
     assert torch.equal(scale_inv.reshape(1, 1), want.scale_inv) and close(want.data, data[0])
     assert torch.equal(data_t[0], data[0].t())
     print("ok")

@@ -116,11 +116,17 @@ def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=Non
     if weight.numel() == 0 or fast_path_reason(weight):
         q = numerics.quantize(weight, dtype, False, pow2=True)
         return (q, Quantized(q.data.t().contiguous(), q.scale_inv)) if transpose else q
-    data, data_t, scale_inv = _one_read(weight.unsqueeze(0), dtype, transpose, key, create)
-    q = Quantized(data[0], scale_inv.reshape(1, 1))
+    rows, cols = weight.shape
+    fused_t = _fused_transpose(weight, transpose)
+    data = torch.empty((rows, cols), dtype=dtype, device=weight.device)
+    data_t = torch.empty((cols, rows), dtype=dtype, device=weight.device) if fused_t else data
+    scale_inv = torch.empty((1, 1), dtype=torch.float32, device=weight.device)
+    _one_read(weight.unsqueeze(0), dtype, fused_t, key, create, data.unsqueeze(0), data_t.unsqueeze(0),
+              scale_inv.view(1))
+    q = Quantized(data, scale_inv)
     if not transpose:
         return q
-    return q, Quantized(data_t[0], q.scale_inv)
+    return q, Quantized(data_t if fused_t else data.t().contiguous(), scale_inv)
 
 
 def quantize_stack(w: Tensor, dtype: torch.dtype, key=None, create: bool = True) -> tuple[Tensor, Tensor, Tensor]:
@@ -133,7 +139,14 @@ def quantize_stack(w: Tensor, dtype: torch.dtype, key=None, create: bool = True)
     _check_dtype(dtype)
     if w.numel() == 0 or fast_path_reason(w):
         return numerics.quantize_stack(w, dtype, pow2=True)
-    return _one_read(w.contiguous(), dtype, True, key, create)
+    w = w.contiguous()
+    groups, rows, cols = w.shape
+    fused_t = _fused_transpose(w, True)
+    data = torch.empty((groups, rows, cols), dtype=dtype, device=w.device)
+    data_t = torch.empty((groups, cols, rows), dtype=dtype, device=w.device) if fused_t else data
+    scale_inv = torch.empty(groups, dtype=torch.float32, device=w.device)
+    _one_read(w, dtype, fused_t, key, create, data, data_t, scale_inv)
+    return data, data_t if fused_t else data.transpose(1, 2).contiguous(), scale_inv
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -141,9 +154,15 @@ def _check_dtype(dtype: torch.dtype) -> None:
         raise ValueError(f"opfuse.fp8: {dtype} is not an FP8 format; accepted: {list(numerics.FP8_DTYPES)}")
 
 
-def _one_read(w: Tensor, dtype: torch.dtype, transpose: bool, key, create: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The hinted cast and its fixup over a stack ``w [G, R, C]`` (last dim contiguous):
-    ``(data [G, R, C], data_t [G, C, R] or data, scale_inv [G])``."""
+def _fused_transpose(w: Tensor, transpose: bool) -> bool:
+    # float32 tiles came out of tl.trans wrong with triton 3.6 (kernels.quantize): torch transposes those.
+    return transpose and w.element_size() == 2
+
+
+def _one_read(w: Tensor, dtype: torch.dtype, write_t: bool, key, create: bool, data: Tensor, data_t: Tensor,
+              scale_inv: Tensor) -> None:
+    """The hinted cast and its fixup over a stack ``w [G, R, C]`` (last dim contiguous), writing
+    ``data [G, R, C]``, with ``write_t`` ``data_t [G, C, R]`` (else ignored), and ``scale_inv [G]``."""
     from .triton_kernels import pow2_fixup_kernel, pow2_hinted_cast_kernel
 
     groups, rows, cols = w.shape
@@ -157,22 +176,14 @@ def _one_read(w: Tensor, dtype: torch.dtype, transpose: bool, key, create: bool)
             _log.info("quantize_weight_pow2: no hint reserved for key %r on %s: two casts per call", key, device)
         hint = torch.full((groups,), _UNSET, dtype=torch.int32, device=device)
     scratch = torch.zeros(groups, 2, dtype=torch.float32, device=device)  # [amax, exponent the cast used]
-    data = torch.empty((groups, rows, cols), dtype=dtype, device=device)
-    # float32 tiles came out of tl.trans wrong with triton 3.6 (kernels.quantize): torch transposes those.
-    fused_t = transpose and w.element_size() == 2
-    data_t = torch.empty((groups, cols, rows), dtype=dtype, device=device) if fused_t else data
-    scale_inv = torch.empty(groups, dtype=torch.float32, device=device)
     tiles_m, tiles_n = -(-rows // _TILE_M), -(-cols // _TILE_N)
     pow2_hinted_cast_kernel[(tiles_m, tiles_n, groups)](w, hint, scratch, data, data_t, rows, cols, w.stride(1),
-                                                        w.stride(0), FMAX=limit, WRITE_T=fused_t, BM=_TILE_M,
+                                                        w.stride(0), FMAX=limit, WRITE_T=write_t, BM=_TILE_M,
                                                         BN=_TILE_N, num_warps=4)
     programs = _programs(device, tiles_m * tiles_n)
     pow2_fixup_kernel[(programs, groups)](w, hint, scratch, data, data_t, scale_inv, rows, cols, w.stride(1),
                                           w.stride(0), tiles_n, tiles_m * tiles_n, programs, FMAX=limit,
-                                          WRITE_T=fused_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
-    if transpose and not fused_t:
-        data_t = data.transpose(1, 2).contiguous()
-    return data, data_t, scale_inv
+                                          WRITE_T=write_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
 
 
 def _quantize_weight_pow2_fake(weight, key, dtype, transpose):
