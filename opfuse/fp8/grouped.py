@@ -100,17 +100,20 @@ def weight_t_operand(wq: Quantized | None, recipe: Recipe, weight: torch.Tensor 
     return Quantized(q.data.view(groups, k, n), q.scale_inv.view(groups, k))
 
 
-def padded_group_ends(group_sizes: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def padded_group_ends(group_sizes: torch.Tensor, tokens: int,
+                      ends: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(ends, padded_ends, padded_tokens)``: each group's cumulative end row in ``[0, tokens]``
-    (int32, clamped like the kernels), its end in the padded layout of the weight gradient's
-    operands (each group's size rounded up to :data:`TOKEN_ALIGN`; int32) and that layout's length, a
-    multiple of :data:`TOKEN_ALIGN` large enough for any sizes (no host sync)."""
-    ends = torch.cumsum(group_sizes.clamp(min=0), 0, dtype=torch.int64).clamp_(max=tokens)
+    (int32, clamped like the kernels; pass them as ``ends`` when already made), its end in the
+    padded layout of the weight gradient's operands (each group's size rounded up to
+    :data:`TOKEN_ALIGN`; int32) and that layout's length, a multiple of :data:`TOKEN_ALIGN` large
+    enough for any sizes (no host sync)."""
+    if ends is None:
+        ends = torch.cumsum(group_sizes.clamp(min=0), 0, dtype=torch.int64).clamp_(max=tokens).to(torch.int32)
     sizes = torch.diff(ends, prepend=ends.new_zeros(1))
     padded = torch.cumsum((sizes + TOKEN_ALIGN - 1) // TOKEN_ALIGN * TOKEN_ALIGN, 0)
     groups = group_sizes.shape[0]
     padded_tokens = -(-(tokens + (TOKEN_ALIGN - 1) * groups) // TOKEN_ALIGN) * TOKEN_ALIGN
-    return ends.to(torch.int32), padded.to(torch.int32), padded_tokens
+    return ends, padded.to(torch.int32), padded_tokens
 
 
 def group_columns_operand(t: torch.Tensor, group_sizes: torch.Tensor) -> Quantized:
@@ -178,19 +181,15 @@ def emulated_backward(dy: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tens
     db = torch.zeros(groups, n, dtype=ct, device=dy.device) if need_db else empty
     if need_dx:
         dyq = grad_operand(dy)
-    if need_dw and fp8_wgrad:
-        dyt, xt = group_columns_operand(dy, group_sizes), group_columns_operand(x, group_sizes)
-        padded_starts = [0] + padded_group_ends(group_sizes, tokens)[1].tolist()[:-1]
     for g, (start, end) in enumerate(host_bounds(group_sizes, tokens)):
         if end == start:
             continue
         if need_dx:
             w = wt.data[g].to(ct) * wt.scale_inv[g].to(ct).unsqueeze(1)
             dx[start:end] = _rows(dyq, start, end, ct) @ w.t()
-        if need_dw and fp8_wgrad:
-            cols = slice(padded_starts[g], padded_starts[g] + end - start)
-            dw[g] = ((dyt.data[:, cols].to(ct) * dyt.scale_inv[g].to(ct).unsqueeze(1))
-                     @ (xt.data[:, cols].to(ct) * xt.scale_inv[g].to(ct).unsqueeze(1)).t())
+        if need_dw and fp8_wgrad:  # the group's columns of group_columns_operand: rows of the transposes
+            dyt, xt = (quantize(t[start:end].t().contiguous(), torch.float8_e4m3fn, True) for t in (dy, x))
+            dw[g] = dyt.dequantize(ct) @ xt.dequantize(ct).t()
         elif need_dw:
             dw[g] = dy[start:end].to(ct).t() @ x[start:end].to(ct)
         if need_db:

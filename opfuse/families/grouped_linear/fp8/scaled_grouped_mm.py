@@ -164,7 +164,7 @@ def backward(dy, x, group_sizes, weight, bias, fsdp_group, num_groups, recipe, n
                                       wt.scale_inv, offs=offs, out_dtype=dy.dtype)
         zero_tail_rows(dx, group_sizes)
     if need_dw and r.fp8_wgrad:  # dW_g = dy_g.T @ x_g on E4M3, both read along the padded tokens
-        layout = fp8_grouped.padded_group_ends(group_sizes, tokens)
+        layout = fp8_grouped.padded_group_ends(group_sizes, tokens, ends=offs)
         dyt = kernels.quantize_group_columns(dy, group_sizes, layout)
         xt = kernels.quantize_group_columns(x, group_sizes, layout)
         dw = torch._scaled_grouped_mm(dyt.data, xt.data.t(), dyt.scale_inv.reshape(-1), xt.scale_inv.reshape(-1),
