@@ -62,6 +62,9 @@
 #   tools/gpu_session.sh s18-bf16-tp   # 2 GPUs (~6 min): bf16 train-tp 2048, opfuse vs compile, isolated A B B A
 #   tools/gpu_session.sh s18-moe-wgrad # 1 GPU (~4.5 min): FP8 grouped wgrad: grouped FP8 GPU tests, bench/moe.py --fp8
 #   tools/gpu_session.sh s19-moe       # 1 GPU (~6 min): GPU tests of the pow2 stack quantizer, FP8 MoE bf16/FP8 wgrad/pow2
+#   tools/gpu_session.sh s19-moe-gather # 1 GPU (~5.5 min): gathers instead of index_add in the MoE rewrite, one-read
+#                                      # per-row quantizer: GPU tests, FP8 MoE bench profiled
+#   tools/gpu_session.sh s19-fp8-sp    # 2 GPUs (~7 min): FP8 world-2 GPU tests, FP8 pow2 train-sp graphs A B B A
 #   tools/gpu_session.sh s19-wgrad-sweep # 1 GPU (~5 min): FP8 vs bf16 grouped wgrad over 2048-16384 tokens, profiled
 #   tools/gpu_session.sh s19-fp8-dist  # 2 GPUs (~1.5 min): tests/gpu/test_fp8_dist.py (FSDP grouped FP8 wgrad, world 2)
 #   tools/gpu_session.sh s17-moe-fp8   # 1 GPU (~5 min): FP8 MoE: stack quantizer + grouped FP8 tests, bench/moe.py --fp8
@@ -686,6 +689,28 @@ case "$stage" in
     final_summary() { grep -h -E "passed|failed" "$OUT/fp8_tests.log" | tail -2;
                       grep -h -E "^(FAILED|ERROR)" "$OUT/fp8_tests.log" | head -8;
                       grep -E "^(\||relative|note|T=[0-9]+: GPU)" "$OUT/moe_bench.log" | grep -v "^|---" | cut -c1-260; }
+    ;;
+  s19-moe-gather)  # 1 GPU (~5.5 min; prebuilt modules): session 19's CPU-checked changes: tokens moved to and from
+                   # expert order by gathers both ways (no atomic index_add), the one-read per-row quantizer;
+                   # quantizer + compiled FP8 MoE GPU tests, then FP8 MoE (FP8 wgrad, pow2 experts) profiled
+    END=${S19_BUDGET_S:-540}
+    tests fp8_tests 120 -q tests/gpu/test_fp8.py -k "quantizers_match or stack or grouped"
+    tests compile_moe_tests 150 -q tests/gpu/test_compile_fp8_moe.py
+    step moe_bench "$(fits 260 0)" python3 bench/moe.py --fp8 --fp8-pow2 --profile --json "$OUT/moe.json"
+    final_summary() { grep -h -E "passed|failed" "$OUT/fp8_tests.log" "$OUT/compile_moe_tests.log" | tail -2;
+                      grep -h -E "^(FAILED|ERROR)" "$OUT/fp8_tests.log" "$OUT/compile_moe_tests.log" | head -8;
+                      grep -E "^(\||relative|note|T=[0-9]+: GPU)" "$OUT/moe_bench.log" | grep -v "^|---" | cut -c1-260; }
+    ;;
+  s19-fp8-sp)  # 2 GPUs (~7 min; prebuilt modules): the FP8 collective GEMM and FSDP grouped FP8 wgrad tests at world 2
+               # (s19-fp8-dist's), then FP8 pow2 train-sp under CUDA graphs vs torch.compile bf16, A B B A after a
+               # warm-up (s17-fp8-gather's measurement, after session 18's dense one-read launcher change)
+    END=${S19_BUDGET_S:-570}
+    tests gpu_tests 150 -q tests/gpu/test_sm_carveout.py tests/gpu/test_fp8_dist.py
+    step isolated_fp8_sp "$(fits 450 0)" python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair compile "opfuse fp8@graphs" --warmup-run --run-timeout 110 \
+      --json "$OUT/isolated_fp8_sp.json"
+    final_summary() { grep -h -E "passed|failed" "$OUT/gpu_tests.log" | tail -2; grep -h -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -8;
+                      grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_sp.log | grep -v "^|---"; }
     ;;
   s19-wgrad-sweep)  # 1 GPU (~5 min; prebuilt modules): where the FP8 grouped weight gradient starts to pay (faster at
                     # 16384 tokens, slower at 4096 in session 18): FP8 vs bfloat16 wgrad over a token sweep, profiled

@@ -49,7 +49,7 @@ def randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("shape", [(1, 16), (17, 48), (300, 1000), (2048, 8192)])
+@pytest.mark.parametrize("shape", [(1, 16), (17, 48), (300, 1000), (2048, 8192), (64, 14336), (8, 20000)])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_quantizers_match_numerics_bit_for_bit(dtype, shape, fmt):
     x = randn(*shape, dtype=dtype, seed=shape[0], scale=3.0)

@@ -192,3 +192,67 @@ def test_grouped_gemms_of_a_training_graph_are_chosen_for_training(grad, monkeyp
     assert chosen == {grad}, seen
     # the backend's pipeline chose after tracing (4 grouped GEMMs), as for training when there is a backward
     assert sum(rows == 24 for rows, _ in seen) >= 4
+
+
+def _loop_experts(x, weights, selected, gate_up, down, act):
+    """The per-expert loop in float64: each token's rows through its experts, weighted and summed."""
+    ffn = gate_up.shape[1] // 2
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(selected.shape[1]):
+            e = selected[t, j]
+            h = gate_up[e] @ x[t]
+            out[t] += weights[t, j] * (down[e] @ (act(h[:ffn]) * h[ffn:]))
+    return out
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_grouped_experts_forward_and_gradients_match_the_loop_in_float64(top_k):
+    """The grouped formulation (tokens spread to expert order and collected back by gathers, both
+    ways in the backward) against the per-expert loop, outputs and every gradient, in float64;
+    one expert gets no token."""
+    g = torch.Generator().manual_seed(top_k)
+    tokens, hidden, ffn, experts = 7, 6, 5, 4
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(tokens, top_k, generator=g, dtype=torch.float64, requires_grad=True)
+    selected = torch.stack([torch.randperm(experts - 1, generator=g)[:top_k] for _ in range(tokens)])
+    gate_up = torch.randn(experts, 2 * ffn, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+    down = torch.randn(experts, hidden, ffn, generator=g, dtype=torch.float64, requires_grad=True)
+    act = torch.nn.functional.silu
+    got = moe_rewrite.grouped_experts(x, weights, selected, gate_up, down, act)
+    want = _loop_experts(x, weights, selected, gate_up, down, act)
+    torch.testing.assert_close(got, want)
+    dy = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    inputs = (x, weights, gate_up, down)
+    for a, b in zip(torch.autograd.grad(got, inputs, dy), torch.autograd.grad(want, inputs, dy)):
+        torch.testing.assert_close(a, b)
+
+
+def test_tokens_move_by_gathers_in_the_compiled_forward_and_backward():
+    """No scatter-add of activation rows in the traced forward or backward (autograd's index_add /
+    index_put with accumulate, which Inductor leaves to ATen's atomic kernel for 16-bit types);
+    the only scatter left is the group-size count over integers."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 8, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    weights = torch.rand(12, 2, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    selected = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(12)])
+    gate_up = torch.randn(4, 10, 8, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    down = torch.randn(4, 8, 5, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    fn = torch.compile(moe_rewrite.grouped_experts, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                       fullgraph=True)
+    fn(x, weights, selected, gate_up, down, torch.nn.functional.silu).sum().backward()
+    assert len(graphs) == 2 and x.grad is not None
+    aten = torch.ops.aten
+    scatters = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and n.target in (
+        aten.index_add.default, aten.index_add_.default, aten.index_put.default, aten.index_put_.default,
+        aten._unsafe_index_put.default, aten.scatter_add.default, aten.scatter_reduce.two)]
+    floating = [n for n in scatters if n.meta["val"].dtype.is_floating_point]
+    assert not floating, [str(n.format_node()) for n in floating]

@@ -3,8 +3,9 @@ arithmetic is checked on hosts without a GPU: the FP8 grouped weight gradient's 
 (``kernels.quantize_group_columns``: per-group column amax, then the transposed cast into the padded
 token layout) against :func:`opfuse.fp8.grouped.group_columns_operand` (empty groups, sizes past
 the tokens, negative sizes, one group larger than the amax kernel's slices, widths off the tile),
-and the one-read power-of-two weight quantizer over a stack of expert weights
-(``weight_pow2.quantize_stack``) and one matrix, through right and wrong hints.
+the one-read power-of-two weight quantizer over a stack of expert weights
+(``weight_pow2.quantize_stack``) and one matrix, through right and wrong hints, and the per-row
+quantizer in both its forms.
 
 Needs triton and numpy (skipped otherwise, e.g. on CI); each check runs in a subprocess because
 the interpreter is chosen when kernels are defined. The interpreter's own FP8 conversion rounds
@@ -84,6 +85,26 @@ POW2_STACK = CLOSE + textwrap.dedent("""
 """)
 
 
+ROWWISE = CLOSE + textwrap.dedent("""
+    from opfuse.families.quantize import kernels
+    from opfuse.fp8 import numerics
+
+    torch.manual_seed(0)
+    for rows, cols in [(5, 300), (3, 16), (4, 1030), (2, 2049)]:
+        x = (torch.randn(rows, cols) * torch.logspace(-2, 2, rows).view(rows, 1)).to(torch.bfloat16)
+        x[1] = 0                                          # a row without an amax
+        x[0, 3] = -7.5
+        given = x.float().abs().amax(1) * 2               # the amax given per row (e.g. per expert)
+        for amax in (None, given):
+            want = numerics.quantize(x, torch.float8_e4m3fn, True, None if amax is None else amax.view(-1, 1))
+            for one_read in (True, False):
+                got = kernels._rowwise_triton(x, torch.float8_e4m3fn, amax, one_read)
+                assert torch.equal(got.scale_inv, want.scale_inv), (rows, cols, one_read)
+                assert close(want.data, got.data), (rows, cols, one_read)
+    print("ok")
+""")
+
+
 def _run(script: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -97,3 +118,9 @@ def test_group_column_quantizer_under_the_interpreter():
 def test_one_read_pow2_quantizer_of_a_stack_under_the_interpreter():
     """Scales and hints exact through right and wrong hints (one exponent per matrix)."""
     _run(POW2_STACK)
+
+
+def test_rowwise_quantizer_one_read_and_two_reads_under_the_interpreter():
+    """Both forms of the per-row kernel (the row held in registers, or read twice), with the amax
+    computed or given, rows of widths off the block; scales exact."""
+    _run(ROWWISE)

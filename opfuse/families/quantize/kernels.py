@@ -14,6 +14,9 @@ from ...runtime.device import triton_status
 __all__ = ["quantize", "quantize_stack", "quantize_group_columns", "fast_path_reason", "amax"]
 
 _TILE_M, _TILE_N, _ROW_BLOCK = 32, 256, 1024
+#: Rows up to this many elements are quantized from one read (held in registers: at most 32 float32
+#: values per thread with 16 warps); longer rows are read twice, amax then cast.
+ROW_ONE_READ = 16384
 
 
 def fast_path_reason(x: torch.Tensor) -> str | None:
@@ -59,19 +62,15 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, *, amax_value: 
         given = amax_value.reshape(-1, 1) if rowwise and amax_value is not None else amax_value
         q = numerics.quantize(x, dtype, rowwise, given, valid_rows)
         return (q, Quantized(q.data.t().contiguous(), q.scale_inv)) if transpose else q
-    from .triton_kernels import cast_kernel, rowwise_kernel
+    from .triton_kernels import cast_kernel
 
-    rows, cols = x.shape
-    limit = numerics.fp8_max(dtype)
-    data = torch.empty((rows, cols), dtype=dtype, device=x.device)
     if rowwise:
         if valid_rows is not None:
             raise ValueError("quantize: per-row scales take no valid_rows")
-        scale_inv = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-        given = amax_value is not None
-        rowwise_kernel[(rows,)](x, data, scale_inv, amax_value.contiguous() if given else scale_inv, cols,
-                                x.stride(0), FMAX=limit, GIVEN_AMAX=given, BN=_ROW_BLOCK, num_warps=4)
-        return Quantized(data, scale_inv)
+        return _rowwise_triton(x, dtype, amax_value)
+    rows, cols = x.shape
+    limit = numerics.fp8_max(dtype)
+    data = torch.empty((rows, cols), dtype=dtype, device=x.device)
     a = amax(x, valid_rows) if amax_value is None else amax_value
     scale_inv = torch.empty((1, 1), dtype=torch.float32, device=x.device)
     # The transposed bytes in the same pass for 16-bit inputs; float32 tiles came out of tl.trans
@@ -84,6 +83,24 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, *, amax_value: 
     if transpose and not fused_t:
         data_t = data.t().contiguous()
     return (q, Quantized(data_t, scale_inv)) if transpose else q
+
+
+def _rowwise_triton(x: torch.Tensor, dtype: torch.dtype, amax_value: torch.Tensor | None,
+                    one_read: bool | None = None) -> Quantized:
+    """Per-row scales by :func:`.triton_kernels.rowwise_kernel` (``x``'s rows unit-strided);
+    ``one_read`` forces the kernel's one-read (``True``) or two-read form (default: by length)."""
+    from .triton_kernels import rowwise_kernel
+
+    rows, cols = x.shape
+    data = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    scale_inv = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    one_read = cols <= ROW_ONE_READ if one_read is None else one_read
+    block = max(16, 1 << (cols - 1).bit_length()) if one_read else _ROW_BLOCK
+    given = amax_value is not None
+    rowwise_kernel[(rows,)](x, data, scale_inv, amax_value.contiguous() if given else scale_inv, cols, x.stride(0),
+                            FMAX=numerics.fp8_max(dtype), GIVEN_AMAX=given, BN=block, ONE_READ=one_read,
+                            num_warps=min(16, max(4, block // 1024)))
+    return Quantized(data, scale_inv)
 
 
 def quantize_stack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ bit: float32 products, round-to-nearest-even casts, IEEE divisions for the scale
   writes ``scale_inv``.
 
 * :func:`rowwise_kernel`: one program per row: its amax (or one given per row), scale, cast and
-  ``scale_inv``.
+  ``scale_inv``; a row of up to ``ROW_ONE_READ`` elements is read once (held in registers), a
+  longer one twice (amax, then cast).
 * :func:`pow2_hinted_cast_kernel` + :func:`pow2_fixup_kernel`: one-read quantization with a
   power-of-two scale (``opfuse.fp8.numerics.pow2_scales_from_amax``) of one matrix or of each
   matrix of a stack: the cast uses the exponent a hint holds (the previous call's) while it
@@ -77,25 +78,40 @@ def cast_kernel(x_ptr, amax_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, strid
 
 @triton.jit
 def rowwise_kernel(x_ptr, q_ptr, scale_inv_ptr, amax_ptr, cols, stride, FMAX: tl.constexpr, GIVEN_AMAX: tl.constexpr,
-                   BN: tl.constexpr):
+                   BN: tl.constexpr, ONE_READ: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     src = x_ptr + row * stride
     dst = q_ptr + row * cols
-    if GIVEN_AMAX:  # each row's amax computed elsewhere (e.g. one per expert, repeated over its rows)
-        amax = tl.load(amax_ptr + row)
+    if ONE_READ:  # BN >= cols: the row is read once and kept in registers for the cast
+        offs = tl.arange(0, BN)
+        x = tl.load(src + offs, mask=offs < cols, other=0.0).to(tl.float32)
+        if GIVEN_AMAX:
+            amax = tl.load(amax_ptr + row)
+        else:
+            amax = tl.max(tl.abs(x), axis=0)
+        scale = _scale(amax, FMAX)
+        y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
+        tl.store(dst + offs, y.to(q_ptr.dtype.element_ty), mask=offs < cols)
     else:
-        acc = tl.zeros([BN], dtype=tl.float32)
-        for start in range(0, cols, BN):
+        if GIVEN_AMAX:  # each row's amax computed elsewhere (e.g. one per expert, repeated over its rows)
+            amax = tl.load(amax_ptr + row)
+        else:
+            acc = tl.zeros([BN], dtype=tl.float32)
+            start = 0
+            while start < cols:  # while loops here: Triton's interpreter takes no tensor range() bounds
+                offs = start + tl.arange(0, BN)
+                x = tl.load(src + offs, mask=offs < cols, other=0.0)
+                acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+                start += BN
+            amax = tl.max(acc, axis=0)
+        scale = _scale(amax, FMAX)
+        start = 0
+        while start < cols:
             offs = start + tl.arange(0, BN)
             x = tl.load(src + offs, mask=offs < cols, other=0.0)
-            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-        amax = tl.max(acc, axis=0)
-    scale = _scale(amax, FMAX)
-    for start in range(0, cols, BN):
-        offs = start + tl.arange(0, BN)
-        x = tl.load(src + offs, mask=offs < cols, other=0.0)
-        y = tl.minimum(tl.maximum(x.to(tl.float32) * scale, -FMAX), FMAX)
-        tl.store(dst + offs, y.to(q_ptr.dtype.element_ty), mask=offs < cols)
+            y = tl.minimum(tl.maximum(x.to(tl.float32) * scale, -FMAX), FMAX)
+            tl.store(dst + offs, y.to(q_ptr.dtype.element_ty), mask=offs < cols)
+            start += BN
     tl.store(scale_inv_ptr + row, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
