@@ -14,7 +14,9 @@ order cancels a linear drift of the GPU's clocks across the runs.
 Method: ``--rounds`` repetitions of A B B A (``--pair A B``; default A = torch.compile, B = opfuse;
 ``--pair "torchao fp8" "opfuse fp8" --fp8 tensor`` compares the FP8 variants, ``--pair compile
 "opfuse fp8@graphs" --fp8 tensor-pow2`` opfuse FP8 trained under CUDA graphs against torch.compile
-without them; three or more variants run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
+without them; ``VARIANT%OP=IMPL`` runs a variant with ``OPFUSE_FORCE_IMPL=OP=IMPL``, e.g. ``--pair "opfuse
+fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap"`` times one implementation
+choice against the default; three or more variants run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
 compile and round-robin timing). Reported per case: each run's time, the mean per variant, the
 spread (max / min - 1) within a variant, and each later variant's mean over A's.
 """
@@ -42,15 +44,31 @@ VARIANTS = ("compile", "opfuse", "opfuse fp8", "torchao fp8")
 GRAPHS = "@graphs"
 
 
+#: ``VARIANT%OP=IMPL``: that variant with ``OPFUSE_FORCE_IMPL=OP=IMPL`` (an implementation choice timed alone).
+FORCE = "%"
+
+
 def variant_of(entry: str) -> str:
-    """The bench/model.py variant of a ``--pair`` entry (``"opfuse fp8@graphs"`` -> ``"opfuse fp8"``)."""
-    return entry[:-len(GRAPHS)] if entry.endswith(GRAPHS) else entry
+    """The bench/model.py variant of a ``--pair`` entry (``"opfuse fp8@graphs%op=impl"`` -> ``"opfuse fp8"``)."""
+    base = entry.split(FORCE, 1)[0]
+    return base[:-len(GRAPHS)] if base.endswith(GRAPHS) else base
+
+
+def under_graphs(entry: str) -> bool:
+    """Whether a ``--pair`` entry trains under CUDA graphs (``...@graphs``)."""
+    return entry.split(FORCE, 1)[0].endswith(GRAPHS)
+
+
+def forced_impl(entry: str) -> str | None:
+    """The ``OPFUSE_FORCE_IMPL`` value of a ``--pair`` entry (``...%OP=IMPL``), else ``None``."""
+    return entry.split(FORCE, 1)[1] if FORCE in entry else None
 
 
 def _valid_entry(entry: str) -> str:
-    if variant_of(entry) not in VARIANTS:
+    if variant_of(entry) not in VARIANTS or forced_impl(entry) == "":
         raise argparse.ArgumentTypeError(f"{entry!r}: expected one of {', '.join(VARIANTS)}, each optionally with "
-                         f"{GRAPHS!r} (trained under CUDA graphs)")
+                                         f"{GRAPHS!r} (trained under CUDA graphs) and then {FORCE!r}OP=IMPL (run with "
+                                         f"OPFUSE_FORCE_IMPL=OP=IMPL)")
     return entry
 
 
@@ -123,10 +141,13 @@ def measure(args, passthrough: list[str]) -> dict:
             path = os.path.join(scratch, f"run{index}.json")
             command = [sys.executable, os.path.join(HERE, "model.py"), "--only", variant_of(variant), "--no-aa",
                        "--json", path, *passthrough]
-            if variant.endswith(GRAPHS):
+            if under_graphs(variant):
                 command += ["--train-mode", "reduce-overhead"]
+            env = dict(os.environ)
+            if forced_impl(variant) is not None:
+                env["OPFUSE_FORCE_IMPL"] = forced_impl(variant)
             try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout)
+                done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout, env=env)
             except subprocess.TimeoutExpired:
                 failed.append(f"{label} ({variant}): still running after --run-timeout {args.run_timeout} s")
                 common.progress(f"{label} {variant}: TIMED OUT")
@@ -169,7 +190,7 @@ def main() -> int:
         parser.error(f"--pair {' '.join(args.pair)}: the fp8 variants need --fp8 {'|'.join(FP8_RECIPES)}")
     refused = [flag for flag in passthrough if flag.split("=")[0] in ("--only", "--variants", "--merge-ab",
                                                                        "--decode", "--no-aa", "--profile")
-               or (flag.split("=")[0] == "--train-mode" and any(v.endswith(GRAPHS) for v in args.pair))]
+               or (flag.split("=")[0] == "--train-mode" and any(under_graphs(v) for v in args.pair))]
     if refused:
         parser.error(f"{' '.join(refused)}: not for this script (it sets --only per run and times the training "
                      f"cases); pass bench/model.py's --world, --train, --train-batch, --layers, --quick")

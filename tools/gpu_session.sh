@@ -65,6 +65,7 @@
 #   tools/gpu_session.sh s19-moe-gather # 1 GPU (~5.5 min): gathers instead of index_add in the MoE rewrite, one-read
 #                                      # per-row quantizer: GPU tests, FP8 MoE bench profiled
 #   tools/gpu_session.sh s19-fp8-sp    # 2 GPUs (~7 min): FP8 world-2 GPU tests, FP8 pow2 train-sp graphs A B B A
+#   tools/gpu_session.sh s19-fp8-rs    # 2 GPUs (~8 min): FP8 train-sp graphs, p2p_overlap FP8 reduce-scatter vs nccl, A B B A
 #   tools/gpu_session.sh s19-wgrad-sweep # 1 GPU (~5 min): FP8 vs bf16 grouped wgrad over 2048-16384 tokens, profiled
 #   tools/gpu_session.sh s19-fp8-dist  # 2 GPUs (~1.5 min): tests/gpu/test_fp8_dist.py (FSDP grouped FP8 wgrad, world 2)
 #   tools/gpu_session.sh s17-moe-fp8   # 1 GPU (~5 min): FP8 MoE: stack quantizer + grouped FP8 tests, bench/moe.py --fp8
@@ -711,6 +712,13 @@ case "$stage" in
       --json "$OUT/isolated_fp8_sp.json"
     final_summary() { grep -h -E "passed|failed" "$OUT/gpu_tests.log" | tail -2; grep -h -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -8;
                       grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_sp.log | grep -v "^|---"; }
+    ;;
+  s19-fp8-rs)  # 2 GPUs (~8 min; prebuilt modules): FP8 pow2 train-sp 2048 under CUDA graphs, the FP8 GEMM + reduce-
+               # scatter over peer memory (p2p_overlap, forced) against the table's nccl, each alone, A B B A after a warm-up
+    step isolated_fp8_rs 540 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 1 \
+      --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap" \
+      --warmup-run --run-timeout 110 --json "$OUT/isolated_fp8_rs.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_rs.log | grep -v "^|---"; }
     ;;
   s19-wgrad-sweep)  # 1 GPU (~5 min; prebuilt modules): where the FP8 grouped weight gradient starts to pay (faster at
                     # 16384 tokens, slower at 4096 in session 18): FP8 vs bfloat16 wgrad over a token sweep, profiled

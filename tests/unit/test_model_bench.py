@@ -127,10 +127,41 @@ def test_a_variant_under_cuda_graphs_runs_with_the_train_mode_and_keeps_its_own_
     assert model_isolated.variant_of("compile@graphs") == "compile" and model_isolated.variant_of("opfuse") == "opfuse"
 
 
+def test_a_variant_with_a_forced_implementation_runs_with_it_and_keeps_its_own_column(monkeypatch):
+    """``VARIANT%OP=IMPL``: the same bench/model.py variant with ``OPFUSE_FORCE_IMPL=OP=IMPL`` in its
+    process's environment (and only there), under CUDA graphs when the entry says so."""
+    import types
+
+    calls = []
+
+    def fake_run(command, env=None, **kwargs):
+        calls.append((command, env.get("OPFUSE_FORCE_IMPL")))
+        path = command[command.index("--json") + 1]
+        forced = env.get("OPFUSE_FORCE_IMPL") is not None
+        with open(path, "w") as handle:
+            json.dump({"results": {"2": {"rows": [{"case": "train-sp", "shape": "2048 tok, batch 1",
+                                                   "opfuse fp8": 90.0 if forced else 100.0}]}}}, handle)
+        return types.SimpleNamespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(model_isolated.subprocess, "run", fake_run)
+    monkeypatch.delenv("OPFUSE_FORCE_IMPL", raising=False)
+    forced = "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap"
+    pair = ("opfuse fp8@graphs", forced)
+    data = model_isolated.measure(types.SimpleNamespace(rounds=1, pair=pair, run_timeout=7.0), ["--fp8", "row"])
+    assert [env for _, env in calls] == [None, "linear_reduce_scatter_fp8=p2p_overlap",
+                                         "linear_reduce_scatter_fp8=p2p_overlap", None]
+    assert all(c[c.index("--only") + 1] == "opfuse fp8" and c[-2:] == ["--train-mode", "reduce-overhead"]
+               for c, _ in calls)
+    (row,) = data["rows"]
+    assert row[forced] == [90.0, 90.0] and row["ratio"] == pytest.approx(0.9)
+    assert model_isolated.variant_of(forced) == "opfuse fp8" and model_isolated.forced_impl("opfuse") is None
+
+
 @pytest.mark.parametrize("args, message", [
     (["--pair", "opfuse", "opfuse"], "two different variants"),
     (["--pair", "compile", "opfuse fp8"], "the fp8 variants need --fp8"),
     (["--pair", "compile", "opfuse@cudagraphs"], "optionally with '@graphs'"),
+    (["--pair", "compile", "opfuse%"], "OPFUSE_FORCE_IMPL=OP=IMPL"),
     (["--pair", "compile", "opfuse@graphs", "--train-mode", "default"], "--train-mode: not for this script"),
 ])
 def test_isolated_runner_refuses_a_pair_it_cannot_compare(args, message):

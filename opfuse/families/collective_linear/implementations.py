@@ -65,16 +65,16 @@ TABLE = ImplementationTable("collective_linear", {
                        description="all-gather of FP8 bytes, float32 emulation of the GEMMs"),
     ],
     "linear_reduce_scatter_fp8": [
-        Implementation("nccl", collective_fp8_nccl.check, collective_fp8_nccl.rs_forward,
-                       collective_fp8_nccl.rs_backward,
-                       description="FP8 GEMM, NCCL reduce-scatter of the partial sums; backward: dy gathered in FP8"),
-        # After nccl until its GPU tests and benchmark have run (force it with
-        # OPFUSE_FORCE_IMPL=linear_reduce_scatter_fp8=p2p_overlap).
+        # p2p_overlap first: faster than nccl in the FP8 train-sp step under CUDA graphs in both A/B runs so
+        # far (docs/PERF_NOTES.fp8.md), as the bfloat16 reduce-scatter's is; nccl where it cannot run.
         Implementation("p2p_overlap", collective_fp8_p2p.rs_check, collective_fp8_p2p.rs_forward,
                        collective_fp8_p2p.rs_backward, collective_fp8_p2p.rs_prepare,
                        "the bfloat16 reduce-scatter plans with torch._scaled_mm GEMM chunks: partial sums pushed "
                        "over peer memory while the next chunk multiplies (one scale per tensor); backward: FP8 dy "
                        "pushed to the peers under the dgrad GEMMs, kept for the FP8 wgrad"),
+        Implementation("nccl", collective_fp8_nccl.check, collective_fp8_nccl.rs_forward,
+                       collective_fp8_nccl.rs_backward,
+                       description="FP8 GEMM, NCCL reduce-scatter of the partial sums; backward: dy gathered in FP8"),
         Implementation("reference", always, collective_fp8_reference.rs_forward,
                        collective_fp8_reference.rs_backward,
                        description="float32 emulation of the GEMMs, torch.distributed reduce-scatter"),
