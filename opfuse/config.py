@@ -82,6 +82,11 @@ class Config:
     #: GEMM under each backward collective that has none; ``fuse`` fuses every collective a rule
     #: matches and keeps the traced order.
     overlap_collectives: str = "auto"
+    #: Chunks of a row-parallel GEMM whose forward all-reduce runs chunk by chunk under the next
+    #: chunk's GEMM (``OPFUSE_ALLREDUCE_CHUNKS``; opfuse/torch_compile/chunked_all_reduce.py): 0 =
+    #: auto (chunks of >= 2048 tokens, at most 4), 1 = never split, n >= 2 = n chunks. Only with
+    #: ``overlap_collectives="auto"`` and outside FP8 graphs.
+    allreduce_chunks: int = 0
     #: SMs that the GEMMs scheduled under a collective left to NCCL leave free for it
     #: (``OPFUSE_OVERLAP_SM_CARVEOUT``; 0 = all SMs to the GEMMs): cuBLAS's persistent GEMMs hold
     #: every SM until they end, so inside a CUDA graph NCCL's kernel may wait for them instead of
@@ -285,6 +290,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "overlap_chunks": _integer(0),
     "overlap_alternate_streams": _choice("auto", "on", "off"),
     "overlap_collectives": _choice("auto", "fuse"),
+    "allreduce_chunks": _integer(0),
     "overlap_sm_carveout": _integer(0),
     "reference_fusions": _choice("auto", "inductor", "keep"),
     "pdl": _boolean,
@@ -309,6 +315,7 @@ _ENV_NAMES = {
     "overlap_chunks": "OVERLAP_CHUNKS",
     "overlap_alternate_streams": "OVERLAP_ALTERNATE_STREAMS",
     "overlap_collectives": "OVERLAP_COLLECTIVES",
+    "allreduce_chunks": "ALLREDUCE_CHUNKS",
     "overlap_sm_carveout": "OVERLAP_SM_CARVEOUT",
     "reference_fusions": "REFERENCE_FUSIONS",
     "pdl": "PDL",

@@ -23,6 +23,7 @@ from ..config import config
 from ..core.pipeline import PassContext, run_pipeline
 from ..core.recorder import PassRecorder, new_dump_dir
 from .fp8 import CompileSettings, plan_fp8, unfused_fp8
+from .chunked_all_reduce import plan_chunked_all_reduces, split_all_reduces
 from .fp8_lower import JointLowering
 from .direct_calls import use_direct_overloads
 from .group_counts import integer_histogram_counts
@@ -75,7 +76,12 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     joined = view_adjacent_concatenations(gm.graph)
     integer_histogram_counts(gm.graph)
     overlaps = plan_overlaps(gm.graph) if config.overlap_collectives == "auto" else []
-    op_graph = build_op_graph(gm, exclude={node for o in overlaps for node in (o.issue, o.wait)})
+    chunked = []
+    if config.overlap_collectives == "auto" and settings.fp8 is None:
+        chunked = plan_chunked_all_reduces(gm.graph, config.allreduce_chunks, exclude={o.issue for o in overlaps})
+        split_all_reduces(gm.graph, chunked)
+    op_graph = build_op_graph(gm, exclude={node for o in overlaps for node in (o.issue, o.wait)}
+                              | {node for c in chunked for node in c.issues + c.waits})
     if joined:
         op_graph.notes.append(f"{joined} concatenation(s) of parameters stored back to back read as views of "
                               f"their storage (no copy)")
@@ -113,7 +119,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     program = GraphProgram(index, "training" if training else "inference", op_graph.gm, ctx.unfused, ctx.fusions,
                            fused_phases, [("torch_compile", note) for note in op_graph.notes + settings.notes]
                            + ctx.notes
-                           + [("overlap", o.describe()) for o in overlaps] + [("overlap", note) for note in filled + carved],
+                           + [("overlap", o.describe()) for o in overlaps] + [("overlap", c.describe()) for c in chunked]
+                           + [("overlap", note) for note in filled + carved],
                            len(gm.graph.nodes))
     program.overlap_decisions = [(o.wait.name, o.describe()) for o in overlaps]
     program.seconds = time.perf_counter() - started

@@ -1,0 +1,90 @@
+"""The row-parallel GEMM split along the tokens with each chunk's all-reduce left to NCCL
+(``OPFUSE_ALLREDUCE_CHUNKS``, opfuse/torch_compile/chunked_all_reduce.py) at world 2 and 4 (gloo):
+outputs and every gradient against the unsharded float64 model, chunk counts that divide the tokens
+and ones that do not, with and without a bias on the row-parallel layer, eager graphs and Inductor's;
+``explain()`` lists the split, the graph holds one all-reduce per chunk, and the add + norm after
+it still fuses. ``auto`` leaves a GEMM of fewer than 2 x 2048 tokens whole."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .harness import run
+from ..megatron_tp import CopyToTP, ReduceFromTP
+
+H, FFN = 16, 32
+
+
+class Block(nn.Module):
+    """``norm(x + row(gelu(column(x))) [+ bias])`` with the column/row shards of one rank."""
+
+    def __init__(self, group, shards: int, bias: bool):
+        super().__init__()
+        self.group = group
+        self.up = nn.Linear(H, FFN // shards, bias=False)
+        self.down = nn.Linear(FFN // shards, H, bias=False)
+        self.bias = nn.Parameter(torch.zeros(H)) if bias else None  # added after the reduction, once
+        self.norm = nn.RMSNorm(H)
+
+    def forward(self, x):
+        h = CopyToTP.apply(x, self.group) if self.group is not None else x
+        y = self.down(F.gelu(self.up(h)))
+        y = ReduceFromTP.apply(y, self.group) if self.group is not None else y
+        if self.bias is not None:
+            y = y + self.bias
+        return self.norm(x + y)
+
+
+def _case(rank, world, chunks, tokens, bias, inductor):
+    import opfuse
+
+    torch.manual_seed(0)
+    full = Block(None, 1, bias).double()
+    with torch.no_grad():
+        for p in full.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    mine = Block(dist.group.WORLD, world, bias)
+    cols = slice(rank * FFN // world, (rank + 1) * FFN // world)
+    with torch.no_grad():
+        mine.up.weight.copy_(full.up.weight[cols])
+        mine.down.weight.copy_(full.down.weight[:, cols])
+        mine.norm.weight.copy_(full.norm.weight)
+        if bias:
+            mine.bias.copy_(full.bias)
+    x = torch.randn(2, tokens // 2, H, generator=torch.Generator().manual_seed(1))
+    xs, xd = x.clone().requires_grad_(), x.double().requires_grad_()
+    compiled = opfuse.optimize(mine, options={"inductor": inductor})
+    with opfuse.config.override(allreduce_chunks=chunks):
+        got = compiled(xs)
+        (got * torch.arange(got.numel()).view(got.shape).sin()).sum().backward()
+    want = full(xd)
+    (want * torch.arange(want.numel()).view(want.shape).sin()).sum().backward()
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), want, **tol)
+    torch.testing.assert_close(xs.grad.double(), xd.grad, **tol)
+    torch.testing.assert_close(mine.up.weight.grad.double(), full.up.weight.grad[cols], **tol)
+    torch.testing.assert_close(mine.down.weight.grad.double(), full.down.weight.grad[:, cols], **tol)
+    torch.testing.assert_close(mine.norm.weight.grad.double(), full.norm.weight.grad, **tol)
+    if bias:
+        torch.testing.assert_close(mine.bias.grad.double(), full.bias.grad, **tol)
+    (program,) = opfuse.programs(compiled)
+    text = program.explain()
+    split = chunks >= 2
+    assert (f"split into {chunks} chunks" in text) == split, text
+    rules = {(f.rule, program.phases[f.fused_node]) for f in program.fusions}
+    assert ("add_rmsnorm" if split else "allreduce_add_rmsnorm", "forward") in rules, text
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("chunks, tokens, bias", [(2, 12, False), (5, 12, True), (1, 12, False), (0, 12, False)],
+                         ids=["2-even", "5-uneven-bias", "off", "auto-small"])
+def test_chunked_all_reduce_matches_float64(world, chunks, tokens, bias):
+    run(_case, world, chunks, tokens, bias, False, timeout=600)
+
+
+@pytest.mark.dist
+def test_chunked_all_reduce_under_inductor_matches_float64():
+    run(_case, 2, 3, 12, True, True, timeout=900)
