@@ -16,7 +16,8 @@ Method: ``--rounds`` repetitions of A B B A (``--pair A B``; default A = torch.c
 "opfuse fp8@graphs" --fp8 tensor-pow2`` opfuse FP8 trained under CUDA graphs against torch.compile
 without them; ``VARIANT%OP=IMPL`` runs a variant with ``OPFUSE_FORCE_IMPL=OP=IMPL``, e.g. ``--pair "opfuse
 fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap"`` times one implementation
-choice against the default; three or more variants run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
+choice against the default, ``VARIANT%SETTING=VALUE`` (upper case) runs it with ``OPFUSE_SETTING=VALUE``,
+e.g. ``--pair opfuse "opfuse%ALLREDUCE_CHUNKS=1"``; three or more variants run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
 compile and round-robin timing). Reported per case: each run's time, the mean per variant, the
 spread (max / min - 1) within a variant, and each later variant's mean over A's.
 """
@@ -44,7 +45,8 @@ VARIANTS = ("compile", "opfuse", "opfuse fp8", "torchao fp8")
 GRAPHS = "@graphs"
 
 
-#: ``VARIANT%OP=IMPL``: that variant with ``OPFUSE_FORCE_IMPL=OP=IMPL`` (an implementation choice timed alone).
+#: ``VARIANT%OP=IMPL``: that variant with ``OPFUSE_FORCE_IMPL=OP=IMPL`` (an implementation choice timed alone);
+#: ``VARIANT%SETTING=VALUE``: with ``OPFUSE_SETTING=VALUE``.
 FORCE = "%"
 
 
@@ -60,15 +62,28 @@ def under_graphs(entry: str) -> bool:
 
 
 def forced_impl(entry: str) -> str | None:
-    """The ``OPFUSE_FORCE_IMPL`` value of a ``--pair`` entry (``...%OP=IMPL``), else ``None``."""
+    """The ``%`` part of a ``--pair`` entry (``...%OP=IMPL`` or ``...%SETTING=VALUE``), else ``None``."""
     return entry.split(FORCE, 1)[1] if FORCE in entry else None
+
+
+def entry_environment(entry: str) -> dict[str, str]:
+    """The environment a ``--pair`` entry adds to its run: ``%OP=IMPL`` (a fused op, lower case) is
+    ``OPFUSE_FORCE_IMPL=OP=IMPL``; ``%SETTING=VALUE`` (upper case, e.g. ``ALLREDUCE_CHUNKS=1``) is
+    ``OPFUSE_SETTING=VALUE``."""
+    extra = forced_impl(entry)
+    if extra is None:
+        return {}
+    name = extra.split("=", 1)[0]
+    if name.isupper() and "=" in extra:
+        return {"OPFUSE_" + name: extra.split("=", 1)[1]}
+    return {"OPFUSE_FORCE_IMPL": extra}
 
 
 def _valid_entry(entry: str) -> str:
     if variant_of(entry) not in VARIANTS or forced_impl(entry) == "":
         raise argparse.ArgumentTypeError(f"{entry!r}: expected one of {', '.join(VARIANTS)}, each optionally with "
                                          f"{GRAPHS!r} (trained under CUDA graphs) and then {FORCE!r}OP=IMPL (run with "
-                                         f"OPFUSE_FORCE_IMPL=OP=IMPL)")
+                                         f"OPFUSE_FORCE_IMPL=OP=IMPL) or {FORCE!r}SETTING=VALUE (OPFUSE_SETTING=VALUE)")
     return entry
 
 
@@ -143,9 +158,7 @@ def measure(args, passthrough: list[str]) -> dict:
                        "--json", path, *passthrough]
             if under_graphs(variant):
                 command += ["--train-mode", "reduce-overhead"]
-            env = dict(os.environ)
-            if forced_impl(variant) is not None:
-                env["OPFUSE_FORCE_IMPL"] = forced_impl(variant)
+            env = {**os.environ, **entry_environment(variant)}
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=args.run_timeout, env=env)
             except subprocess.TimeoutExpired:

@@ -66,6 +66,7 @@
 #                                      # per-row quantizer: GPU tests, FP8 MoE bench profiled
 #   tools/gpu_session.sh s19-fp8-sp    # 2 GPUs (~7 min): FP8 world-2 GPU tests, FP8 pow2 train-sp graphs A B B A
 #   tools/gpu_session.sh s19-fp8-rs    # 2 GPUs (~8 min): FP8 train-sp graphs, p2p_overlap FP8 reduce-scatter vs nccl, A B B A
+#   tools/gpu_session.sh s20-chunked-ar # 2 GPUs (~9 min): train-tp 8192 with the chunked GEMM + all-reduce vs without, A B B A
 #   tools/gpu_session.sh s19-wgrad-sweep # 1 GPU (~5 min): FP8 vs bf16 grouped wgrad over 2048-16384 tokens, profiled
 #   tools/gpu_session.sh s19-fp8-dist  # 2 GPUs (~1.5 min): tests/gpu/test_fp8_dist.py (FSDP grouped FP8 wgrad, world 2)
 #   tools/gpu_session.sh s17-moe-fp8   # 1 GPU (~5 min): FP8 MoE: stack quantizer + grouped FP8 tests, bench/moe.py --fp8
@@ -719,6 +720,13 @@ case "$stage" in
       --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap" \
       --warmup-run --run-timeout 110 --json "$OUT/isolated_fp8_rs.json"
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_rs.log | grep -v "^|---"; }
+    ;;
+  s20-chunked-ar)  # 2 GPUs (~9 min; prebuilt modules): session 19's CPU-checked split of the row-parallel GEMM + forward
+                   # all-reduce (auto: chunks of >= 2048 tokens): train-tp 8192, opfuse as is vs never split
+                   # (OPFUSE_ALLREDUCE_CHUNKS=1), each alone, A B B A after a warm-up
+    step isolated_chunked_ar 560 python3 bench/model_isolated.py --world 2 --cases train-tp --train 8192 --train-batch 1 \
+      --pair "opfuse%ALLREDUCE_CHUNKS=1" opfuse --warmup-run --run-timeout 130 --json "$OUT/isolated_chunked_ar.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_chunked_ar.log | grep -v "^|---"; }
     ;;
   s19-wgrad-sweep)  # 1 GPU (~5 min; prebuilt modules): where the FP8 grouped weight gradient starts to pay (faster at
                     # 16384 tokens, slower at 4096 in session 18): FP8 vs bfloat16 wgrad over a token sweep, profiled

@@ -29,7 +29,7 @@ import torch
 from torch import fx
 
 from ..machinery.aten import aten, c10d, calls, shape, value
-from .overlap import _backward_nodes, _reductions
+from .overlap import backward_nodes, summing_reductions
 
 __all__ = ["ChunkedAllReduce", "plan_chunked_all_reduces", "split_all_reduces", "CHUNK_ROWS", "MAX_CHUNKS"]
 
@@ -79,9 +79,9 @@ def plan_chunked_all_reduces(graph: fx.Graph, setting: int, exclude=()) -> list[
     """The forward all-reduces of ``graph`` to split: a summing all-reduce (not one in ``exclude``,
     not in the backward) whose input is a GEMM's output, through reshapes only, that nothing else
     reads, with static shapes and a split of two chunks or more."""
-    backward = _backward_nodes(graph)
+    backward = backward_nodes(graph)
     found = []
-    for issue, wait in _reductions(graph):
+    for issue, wait in summing_reductions(graph):
         if issue in exclude or issue in backward or not calls(issue, c10d.all_reduce.default):
             continue
         node = issue.args[0]

@@ -47,7 +47,7 @@ from torch import fx
 from ..machinery.aten import aten, c10d, calls, shape, value
 
 __all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "fill_with_weight_work", "defer_weight_gradients",
-           "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
+           "backward_nodes", "summing_reductions", "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
 
 FLOPS_PER_BYTE = 5000
 LATENCY_BYTES = 2 << 20
@@ -111,7 +111,7 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
     return _reachable(node, lambda n: n.users)
 
 
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes of a joint graph that depend on an incoming gradient (AOTAutograd's ``tangents_*``):
     the backward, which the partitioner separates from the forward; nothing moves across."""
     found: set[fx.Node] = set()
@@ -123,7 +123,7 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
-def _reductions(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+def summing_reductions(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """``(issue, wait)`` of every summing all-reduce and reduce-scatter whose issue only its wait
     reads."""
     found = []
@@ -151,9 +151,9 @@ def plan_overlaps(graph: fx.Graph) -> list[Overlap]:
     """The reductions of ``graph`` to leave to NCCL (see the module docstring)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     nodes = list(graph.nodes)
-    backward = _backward_nodes(graph)
+    backward = backward_nodes(graph)
     found = []
-    for issue, wait in _reductions(graph):
+    for issue, wait in summing_reductions(graph):
         start, stop = _window(graph, issue, wait, order)
         feeding, fed = _ancestors(issue), _descendants(wait)
         phase = issue in backward
@@ -169,7 +169,7 @@ def plan_overlaps(graph: fx.Graph) -> list[Overlap]:
 def schedule_overlaps(graph: fx.Graph, overlaps: list[Overlap]) -> None:
     """Issue each overlap's collective as soon as its input exists (the nodes of its window that do
     not feed it move after it, in their order) and wait for it just before its result is used."""
-    backward = _backward_nodes(graph)
+    backward = backward_nodes(graph)
     for overlap in overlaps:
         issue, wait = overlap.issue, overlap.wait
         order = {node: i for i, node in enumerate(graph.nodes)}
@@ -215,7 +215,7 @@ def fill_with_weight_work(graph: fx.Graph, is_weight) -> list[str]:
     between its issue and its wait (see the module docstring); ``is_weight(placeholder)`` says
     which graph inputs are parameters. Returns a line per collective that got work, for
     ``explain()``."""
-    backward = _backward_nodes(graph)
+    backward = backward_nodes(graph)
     weight_only = _weight_only(graph, is_weight)
     pairs = [(issue, wait) for issue, wait in _collectives(graph) if issue not in backward]
     notes = []
@@ -263,7 +263,7 @@ def _gradient_sink(node: fx.Node, output: fx.Node) -> list[fx.Node] | None:
 def defer_weight_gradients(graph: fx.Graph) -> list[str]:
     """Give each backward collective with no GEMM between its issue and its wait a weight-gradient
     GEMM from before it (see the module docstring); returns a line per move, for ``explain()``."""
-    backward = _backward_nodes(graph)
+    backward = backward_nodes(graph)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     notes = []
     for issue, wait in [pair for pair in _collectives(graph) if pair[0] in backward]:

@@ -3,7 +3,7 @@
 outputs and every gradient against the unsharded float64 model, chunk counts that divide the tokens
 and ones that do not, with and without a bias on the row-parallel layer, eager graphs and Inductor's;
 ``explain()`` lists the split, the graph holds one all-reduce per chunk, and the add + norm after
-it still fuses. ``auto`` leaves a GEMM of fewer than 2 x 2048 tokens whole."""
+it still fuses. ``auto`` leaves a GEMM of fewer than 2 x 2048 tokens whole and splits one of 4098 in two."""
 
 import pytest
 import torch
@@ -37,7 +37,7 @@ class Block(nn.Module):
         return self.norm(x + y)
 
 
-def _case(rank, world, chunks, tokens, bias, inductor):
+def _case(rank, world, chunks, tokens, bias, inductor, expected):
     import opfuse
 
     torch.manual_seed(0)
@@ -61,7 +61,8 @@ def _case(rank, world, chunks, tokens, bias, inductor):
         (got * torch.arange(got.numel()).view(got.shape).sin()).sum().backward()
     want = full(xd)
     (want * torch.arange(want.numel()).view(want.shape).sin()).sum().backward()
-    tol = dict(atol=1e-5, rtol=1e-5)
+    scale = max(1.0, (tokens / 12) ** 0.5)  # float32 sums over the tokens (weight gradients) grow like sqrt(n)
+    tol = dict(atol=1e-5 * scale, rtol=1e-5 * scale)
     torch.testing.assert_close(got.double(), want, **tol)
     torch.testing.assert_close(xs.grad.double(), xd.grad, **tol)
     torch.testing.assert_close(mine.up.weight.grad.double(), full.up.weight.grad[cols], **tol)
@@ -71,20 +72,21 @@ def _case(rank, world, chunks, tokens, bias, inductor):
         torch.testing.assert_close(mine.bias.grad.double(), full.bias.grad, **tol)
     (program,) = opfuse.programs(compiled)
     text = program.explain()
-    split = chunks >= 2
-    assert (f"split into {chunks} chunks" in text) == split, text
+    split = expected >= 2
+    assert (f"split into {expected} chunks" in text) == split and ("split into" in text) == split, text
     rules = {(f.rule, program.phases[f.fused_node]) for f in program.fusions}
     assert ("add_rmsnorm" if split else "allreduce_add_rmsnorm", "forward") in rules, text
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("chunks, tokens, bias", [(2, 12, False), (5, 12, True), (1, 12, False), (0, 12, False)],
-                         ids=["2-even", "5-uneven-bias", "off", "auto-small"])
-def test_chunked_all_reduce_matches_float64(world, chunks, tokens, bias):
-    run(_case, world, chunks, tokens, bias, False, timeout=600)
+@pytest.mark.parametrize("chunks, tokens, bias, expected", [
+    (2, 12, False, 2), (5, 12, True, 5), (1, 12, False, 1), (0, 12, False, 1), (0, 4098, True, 2)],
+    ids=["2-even", "5-uneven-bias", "off", "auto-small", "auto-4098"])
+def test_chunked_all_reduce_matches_float64(world, chunks, tokens, bias, expected):
+    run(_case, world, chunks, tokens, bias, False, expected, timeout=600)
 
 
 @pytest.mark.dist
 def test_chunked_all_reduce_under_inductor_matches_float64():
-    run(_case, 2, 3, 12, True, True, timeout=900)
+    run(_case, 2, 3, 12, True, True, 3, timeout=900)

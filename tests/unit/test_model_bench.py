@@ -155,6 +155,8 @@ def test_a_variant_with_a_forced_implementation_runs_with_it_and_keeps_its_own_c
     (row,) = data["rows"]
     assert row[forced] == [90.0, 90.0] and row["ratio"] == pytest.approx(0.9)
     assert model_isolated.variant_of(forced) == "opfuse fp8" and model_isolated.forced_impl("opfuse") is None
+    assert model_isolated.entry_environment("opfuse%ALLREDUCE_CHUNKS=1") == {"OPFUSE_ALLREDUCE_CHUNKS": "1"}
+    assert model_isolated.entry_environment("opfuse") == {}
 
 
 @pytest.mark.parametrize("args, message", [
