@@ -26,7 +26,7 @@ shapes:
 4. each row scaled by its routing weight and summed back into its token: a gather through the
    inverse of the sort and a float32 sum of the token's ``top_k`` rows, and the same gathers
    transposed in the backward (autograd's ``index_add`` / ``index_select`` pair scatters with
-   atomics, which Inductor leaves to ATen for 16-bit types: ~20x slower than a gather).
+   atomics, which Inductor leaves to ATen for 16-bit types: far slower than a gather).
 
 :func:`rewrite_moe_` recognises a block by structure (``gate``/``router`` linear with one output
 per expert, ``experts`` holding ``E`` MLPs of ``w1/w3/w2`` or ``gate_proj/up_proj/down_proj``
@@ -195,8 +195,8 @@ class _SpreadRows(torch.autograd.Function):
     """``x [T, H] -> x[token] [T * k, H]``: each token's row once per (token, expert) pair, in expert
     order. Backward: each token's ``k`` row gradients summed through the inverse permutation (a
     gather and a float32 sum, rounded once), where autograd's own ``index_add`` would scatter with
-    atomics (for bfloat16/float16 Inductor leaves that to ATen's atomic kernel: 0.29 ms per call at
-    8192 x 4096 on an H200, ~20x its bytes)."""
+    atomics, which Inductor leaves to ATen's kernel for 16-bit types (an order of magnitude slower
+    than a gather: docs/PERF_NOTES.md, "Results, session 19")."""
 
     @staticmethod
     def forward(ctx, x, token, inverse, top_k: int):
