@@ -121,7 +121,6 @@ def split_all_reduces(graph: fx.Graph, plans: list[ChunkedAllReduce]) -> None:
         a_val = value(a)
         weight = gemm.args[2] if addmm else gemm.args[1]
         bounds = [round(i * plan.rows / plan.chunks) for i in range(plan.chunks + 1)]
-        results = []
         with graph.inserting_before(gemm):
             for lo, hi in zip(bounds, bounds[1:]):
                 piece = _add(graph, aten.slice.Tensor, (a, 0, lo, hi), a_val[lo:hi], gemm)
@@ -130,9 +129,8 @@ def split_all_reduces(graph: fx.Graph, plans: list[ChunkedAllReduce]) -> None:
                                gemm.target(*[value(x) if isinstance(x, fx.Node) else x for x in args]), gemm)
                 reduce = _add(graph, issue.target, (product, *issue.args[1:]), product.meta["val"].clone(), issue)
                 plan.issues.append(reduce)
-                results.append(reduce)
         with graph.inserting_before(wait):
-            for reduce in results:
+            for reduce in plan.issues:
                 plan.waits.append(_add(graph, wait.target, (reduce,), value(reduce).clone(), wait))
             joined = _add(graph, aten.cat.default, (plan.waits, 0), torch.cat([value(w) for w in plan.waits]), wait)
             out = _add(graph, aten.view.default, (joined, list(shape(wait))), value(joined).view(shape(wait)), wait)

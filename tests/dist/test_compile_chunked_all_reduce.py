@@ -2,50 +2,25 @@
 (``OPFUSE_ALLREDUCE_CHUNKS``, opfuse/torch_compile/chunked_all_reduce.py) at world 2 and 4 (gloo):
 outputs and every gradient against the unsharded float64 model, chunk counts that divide the tokens
 and ones that do not, with and without a bias on the row-parallel layer, eager graphs and Inductor's;
-``explain()`` lists the split, the graph holds one all-reduce per chunk, and the add + norm after
-it still fuses. ``auto`` leaves a GEMM of fewer than 2 x 2048 tokens whole and splits one of 4098 in two."""
+``explain()`` lists the split, and the add + norm after it still fuses. ``auto`` leaves a GEMM of fewer than 2 x 2048 tokens whole and splits one of 4098 in two."""
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from .harness import run
-from ..megatron_tp import CopyToTP, ReduceFromTP
-
-H, FFN = 16, 32
-
-
-class Block(nn.Module):
-    """``norm(x + row(gelu(column(x))) [+ bias])`` with the column/row shards of one rank."""
-
-    def __init__(self, group, shards: int, bias: bool):
-        super().__init__()
-        self.group = group
-        self.up = nn.Linear(H, FFN // shards, bias=False)
-        self.down = nn.Linear(FFN // shards, H, bias=False)
-        self.bias = nn.Parameter(torch.zeros(H)) if bias else None  # added after the reduction, once
-        self.norm = nn.RMSNorm(H)
-
-    def forward(self, x):
-        h = CopyToTP.apply(x, self.group) if self.group is not None else x
-        y = self.down(F.gelu(self.up(h)))
-        y = ReduceFromTP.apply(y, self.group) if self.group is not None else y
-        if self.bias is not None:
-            y = y + self.bias
-        return self.norm(x + y)
+from .test_compile_collectives import FFN, H, Block
 
 
 def _case(rank, world, chunks, tokens, bias, inductor, expected):
     import opfuse
 
     torch.manual_seed(0)
-    full = Block(None, 1, bias).double()
+    full = Block(None, 1, True, bias).double()
     with torch.no_grad():
         for p in full.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    mine = Block(dist.group.WORLD, world, bias)
+    mine = Block(dist.group.WORLD, world, True, bias)
     cols = slice(rank * FFN // world, (rank + 1) * FFN // world)
     with torch.no_grad():
         mine.up.weight.copy_(full.up.weight[cols])

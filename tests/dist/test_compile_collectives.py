@@ -24,19 +24,23 @@ H, FFN, TOKENS = 16, 32, 6
 
 
 class Block(nn.Module):
-    """``[norm](x + row(gelu(column(x))))`` with the column/row shards of one rank (``shards`` ways)."""
+    """``[norm](x + row(gelu(column(x))) [+ bias])`` with the column/row shards of one rank
+    (``shards`` ways); the optional bias is the row layer's, added once after the reduction."""
 
-    def __init__(self, group, shards: int, norm: bool):
+    def __init__(self, group, shards: int, norm: bool, bias: bool = False):
         super().__init__()
         self.group = group
         self.up = nn.Linear(H, FFN // shards, bias=False)
         self.down = nn.Linear(FFN // shards, H, bias=False)
+        self.bias = nn.Parameter(torch.zeros(H)) if bias else None
         self.norm = nn.RMSNorm(H) if norm else None
 
     def forward(self, x):
         h = CopyToTP.apply(x, self.group) if self.group is not None else x
         y = self.down(F.gelu(self.up(h)))
         y = ReduceFromTP.apply(y, self.group) if self.group is not None else y
+        if self.bias is not None:
+            y = y + self.bias
         out = x + y
         return self.norm(out) if self.norm is not None else out
 
