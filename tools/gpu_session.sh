@@ -722,10 +722,10 @@ case "$stage" in
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_rs.log | grep -v "^|---"; }
     ;;
   s20-chunked-ar)  # 2 GPUs (~9 min; prebuilt modules): session 19's CPU-checked split of the row-parallel GEMM + forward
-                   # all-reduce (auto: chunks of >= 2048 tokens): train-tp 8192, opfuse as is vs never split
-                   # (OPFUSE_ALLREDUCE_CHUNKS=1), each alone, A B B A after a warm-up
+                   # all-reduce (auto: chunks of >= 2048 tokens; off by default): train-tp 8192, opfuse as is
+                   # (never split) vs auto (OPFUSE_ALLREDUCE_CHUNKS=0), each alone, A B B A after a warm-up
     step isolated_chunked_ar 560 python3 bench/model_isolated.py --world 2 --cases train-tp --train 8192 --train-batch 1 \
-      --pair "opfuse%ALLREDUCE_CHUNKS=1" opfuse --warmup-run --run-timeout 130 --json "$OUT/isolated_chunked_ar.json"
+      --pair opfuse "opfuse%ALLREDUCE_CHUNKS=0" --warmup-run --run-timeout 130 --json "$OUT/isolated_chunked_ar.json"
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_chunked_ar.log | grep -v "^|---"; }
     ;;
   s19-wgrad-sweep)  # 1 GPU (~5 min; prebuilt modules): where the FP8 grouped weight gradient starts to pay (faster at

@@ -12,8 +12,9 @@ Measured (``bench/gemm_allreduce.py``, 2x H100, docs/PERF_NOTES.model.md "Chunke
 + all-reduce"): against GEMM + all-reduce + add + norm, chunks of 2048 tokens were 6-9% faster at
 8192 tokens; chunks of 1024 tokens were 4-5% slower at 2048 tokens. Hence ``auto``
 (``OPFUSE_ALLREDUCE_CHUNKS=0``): chunks of at least :data:`CHUNK_ROWS` tokens, at most
-:data:`MAX_CHUNKS`, only where that makes two or more; ``1`` never splits, ``n >= 2`` splits into
-``n`` chunks wherever the tokens allow. FP8 graphs are not split: their GEMM inputs are quantized in
+:data:`MAX_CHUNKS`, only where that makes two or more; ``1`` (the default until a whole model has
+been timed with it on GPUs) never splits, ``n >= 2`` splits into ``n`` chunks wherever the tokens
+allow. FP8 graphs are not split: their GEMM inputs are quantized in
 the producing kernel, which a split would undo.
 
 Only the forward value changes: AOTAutograd's joint graph computes the GEMM's gradients from its
