@@ -17,7 +17,7 @@ Method: ``--rounds`` repetitions of A B B A (``--pair A B``; default A = torch.c
 without them; ``VARIANT%OP=IMPL`` runs a variant with ``OPFUSE_FORCE_IMPL=OP=IMPL``, e.g. ``--pair "opfuse
 fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap"`` times one implementation
 choice against the default, ``VARIANT%SETTING=VALUE`` (upper case) runs it with ``OPFUSE_SETTING=VALUE``,
-e.g. ``--pair opfuse "opfuse%ALLREDUCE_CHUNKS=1"``; three or more variants run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
+e.g. ``--pair opfuse "opfuse%ALLREDUCE_CHUNKS=0"``; three or more variants run A B C C B A); every run is a fresh ``bench/model.py --only`` process (its own NCCL group,
 compile and round-robin timing). Reported per case: each run's time, the mean per variant, the
 spread (max / min - 1) within a variant, and each later variant's mean over A's.
 """
