@@ -22,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ..config import config
 from ..core.pipeline import PassContext, run_pipeline
 from ..core.recorder import PassRecorder, new_dump_dir
+from .agree import check_ranks_agree
 from .fp8 import CompileSettings, plan_fp8, unfused_fp8
 from .chunked_all_reduce import plan_chunked_all_reduces, split_all_reduces
 from .fp8_lower import JointLowering
@@ -67,8 +68,11 @@ def _is_parameter(settings: CompileSettings, placeholder: fx.Node) -> bool:
 def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> GraphProgram:
     """Fuse what the rules match in aten graph ``gm`` (edited in place); returns its program.
     ``settings``: the FP8 recipe and filter, and the model parameter of each input."""
-    started = time.perf_counter()
     settings = settings or CompileSettings()
+    # Before anything is rewritten: ranks compiling under different settings would rewrite their
+    # collectives differently and hang in them (.agree).
+    check_ranks_agree(gm, settings)
+    started = time.perf_counter()
     index = next(_graph_ids)
     training = any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
     dump_dir = new_dump_dir("graph")

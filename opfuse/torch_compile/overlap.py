@@ -47,7 +47,7 @@ from torch import fx
 from ..machinery.aten import aten, c10d, calls, shape, value
 
 __all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "fill_with_weight_work", "defer_weight_gradients",
-           "backward_nodes", "summing_reductions", "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
+           "backward_nodes", "summing_reductions", "is_collective", "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
 
 FLOPS_PER_BYTE = 5000
 LATENCY_BYTES = 2 << 20
@@ -56,6 +56,7 @@ HIDE_FRACTION = 0.5
 _GEMMS = (aten.mm, aten.addmm, aten.bmm)
 _ISSUES = (c10d.all_reduce, c10d.all_gather_into_tensor, c10d.reduce_scatter_tensor)
 _REDUCTIONS = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default)
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 
 
 @dataclasses.dataclass(eq=False)
@@ -203,7 +204,7 @@ def _weight_only(graph: fx.Graph, is_weight) -> set[fx.Node]:
     found: set[fx.Node] = set()
     for node in graph.nodes:
         inputs = node.all_input_nodes
-        if node.op != "call_function" or not inputs or node.is_impure() or _is_collective(node):
+        if node.op != "call_function" or not inputs or node.is_impure() or is_collective(node):
             continue
         if all(n in found or (n.op == "placeholder" and is_weight(n)) for n in inputs):
             found.add(node)
@@ -255,7 +256,7 @@ def _gradient_sink(node: fx.Node, output: fx.Node) -> list[fx.Node] | None:
     if output not in below:
         return None
     chain = [n for n in below if n is not output]
-    if any(_is_gemm(n) or _is_collective(n) or n.is_impure() for n in chain):
+    if any(_is_gemm(n) or is_collective(n) or n.is_impure() for n in chain):
         return None
     return chain
 
@@ -294,8 +295,10 @@ def defer_weight_gradients(graph: fx.Graph) -> list[str]:
     return notes
 
 
-def _is_collective(node: fx.Node) -> bool:
-    return getattr(node.target, "namespace", None) == "_c10d_functional" or calls(node, *_ISSUES)
+def is_collective(node: fx.Node) -> bool:
+    """``node`` calls a functional collective (``_c10d_functional``, or its autograd variant
+    ``_c10d_functional_autograd``) or waits for one."""
+    return getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES or calls(node, *_ISSUES)
 
 
 def _is_view(node: fx.Node) -> bool:
