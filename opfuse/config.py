@@ -85,8 +85,9 @@ class Config:
     #: Chunks of a row-parallel GEMM whose forward all-reduce runs chunk by chunk under the next
     #: chunk's GEMM (``OPFUSE_ALLREDUCE_CHUNKS``; opfuse/torch_compile/chunked_all_reduce.py): 0 =
     #: auto (chunks of >= 2048 tokens, at most 4), 1 = never split, n >= 2 = n chunks. Only with
-    #: ``overlap_collectives="auto"`` and outside FP8 graphs. Off by default until a model run on
-    #: GPUs shows the split no slower (``tools/gpu_session.sh s20-chunked-ar``).
+    #: ``overlap_collectives="auto"`` and outside FP8 graphs. Off by default: it replaces opfuse's
+    #: fused all-reduce + add + norm, which costs less than NCCL's all-reduce alone from 1024 tokens,
+    #: so a whole model ran 0.7% slower with it (docs/PERF_NOTES.md "Results, session 20").
     allreduce_chunks: int = 1
     #: SMs that the GEMMs scheduled under a collective left to NCCL leave free for it
     #: (``OPFUSE_OVERLAP_SM_CARVEOUT``; 0 = all SMs to the GEMMs): cuBLAS's persistent GEMMs hold

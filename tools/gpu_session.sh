@@ -66,6 +66,8 @@
 #                                      # per-row quantizer: GPU tests, FP8 MoE bench profiled
 #   tools/gpu_session.sh s19-fp8-sp    # 2 GPUs (~7 min): FP8 world-2 GPU tests, FP8 pow2 train-sp graphs A B B A
 #   tools/gpu_session.sh s19-fp8-rs    # 2 GPUs (~8 min): FP8 train-sp graphs, p2p_overlap FP8 reduce-scatter vs nccl, A B B A
+#   tools/gpu_session.sh s20-fp8-sp    # 2 GPUs (~9 min): FP8 pow2 train-sp 2048 under graphs vs compile bf16, A B B A
+#   tools/gpu_session.sh s20-fp8-sp8192 # 2 GPUs (~7 min): the same at 8192 tokens (no warm-up run)
 #   tools/gpu_session.sh s20-chunked-ar # 2 GPUs (~9 min): train-tp 8192 with the chunked GEMM + all-reduce vs without, A B B A
 #   tools/gpu_session.sh s19-wgrad-sweep # 1 GPU (~5 min): FP8 vs bf16 grouped wgrad over 2048-16384 tokens, profiled
 #   tools/gpu_session.sh s19-fp8-dist  # 2 GPUs (~1.5 min): tests/gpu/test_fp8_dist.py (FSDP grouped FP8 wgrad, world 2)
@@ -720,6 +722,18 @@ case "$stage" in
       --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap" \
       --warmup-run --run-timeout 110 --json "$OUT/isolated_fp8_rs.json"
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_rs.log | grep -v "^|---"; }
+    ;;
+  s20-fp8-sp)  # 2 GPUs (~9 min; prebuilt modules): FP8 pow2 train-sp 2048 under CUDA graphs (p2p_overlap FP8 reduce-
+               # scatter now the default) vs torch.compile bf16 with async TP, each alone, A B B A after a warm-up
+    step isolated_fp8_sp 560 python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 --train-batch 1 \
+      --fp8 tensor-pow2 --pair compile "opfuse fp8@graphs" --warmup-run --run-timeout 110 --json "$OUT/isolated_fp8_sp.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_sp.log | grep -v "^|---"; }
+    ;;
+  s20-fp8-sp8192)  # 2 GPUs (~7 min; prebuilt modules): the same at 8192 tokens, A B B A without a warm-up run (a
+                   # warm-up does not fit in one call at this size; run it on a machine that is already warm)
+    step isolated_fp8_sp8192 570 python3 bench/model_isolated.py --world 2 --cases train-sp --train 8192 --train-batch 1 \
+      --fp8 tensor-pow2 --pair compile "opfuse fp8@graphs" --run-timeout 135 --json "$OUT/isolated_fp8_sp8192.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_sp8192.log | grep -v "^|---"; }
     ;;
   s20-chunked-ar)  # 2 GPUs (~9 min; prebuilt modules): session 19's CPU-checked split of the row-parallel GEMM + forward
                    # all-reduce (auto: chunks of >= 2048 tokens; off by default): train-tp 8192, opfuse as is

@@ -9,13 +9,16 @@ smaller GEMMs, NCCL's kernel taking SMs from the GEMM it runs beside, one copy j
 and the add + norm as a kernel of its own (opfuse's add + norm, or Inductor's).
 
 Measured (``bench/gemm_allreduce.py``, 2x H100, docs/PERF_NOTES.model.md "Chunked row-parallel GEMM
-+ all-reduce"): against GEMM + all-reduce + add + norm, chunks of 2048 tokens were 6-9% faster at
-8192 tokens; chunks of 1024 tokens were 4-5% slower at 2048 tokens. Hence ``auto``
++ all-reduce"): against GEMM + NCCL all-reduce + add + norm, chunks of 2048 tokens were 6-9% faster
+at 8192 tokens; chunks of 1024 tokens were 4-5% slower at 2048 tokens. Hence ``auto``
 (``OPFUSE_ALLREDUCE_CHUNKS=0``): chunks of at least :data:`CHUNK_ROWS` tokens, at most
-:data:`MAX_CHUNKS`, only where that makes two or more; ``1`` (the default until a whole model has
-been timed with it on GPUs) never splits, ``n >= 2`` splits into ``n`` chunks wherever the tokens
-allow. FP8 graphs are not split: their GEMM inputs are quantized in
-the producing kernel, which a split would undo.
+:data:`MAX_CHUNKS`, only where that makes two or more; ``n >= 2`` splits into ``n`` chunks wherever
+the tokens allow; ``1`` (the default) never splits. Off by default because the graph the split
+replaces runs opfuse's fused all-reduce + add + norm, cheaper than NCCL's all-reduce alone at these
+sizes: a whole model (train-tp, 8192 tokens, 2x H200) ran 0.7% slower split. It stays an opt-in,
+not yet timed in a model whose all-reduces opfuse leaves to NCCL (where the per-layer measurement
+says it should pay). FP8 graphs are not split: their GEMM inputs are quantized in the producing
+kernel, which a split would undo.
 
 Only the forward value changes: AOTAutograd's joint graph computes the GEMM's gradients from its
 inputs, never from its output, so the backward autograd traced stays as it is. ``explain()`` lists
