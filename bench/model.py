@@ -237,6 +237,13 @@ def worker(rank, world, opts, out_path):
             setattr(torch._dynamo.config, name, 64)
     cfg = llama_tp.Config(**opts["model"])
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if device == "cpu":
+        from opfuse.torch_compile import fp8_aten
+
+        # The dry run's FP8 graphs as a GPU's: the GEMMs written as aten ops (torch._scaled_mm) where
+        # the GPU's scaled_mm implementation would be, instead of opaque reference ops, so the
+        # passes that move GEMMs (overlap.py) see what they see on a GPU.
+        fp8_aten.IMPLEMENTATIONS = {"reference"}
     rows, notes, profiles, timeline_rows, started = [], [], {}, {}, time.perf_counter()
     copy_gbs = None
     if device == "cuda" and "decode" in opts["cases"]:
