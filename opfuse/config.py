@@ -92,9 +92,10 @@ class Config:
     #: SMs that the GEMMs scheduled under a collective left to NCCL leave free for it
     #: (``OPFUSE_OVERLAP_SM_CARVEOUT``; 0 = all SMs to the GEMMs): cuBLAS's persistent GEMMs hold
     #: every SM until they end, so inside a CUDA graph NCCL's kernel may wait for them instead of
-    #: running under them (opfuse/torch_compile/sm_carveout.py). Off: on 2x H200 it did not make
-    #: them overlap (docs/PERF_NOTES.md, "Results, session 16"; the cause was the schedule, fixed in
-    #: session 17, with which it is not measured yet).
+    #: running under them (opfuse/torch_compile/sm_carveout.py); covers the GEMMs under every
+    #: backward collective (reductions and the gathers given a weight gradient). Off until measured
+    #: with session 17's schedule fix (docs/PERF_NOTES.md, "Results, session 20": the backward
+    #: gathers of FP8 train-sp ran beside 0-9 us of their GEMM without it).
     overlap_sm_carveout: int = 0
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they

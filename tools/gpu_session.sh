@@ -66,6 +66,8 @@
 #                                      # per-row quantizer: GPU tests, FP8 MoE bench profiled
 #   tools/gpu_session.sh s19-fp8-sp    # 2 GPUs (~7 min): FP8 world-2 GPU tests, FP8 pow2 train-sp graphs A B B A
 #   tools/gpu_session.sh s19-fp8-rs    # 2 GPUs (~8 min): FP8 train-sp graphs, p2p_overlap FP8 reduce-scatter vs nccl, A B B A
+#   tools/gpu_session.sh s21-carveout  # 2 GPUs (~9.5 min): FP8 train-sp with the GEMMs under the backward gathers leaving
+#                                      # 16 SMs to NCCL: profile, then A B B A against without
 #   tools/gpu_session.sh s20-fp8-sp    # 2 GPUs (~9 min): FP8 pow2 train-sp 2048 under graphs vs compile bf16, A B B A
 #   tools/gpu_session.sh s20-fp8-sp8192 # 2 GPUs (~7 min): the same at 8192 tokens (no warm-up run)
 #   tools/gpu_session.sh s20-chunked-ar # 2 GPUs (~9 min): train-tp 8192 with the chunked GEMM + all-reduce vs without, A B B A
@@ -722,6 +724,22 @@ case "$stage" in
       --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap" \
       --warmup-run --run-timeout 110 --json "$OUT/isolated_fp8_rs.json"
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_rs.log | grep -v "^|---"; }
+    ;;
+  s21-carveout)  # 2 GPUs (~9.5 min; prebuilt modules): session 20's profile showed each backward all-gather of FP8
+                 # train-sp waiting for the persistent weight-gradient GEMM moved under it (6-9 us beside, 5 x ~100
+                 # us exposed): the SM carveout, now applied to those GEMMs too. GPU carveout tests, a profile with
+                 # 16 SMs left to NCCL (it warms the machine), then FP8 under graphs without and with it, A B B A
+    END=${S21_BUDGET_S:-570}
+    tests carveout_tests 90 -q tests/gpu/test_sm_carveout.py
+    OPFUSE_OVERLAP_SM_CARVEOUT=16 step fp8_carve16 "$(fits 130 420)" python3 bench/model.py --world 2 --cases train-sp \
+      --train 2048 --train-batch 1 --no-aa --fp8 tensor-pow2 --only "opfuse fp8" --train-mode reduce-overhead --profile
+    step isolated_carve "$(fits 440 0)" python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%OVERLAP_SM_CARVEOUT=16" \
+      --run-timeout 110 --json "$OUT/isolated_carve.json"
+    final_summary() { grep -h -E "passed|failed" "$OUT/carveout_tests.log" | tail -2; model_lines fp8_carve16;
+                      grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)|AllGather|under the collective" \
+                        "$OUT/fp8_carve16.log" | cut -c1-300;
+                      grep -h -E "^(\[|\||note)" "$OUT"/isolated_carve.log | grep -v "^|---"; }
     ;;
   s20-fp8-sp)  # 2 GPUs (~9 min; prebuilt modules): FP8 pow2 train-sp 2048 under CUDA graphs (p2p_overlap FP8 reduce-
                # scatter now the default) vs torch.compile bf16 with async TP, each alone, A B B A after a warm-up

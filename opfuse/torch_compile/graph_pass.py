@@ -111,7 +111,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     schedule_overlaps(gm.graph, overlaps)
     filled = fill_with_weight_work(gm.graph, lambda p: _is_parameter(settings, p)) \
         + defer_weight_gradients(gm.graph) if config.overlap_collectives == "auto" else []
-    carved = carve_sms_under_collectives(gm.graph, overlaps, config.overlap_sm_carveout)
+    carved = carve_sms_under_collectives(gm.graph, config.overlap_sm_carveout) \
+        if config.overlap_collectives == "auto" else []
     use_direct_overloads(gm.graph)
     gm.recompile()
     settings.joined.extend(joined_inputs(gm.graph))

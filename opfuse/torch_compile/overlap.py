@@ -47,7 +47,8 @@ from torch import fx
 from ..machinery.aten import aten, c10d, calls, shape, value
 
 __all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "fill_with_weight_work", "defer_weight_gradients",
-           "backward_nodes", "summing_reductions", "is_collective", "FLOPS_PER_BYTE", "LATENCY_BYTES", "HIDE_FRACTION"]
+           "backward_nodes", "summing_reductions", "issued_collectives", "is_collective", "FLOPS_PER_BYTE",
+           "LATENCY_BYTES", "HIDE_FRACTION"]
 
 FLOPS_PER_BYTE = 5000
 LATENCY_BYTES = 2 << 20
@@ -189,7 +190,7 @@ def schedule_overlaps(graph: fx.Graph, overlaps: list[Overlap]) -> None:
     graph.lint()
 
 
-def _collectives(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+def issued_collectives(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     """``(issue, wait)`` of every collective whose issue only its wait reads, in graph order."""
     return [(node.args[0], node) for node in graph.nodes
             if calls(node, c10d.wait_tensor.default) and node.args and calls(node.args[0], *_ISSUES)
@@ -218,7 +219,7 @@ def fill_with_weight_work(graph: fx.Graph, is_weight) -> list[str]:
     ``explain()``."""
     backward = backward_nodes(graph)
     weight_only = _weight_only(graph, is_weight)
-    pairs = [(issue, wait) for issue, wait in _collectives(graph) if issue not in backward]
+    pairs = [(issue, wait) for issue, wait in issued_collectives(graph) if issue not in backward]
     notes = []
     for issue, wait in pairs:
         moved = []
@@ -267,13 +268,13 @@ def defer_weight_gradients(graph: fx.Graph) -> list[str]:
     backward = backward_nodes(graph)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     notes = []
-    for issue, wait in [pair for pair in _collectives(graph) if pair[0] in backward]:
+    for issue, wait in [pair for pair in issued_collectives(graph) if pair[0] in backward]:
         nodes = list(graph.nodes)
         order = {node: i for i, node in enumerate(nodes)}
         if any(_is_gemm(n) for n in nodes[order[issue] + 1:order[wait]]):
             continue
         gemms_under = [(order[i], order[w], sum(_is_gemm(n) for n in nodes[order[i] + 1:order[w]]))
-                       for i, w in _collectives(graph)]
+                       for i, w in issued_collectives(graph)]
         taken, chain = None, None
         for node in reversed(nodes[:order[issue]]):
             if node not in backward or not _is_gemm(node):

@@ -6,8 +6,9 @@ cuBLAS's Hopper GEMMs are persistent (one block per SM, each SM held until the l
 inside a CUDA graph the collective and the GEMMs are sibling nodes launched in no set order, so a
 GEMM that reaches the SMs first can keep NCCL's kernel waiting for a free SM until it ends.
 
-:func:`carve_sms_under_collectives` rewrites the GEMMs between an overlap's issue and wait
-(``aten._scaled_mm``, ``aten.mm``) into calls that ask cuBLASLt for ``SMs - carveout`` SMs
+:func:`carve_sms_under_collectives` rewrites the GEMMs between a backward collective's issue and
+wait (``aten._scaled_mm``, ``aten.mm``: those under the reductions left to NCCL, and the weight
+gradients :func:`.overlap.defer_weight_gradients` moved under a gather) into calls that ask cuBLASLt for ``SMs - carveout`` SMs
 (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``, which torch sets from
 ``torch._C._set_sm_carveout_experimental`` for the call), so that NCCL's blocks find SMs at once.
 The GEMM then runs on fewer SMs for its whole length: a carveout pays only where the collective it
@@ -26,6 +27,7 @@ from torch import Tensor, fx
 
 from ..machinery.aten import aten, calls
 from ..machinery.fused_op import graph_op
+from .overlap import backward_nodes, issued_collectives
 
 __all__ = ["carve_sms_under_collectives", "scaled_mm_sm_carveout", "mm_sm_carveout"]
 
@@ -117,15 +119,20 @@ def _rewrite(graph: fx.Graph, node: fx.Node, sms: int) -> bool:
     return True
 
 
-def carve_sms_under_collectives(graph: fx.Graph, overlaps, sms: int) -> list[str]:
-    """Rewrite the GEMMs scheduled between each overlap's issue and wait (see the module
-    docstring) to leave ``sms`` SMs to the collective; a line per overlap for ``explain()``."""
+def carve_sms_under_collectives(graph: fx.Graph, sms: int) -> list[str]:
+    """Rewrite the GEMMs scheduled between each backward collective's issue and wait (the
+    reductions :mod:`.overlap` left to NCCL and the gathers it gave a weight-gradient GEMM; see
+    the module docstring) to leave ``sms`` SMs to the collective; a line per collective for
+    ``explain()``."""
     if sms <= 0:
         return []
+    backward = backward_nodes(graph)
     notes = []
-    for overlap in overlaps:
-        gemms, node = [], overlap.issue.next
-        while node is not overlap.wait and node.op != "output":
+    for issue, wait in issued_collectives(graph):
+        if issue not in backward:
+            continue
+        gemms, node = [], issue.next
+        while node is not wait and node.op != "output":
             if calls(node, aten.mm.default, aten._scaled_mm.default):
                 gemms.append(node)
             node = node.next
@@ -133,7 +140,7 @@ def carve_sms_under_collectives(graph: fx.Graph, overlaps, sms: int) -> list[str
             _check_sms(sms, gemms[0].meta["val"].device)
         done = sum(_rewrite(graph, gemm, sms) for gemm in gemms)
         if done:
-            notes.append(f"{overlap.wait.name}: the {done} GEMM(s) under the collective leave {sms} SMs to NCCL "
+            notes.append(f"{wait.name}: the {done} GEMM(s) under the collective leave {sms} SMs to NCCL "
                          f"(OPFUSE_OVERLAP_SM_CARVEOUT={sms})")
     if notes:
         graph.lint()

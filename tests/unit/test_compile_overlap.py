@@ -483,3 +483,46 @@ def test_exposed_backward_gather_gets_a_weight_gradient_from_the_reduction_befor
     assert all(any(g in line for g in gemm for line in window) for window in scatters), scatters
     (program,) = opfuse.programs(compiled)
     assert "moved under this backward collective" in program.explain()
+
+
+@pytest.mark.parametrize("recipe", [None, "tensor"], ids=["bf16", "fp8"])
+def test_the_weight_gradient_moved_under_a_gather_leaves_sms_to_it(world1, cheap_collectives, monkeypatch, recipe):
+    """With ``overlap_sm_carveout`` the weight-gradient GEMM that ``defer_weight_gradients`` moved
+    under a backward all-gather becomes a carveout call too (measured on 2x H200 in session 20: the
+    persistent GEMM held every SM and NCCL's gather started in its last microseconds), as do those
+    under the reduce-scatters; the gradients are those without the carveout."""
+    from torch._inductor.utils import run_and_get_code
+
+    from opfuse import fp8
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+    kwargs = {"fp8": fp8.TensorScaling()} if recipe else {}
+    torch.manual_seed(0)
+    model = TwoSPBlocks(world1)
+    x = torch.randn(16, H)
+
+    def grads(sms):
+        torch._dynamo.reset()
+        xi = x.clone().requires_grad_()
+        with opfuse.config.override(overlap_sm_carveout=sms):
+            compiled = opfuse.optimize(model, **kwargs)
+            out = compiled(xi)
+            params = list(model.parameters())
+            _, codes = run_and_get_code(lambda: out.sum().backward(inputs=[xi] + params))
+        got = [xi.grad] + [p.grad.clone() for p in params]
+        model.zero_grad(set_to_none=True)
+        return compiled, codes, got
+
+    compiled, codes, got = grads(8)
+    _, _, plain = grads(0)
+    for g, p in zip(got, plain):
+        torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-5)
+    op = "scaled_mm_sm_carveout" if recipe else "mm_sm_carveout"
+    backward = next(code for code in codes if "all_gather_into_tensor" in code and "reduce_scatter_tensor" in code)
+    gathers = _collective_windows(backward, "all_gather_into_tensor")
+    scatters = _collective_windows(backward, "reduce_scatter_tensor")
+    assert any(f"{op}.direct(" in line for line in gathers[1]), "\n".join(gathers[1])
+    assert all(any(f"{op}.direct(" in line for line in window) for window in scatters), scatters
+    (program,) = opfuse.programs(compiled)
+    assert program.explain().count("leave 8 SMs to NCCL") == 3, program.explain()
