@@ -68,6 +68,8 @@
 #   tools/gpu_session.sh s19-fp8-rs    # 2 GPUs (~8 min): FP8 train-sp graphs, p2p_overlap FP8 reduce-scatter vs nccl, A B B A
 #   tools/gpu_session.sh s21-carveout  # 2 GPUs (~9.5 min): FP8 train-sp with the GEMMs under the backward gathers leaving
 #                                      # 16 SMs to NCCL: profile, then A B B A against without
+#   tools/gpu_session.sh s21-priority  # 2 GPUs (~4 min): the same step profiled with a high-priority NCCL stream, and
+#                                      # with an 8-SM carveout
 #   tools/gpu_session.sh s20-fp8-sp    # 2 GPUs (~9 min): FP8 pow2 train-sp 2048 under graphs vs compile bf16, A B B A
 #   tools/gpu_session.sh s20-fp8-sp8192 # 2 GPUs (~7 min): the same at 8192 tokens (no warm-up run)
 #   tools/gpu_session.sh s20-chunked-ar # 2 GPUs (~9 min): train-tp 8192 with the chunked GEMM + all-reduce vs without, A B B A
@@ -740,6 +742,18 @@ case "$stage" in
                       grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)|AllGather|under the collective" \
                         "$OUT/fp8_carve16.log" | cut -c1-300;
                       grep -h -E "^(\[|\||note)" "$OUT"/isolated_carve.log | grep -v "^|---"; }
+    ;;
+  s21-priority)  # 2 GPUs (~4 min; prebuilt modules): the other remedy for the backward gathers waiting for their
+                 # GEMM: NCCL on a high-priority stream (its blocks dispatched first when both are ready), and
+                 # an 8-SM carveout; FP8 train-sp under graphs, profiled, one run each
+    END=${S21_BUDGET_S:-300}
+    sp=(python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 --no-aa --fp8 tensor-pow2
+        --only "opfuse fp8" --train-mode reduce-overhead --profile)
+    TORCH_NCCL_HIGH_PRIORITY=1 step fp8_priority "$(fits 130 130)" "${sp[@]}"
+    OPFUSE_OVERLAP_SM_CARVEOUT=8 step fp8_carve8 "$(fits 130 0)" "${sp[@]}"
+    final_summary() { for name in fp8_priority fp8_carve8; do model_lines $name;
+                        grep -E "^\| (category|gemm|nccl|GPU|first|opfuse fp8 \|)|AllGather|under the collective" \
+                        "$OUT/$name.log" | cut -c1-300; done; }
     ;;
   s20-fp8-sp)  # 2 GPUs (~9 min; prebuilt modules): FP8 pow2 train-sp 2048 under CUDA graphs (p2p_overlap FP8 reduce-
                # scatter now the default) vs torch.compile bf16 with async TP, each alone, A B B A after a warm-up
