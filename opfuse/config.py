@@ -136,6 +136,13 @@ class Config:
         _version += 1
         epoch.bump()
 
+    def __delattr__(self, name):
+        # ``del opfuse.config.fuse`` would leave the class default visible but drop the value from
+        # the instance, which snapshot() and the program caches read: every later compile failed
+        # with a KeyError far from here.
+        raise AttributeError(f"opfuse.config.{name}: settings cannot be deleted; assign a value, or use "
+                             f"opfuse.config.override(...) / reload_from_env() to restore the defaults")
+
     def override(self, **settings):
         """Context manager: change settings inside a ``with`` block."""
         return override(**settings)
@@ -208,9 +215,14 @@ def _choice(*accepted: str) -> Callable[..., str]:
     return check
 
 
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 def _name(item, where: str, what: str) -> str:
     if not isinstance(item, str) or not _NAME.match(item.strip()):
-        raise ValueError(f"{where}: {item!r} is not a {what} name (letters, digits, '_', '.', '+', '-')")
+        raise ValueError(f"{where}: {item!r} is not {_article(what)} {what} name (letters, digits, '_', '.', '+', "
+                         f"'-')")
     return item.strip()
 
 
@@ -222,8 +234,8 @@ def _names(what: str) -> Callable[..., tuple[str, ...]]:
         source = f"{where}={value!r}"
         if isinstance(value, str):
             if ";" in value:
-                raise ValueError(f"{source}: {value.strip()!r} is not a {what} name; separate {what} names with "
-                                 f"commas (name1,name2)")
+                raise ValueError(f"{source}: {value.strip()!r} is not {_article(what)} {what} name; separate "
+                                 f"{what} names with commas (name1,name2)")
             items = [part.strip() for part in value.split(",")] if value.strip() else []
             if not all(items):
                 raise ValueError(f"{source}: an empty name between commas; expected name1,name2")

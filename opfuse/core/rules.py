@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from ..families import FAMILIES
 from ..machinery import graph_pass as pass_registry
-from ..machinery.pattern import Pattern, PatternError
+from ..machinery.pattern import Pattern, PatternError, Predicate
 from ..machinery.rule import Match, Replacement, Rule, RuleRegistry, caller_location
 
 __all__ = ["BUILTIN_RULES", "get_registry", "register_rule", "remove_rule", "disabled_rules", "rules", "generation",
@@ -59,8 +59,15 @@ def register_rule(rule: Rule | None = None, *, name: str | None = None, pattern:
     """Register a fusion rule (a :class:`Rule`, or its fields as keywords).
 
     Without ``build`` it returns a decorator for the builder function. Returns the registered
-    :class:`Rule`.
+    :class:`Rule`. ``where`` is a sequence of predicates (``where=[fn]``); ``replace=True``
+    replaces a rule of the same name.
     """
+    if not isinstance(replace, bool):
+        # bool("yes") is True: a misspelt flag silently replaced a rule.
+        raise PatternError(f"register_rule: replace={replace!r}; expected True or False")
+    if isinstance(where, Predicate) or callable(where):
+        raise PatternError(f"register_rule: where={where!r} is one predicate; expected a sequence of them "
+                           f"(where=[predicate])")
     if rule is not None:
         if any(v is not None for v in (name, pattern, build)):
             raise PatternError("register_rule: pass either a Rule or its fields, not both")
@@ -80,13 +87,23 @@ def register_rule(rule: Rule | None = None, *, name: str | None = None, pattern:
     return finish(build)
 
 
+def _check_names(names, who: str) -> None:
+    for name in names:
+        if not isinstance(name, str):
+            several = isinstance(name, (list, tuple, set, frozenset)) and who == "disabled_rules"
+            hint = "; pass names as separate arguments (disabled_rules(*names))" if several else ""
+            raise PatternError(f"{who}: {name!r} is not a rule name (a str){hint}")
+
+
 def remove_rule(name: str) -> Rule:
     """Unregister the rule called ``name`` and return it."""
+    _check_names([name], "remove_rule")
     return _REGISTRY.remove(name)
 
 
 def disabled_rules(*names: str):
     """Context manager: rules ``names`` do not fire inside the block."""
+    _check_names(names, "disabled_rules")
     return _REGISTRY.disabled(*names)
 
 

@@ -51,8 +51,8 @@ class Recipe:
     def __post_init__(self):
         if type(self) is Recipe:
             raise TypeError("opfuse.fp8.Recipe is a base class; use opfuse.fp8.TensorScaling() or RowwiseScaling()")
-        if self.grad_dtype not in FP8_DTYPES:
-            raise ValueError(f"{type(self).__name__}: grad_dtype={self.grad_dtype}; accepted: torch.float8_e5m2, "
+        if not isinstance(self.grad_dtype, torch.dtype) or self.grad_dtype not in FP8_DTYPES:
+            raise ValueError(f"{type(self).__name__}: grad_dtype={self.grad_dtype!r}; accepted: torch.float8_e5m2, "
                              f"torch.float8_e4m3fn")
         if not isinstance(self.fp8_wgrad, bool):
             raise ValueError(f"{type(self).__name__}: fp8_wgrad={self.fp8_wgrad!r}; expected True or False")
@@ -128,6 +128,9 @@ _BY_SHORT = {v: k for k, v in _SHORT.items()}
 @functools.lru_cache(maxsize=None)
 def recipe_from_key(key: str) -> Recipe:
     """The recipe :meth:`Recipe.key` named."""
+    if not isinstance(key, str):
+        raise ValueError(f"opfuse.fp8: recipe key {key!r}; expected a string such as "
+                         f"'tensor/e4m3/e5m2/wgrad-fp8' (Recipe.key())")
     try:
         granularity, forward, grad, wgrad, *extra = key.split("/")
         cls = _BY_GRANULARITY[granularity]

@@ -78,6 +78,10 @@ def autocast(enabled: bool = True, recipe: Recipe | None = None,
     ...     y, residual = block(x, residual)
     >>> (y * dy).sum().backward()        # backward uses the forward's recipe   # doctest: +SKIP
     """
+    for name, value in (("enabled", enabled), ("frozen_weights", frozen_weights)):
+        # bool("no") is True: autocast(enabled="no") turned FP8 on.
+        if not isinstance(value, bool):
+            raise TypeError(f"opfuse.fp8.autocast: {name}={value!r}; expected True or False")
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"opfuse.fp8.autocast: recipe={recipe!r}; expected opfuse.fp8.TensorScaling() or "
                         f"opfuse.fp8.RowwiseScaling()")

@@ -11,6 +11,7 @@ to test.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import ClassVar, Sequence
 
 import torch
@@ -20,8 +21,8 @@ from .. import epoch
 from ..fp8.tensor import Float8Activation
 from ..runtime.device import dtype_name  # noqa: F401 - also the ops' name for it (opfuse.ops.base.dtype_name)
 
-__all__ = ["BasicOp", "ImplementationError", "OpInputError", "PartitionError", "TensorMeta", "check_meta_equal",
-           "dtype_name", "output_meta"]
+__all__ = ["BasicOp", "ImplementationError", "OpInputError", "PartitionError", "TensorMeta", "check_flag",
+           "check_meta_equal", "check_size", "dtype_name", "output_meta"]
 
 
 class OpInputError(ValueError):
@@ -101,6 +102,27 @@ def check_meta_equal(op: "BasicOp", what: str, got: TensorMeta, expected: Tensor
             raise OpInputError(
                 f"{op.describe()}: {what} has {label} {_fmt(have)}, expected {_fmt(want)}"
             )
+
+
+def check_size(value, who: str, name: str, minimum: int = 1):
+    """``value`` as an int (a ``torch.SymInt`` as it is) when it is an integer >= ``minimum``; else
+    a ``ValueError`` naming ``who``, ``name`` and the value. ``True`` is not a size, nor is ``4.0``
+    (``int()`` would have taken both, and a negative size failed deep inside ``torch.empty``)."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if not isinstance(value, bool) and hasattr(value, "__index__"):
+        number = operator.index(value)
+        if number >= minimum:
+            return number
+    wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    raise ValueError(f"{who}: {name}={value!r}; expected {wanted}")
+
+
+def check_flag(value, who: str, name: str) -> bool:
+    """``value`` when it is a bool; else a ``TypeError`` naming it (``"no"`` would be truthy)."""
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{who}: {name}={value!r}; expected True or False")
 
 
 def output_meta(op: "BasicOp", *metas: TensorMeta) -> TensorMeta:

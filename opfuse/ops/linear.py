@@ -14,7 +14,7 @@ from ..fp8.linear import fp8_linear
 from ..fp8.recipe import Recipe
 from . import collectives as coll
 from . import group as groups
-from .base import BasicOp, OpInputError, PartitionError, TensorMeta
+from .base import BasicOp, OpInputError, PartitionError, TensorMeta, check_size
 from .sharding import REPLICATED, Sharding, plan_gemm, reject_partial
 
 __all__ = ["BasicLinear", "Bias", "Linear"]
@@ -98,8 +98,9 @@ class BasicLinear(BasicOp):
             raise ValueError("BasicLinear: a bias inside a row-parallel (weight_sharding='in') GEMM would be added "
                              "once per rank; add it after the reduction")
         self.weight_sharding = weight_sharding
-        self.in_features = int(in_features)
-        self.out_features = int(out_features)
+        # >= 0, as torch.nn.Linear: a graph traced from a model may hold an empty GEMM.
+        self.in_features = in_features = check_size(in_features, "BasicLinear", "in_features", 0)
+        self.out_features = out_features = check_size(out_features, "BasicLinear", "out_features", 0)
         if weight is None:
             weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
             _init_weight_(weight, fan_in or in_features)
@@ -158,7 +159,7 @@ class Bias(BasicOp):
 
     def __init__(self, features: int, *, device=None, dtype=None, bias: nn.Parameter | None = None):
         super().__init__()
-        self.features = int(features)
+        self.features = features = check_size(features, "Bias", "features", 0)
         if bias is None:
             bias = nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
         elif tuple(bias.shape) != (features,):
@@ -218,9 +219,8 @@ class Linear(BasicOp):
             raise ValueError(f"Linear: parallel={parallel!r}; accepted: None, 'column', 'row'")
         if sequence_parallel and parallel is None:
             raise ValueError("Linear: sequence_parallel=True needs parallel='column' or 'row'")
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Linear: {name}={value!r}; expected a positive int")
+        in_features = check_size(in_features, "Linear", "in_features")
+        out_features = check_size(out_features, "Linear", "out_features")
         for name, value in (("bias", bias), ("sequence_parallel", sequence_parallel)):
             if not isinstance(value, bool):
                 raise TypeError(f"Linear: {name}={value!r}; expected True or False")

@@ -6,11 +6,13 @@ do too, and the result is cast back to the input dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import BasicOp, PartitionError, TensorMeta
+from .base import BasicOp, PartitionError, TensorMeta, check_flag, check_size
 from .sharding import Sharding, reject_partial
 
 __all__ = ["RMSNorm", "LayerNorm", "ExtraOutputNorm", "rms_norm_reference", "layer_norm_reference", "norm_backward",
@@ -83,13 +85,16 @@ class _Norm(BasicOp):
                     f"dim can be normalised (pass an int)"
                 )
             normalized_shape = normalized_shape[0]
-        if not isinstance(normalized_shape, int) or normalized_shape <= 0:
-            raise ValueError(f"{type(self).__name__}: normalized_shape={normalized_shape!r}; expected a positive int")
-        if not (isinstance(eps, (int, float)) and eps >= 0):
-            raise ValueError(f"{type(self).__name__}: eps={eps!r}; expected a float >= 0")
+        who = type(self).__name__
+        normalized_shape = check_size(normalized_shape, who, "normalized_shape")
+        # eps = 0 is accepted as torch.nn.RMSNorm/LayerNorm accept it (and as traced models hold it): an
+        # all-zero (RMSNorm) or constant (LayerNorm) row then gives NaN there as here. inf, NaN and True are not
+        # an eps.
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+            raise ValueError(f"{who}: eps={eps!r}; expected a finite float >= 0 (e.g. 1e-6)")
         self.hidden_size = normalized_shape
         self.eps = float(eps)
-        self.elementwise_affine = elementwise_affine
+        self.elementwise_affine = check_flag(elementwise_affine, who, "elementwise_affine")
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(normalized_shape, device=device, dtype=dtype))
         else:
@@ -133,6 +138,7 @@ class LayerNorm(_Norm):
     def __init__(self, normalized_shape: int, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        check_flag(bias, "LayerNorm", "bias")
         if elementwise_affine and bias:
             self.bias = nn.Parameter(torch.zeros(self.hidden_size, device=device, dtype=dtype))
         else:

@@ -8,7 +8,7 @@ import torch
 from ..fp8.recipe import FP8_DTYPES, Recipe
 from ..fp8.tensor import quantize_activation, tag
 from . import group as groups
-from .base import BasicOp, OpInputError, TensorMeta
+from .base import BasicOp, OpInputError, TensorMeta, check_flag
 from .sharding import Sharding, reject_partial
 
 __all__ = ["Quantize"]
@@ -35,10 +35,10 @@ class Quantize(BasicOp):
 
     def __init__(self, dtype: torch.dtype = torch.float8_e4m3fn, rowwise: bool = False, amax_group=None):
         super().__init__()
-        if dtype not in FP8_DTYPES:
-            raise ValueError(f"Quantize: dtype={dtype}; accepted: torch.float8_e4m3fn, torch.float8_e5m2")
+        if not isinstance(dtype, torch.dtype) or dtype not in FP8_DTYPES:
+            raise ValueError(f"Quantize: dtype={dtype!r}; accepted: torch.float8_e4m3fn, torch.float8_e5m2")
         self.dtype = dtype
-        self.rowwise = bool(rowwise)
+        self.rowwise = check_flag(rowwise, "Quantize", "rowwise")
         self.amax_group = amax_group
 
     @classmethod

@@ -37,6 +37,9 @@ def sync_sequence_parallel_grads(module: torch.nn.Module) -> int:
     >>> opfuse.sync_sequence_parallel_grads(model)        # doctest: +SKIP
     >>> optimizer.step()                                  # doctest: +SKIP
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"opfuse.sync_sequence_parallel_grads: module={module!r} ({type(module).__name__}); "
+                        f"expected a torch.nn.Module (the model whose backward ran)")
     marked = [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
     name = type(module).__name__
     if not marked:

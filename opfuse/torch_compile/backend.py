@@ -240,6 +240,7 @@ def optimize(model, *, fp8=None, fp8_filter=None, merge_projections: bool = True
         raise TypeError(f"opfuse.optimize: the model is already compiled ({type(model).__name__}, from "
                         f"opfuse.optimize or torch.compile); pass the original model (compiled._orig_mod for a "
                         f"module) or use the compiled one as it is")
+    _check_compile_kwargs(compile_kwargs)
     compile_kwargs.setdefault("dynamic", False)
     module = model if isinstance(model, torch.nn.Module) else None
     prepared = None
@@ -254,6 +255,48 @@ def optimize(model, *, fp8=None, fp8_filter=None, merge_projections: bool = True
         compiled.register_forward_pre_hook(prepared.packed.check_hook())
     _OPTIMIZED[compiled] = backend
     return compiled
+
+
+#: ``torch.compile``'s keyword arguments that :func:`optimize` passes on (``backend`` is opfuse's).
+_COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options", "disable")
+
+
+def _check_compile_kwargs(kwargs: dict) -> None:
+    """Refuse, when :func:`optimize` is called, what ``torch.compile`` would otherwise report only
+    at the first call of the compiled model (wrapped in Dynamo's ``BackendCompilerFailed``) or in
+    torch's own words: unknown arguments, wrong types, an unknown ``mode``, unknown ``options``."""
+    from torch._inductor import list_mode_options, list_options
+
+    unknown = sorted(set(kwargs) - set(_COMPILE_KWARGS))
+    if unknown:
+        raise TypeError(f"opfuse.optimize: unknown argument(s) {unknown}; accepted: fp8, fp8_filter, "
+                        f"merge_projections, moe and torch.compile's {', '.join(_COMPILE_KWARGS)}")
+    for name in ("fullgraph", "disable"):
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise TypeError(f"opfuse.optimize: {name}={kwargs[name]!r}; expected True or False")
+    if not (kwargs.get("dynamic") is None or isinstance(kwargs["dynamic"], bool)):
+        raise TypeError(f"opfuse.optimize: dynamic={kwargs['dynamic']!r}; expected None, True or False")
+    mode = kwargs.get("mode")
+    if mode is not None:
+        if not isinstance(mode, str):
+            raise TypeError(f"opfuse.optimize: mode={mode!r}; expected a string (e.g. 'reduce-overhead') or None")
+        try:
+            list_mode_options(mode)
+        except RuntimeError as error:
+            raise ValueError(f"opfuse.optimize: {error}") from None
+    options = kwargs.get("options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise TypeError(f"opfuse.optimize: options={options!r}; expected a dict of Inductor settings "
+                        f"(torch._inductor.list_options()) and opfuse's {', '.join(OPFUSE_OPTIONS)}")
+    if "inductor" in options and not isinstance(options["inductor"], bool):
+        raise TypeError(f"opfuse.optimize: options['inductor']={options['inductor']!r}; expected True or False")
+    known = set(list_options())
+    unknown = sorted(str(key) for key in options if key not in OPFUSE_OPTIONS and key not in known)
+    if unknown:
+        raise ValueError(f"opfuse.optimize: options {unknown} are neither opfuse's ({', '.join(OPFUSE_OPTIONS)}) "
+                         f"nor Inductor settings (torch._inductor.list_options())")
 
 
 def _is_compiled(model) -> bool:
