@@ -98,6 +98,8 @@ def unsharded_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     >>> full = opfuse.unsharded_state_dict(block)            # doctest: +SKIP
     >>> plain = build_block(parallel=None); plain.load_state_dict(full)   # doctest: +SKIP
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"opfuse.unsharded_state_dict: module={module!r}; expected a torch.nn.Module")
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     for prefix, sub in module.named_modules():
         if isinstance(sub, Linear) and sub.parallel:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 from ..families import FAMILIES
 from ..machinery import graph_pass as pass_registry
-from ..machinery.pattern import Pattern, PatternError, Predicate
+from ..machinery.pattern import Pattern, PatternError
 from ..machinery.rule import Match, Replacement, Rule, RuleRegistry, caller_location
 
 __all__ = ["BUILTIN_RULES", "get_registry", "register_rule", "remove_rule", "disabled_rules", "rules", "generation",
@@ -65,9 +65,6 @@ def register_rule(rule: Rule | None = None, *, name: str | None = None, pattern:
     if not isinstance(replace, bool):
         # bool("yes") is True: a misspelt flag silently replaced a rule.
         raise PatternError(f"register_rule: replace={replace!r}; expected True or False")
-    if isinstance(where, Predicate) or callable(where):
-        raise PatternError(f"register_rule: where={where!r} is one predicate; expected a sequence of them "
-                           f"(where=[predicate])")
     if rule is not None:
         if any(v is not None for v in (name, pattern, build)):
             raise PatternError("register_rule: pass either a Rule or its fields, not both")

@@ -66,6 +66,10 @@ def predicate(description: str) -> Callable[[Callable[[Any], Any]], Predicate]:
 
 
 def _as_predicates(items, owner: str) -> tuple[Predicate, ...]:
+    if isinstance(items, Predicate) or callable(items):
+        raise PatternError(f"{owner}: where={items!r} is one predicate; expected a sequence of them (where=[predicate])")
+    if items is not None and not isinstance(items, (list, tuple)):
+        raise PatternError(f"{owner}: where={items!r}; expected a list or tuple of predicates")
     result = []
     for item in items or ():
         if isinstance(item, Predicate):
@@ -106,7 +110,8 @@ class OpSpec:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise PatternError(f"OpSpec: name={self.name!r}; expected an identifier")
-        kinds = (self.kinds,) if isinstance(self.kinds, str) else tuple(self.kinds)
+        kinds = (self.kinds,) if isinstance(self.kinds, str) else \
+            tuple(self.kinds) if isinstance(self.kinds, (list, tuple)) else ()
         if not kinds or not all(isinstance(k, str) and k for k in kinds):
             raise PatternError(
                 f"OpSpec {self.name!r}: kinds={self.kinds!r}; expected op kind names such as "

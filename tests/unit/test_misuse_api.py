@@ -367,9 +367,10 @@ def cleanup_rules():
     ({"name": "my rule"}, r"Rule: name='my rule'; expected a non-empty identifier-like string"),
     ({"priority": "high"}, r"priority='high'; expected an int"),
     ({"where": [3]}, r"where= entries must be Predicates or callables, got 3"),
-    ({"where": lambda match: True}, r"register_rule: where=.* is one predicate; expected a sequence of them"),
+    ({"where": lambda match: True}, r"Rule 'misuse_api_other': where=.* is one predicate; expected a sequence of them"),
     ({"replace": "yes"}, r"register_rule: replace='yes'; expected True or False"),
-], ids=["build", "pattern", "name", "priority", "where-item", "where-single", "replace"])
+    ({"where": "x"}, r"where='x'; expected a list or tuple of predicates"),
+], ids=["build", "pattern", "name", "priority", "where-item", "where-single", "replace", "where-str"])
 def test_register_rule_misuse(cleanup_rules, kwargs, match):
     arguments = {"name": "misuse_api_other", "pattern": _GELU, "build": _build, **kwargs}
     with pytest.raises(PatternError, match=match):
@@ -412,3 +413,15 @@ def test_removing_or_disabling_what_is_not_registered(call, error, match):
     with pytest.raises(error, match=match):
         call()
     assert [rule.name for rule in passes.rules()] == before
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: passes.OpSpec("act", 3), PatternError, r"OpSpec 'act': kinds=3; expected op kind names"),
+    (lambda: passes.OpSpec("act", "GELU", where=lambda m: True), PatternError,
+     r"OpSpec 'act': where=.* is one predicate; expected a sequence of them"),
+    (lambda: opfuse.unsharded_state_dict(3), TypeError,
+     r"opfuse.unsharded_state_dict: module=3; expected a torch.nn.Module"),
+], ids=["opspec-kinds-int", "opspec-where-single", "unsharded-not-module"])
+def test_pattern_and_checkpoint_misuse(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
