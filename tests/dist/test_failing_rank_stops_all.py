@@ -19,7 +19,9 @@ from opfuse.cli.launch import LaunchError
 from .harness import run
 from .test_cli import ROOT, env, torchrun
 
-BOUND_S = 20
+#: Far below gloo's timeout (what a rank left waiting would take), above what starting two ranks
+#: (importing torch) takes on a loaded 2-core host: 65 s was seen while other test runs shared it.
+BOUND_S = 100
 
 
 def raises_in_a_thread_and_keeps_running(rank, world):
@@ -46,7 +48,7 @@ def dies_without_a_traceback(rank, world):
 def test_a_rank_whose_thread_raised_stops_every_rank_with_its_error():
     start = time.perf_counter()
     with pytest.raises(LaunchError) as caught:
-        run(raises_in_a_thread_and_keeps_running, 2, timeout=120)
+        run(raises_in_a_thread_and_keeps_running, 2, timeout=240)
     text = str(caught.value)
     assert time.perf_counter() - start < BOUND_S, text
     assert text.startswith("rank 1 failed first:\nin thread 'loader':"), text
@@ -58,7 +60,7 @@ def test_a_rank_whose_thread_raised_stops_every_rank_with_its_error():
 def test_a_rank_killed_without_a_traceback_is_named_first():
     start = time.perf_counter()
     with pytest.raises(LaunchError) as caught:
-        run(dies_without_a_traceback, 2, timeout=120)
+        run(dies_without_a_traceback, 2, timeout=240)
     text = str(caught.value)
     assert time.perf_counter() - start < BOUND_S, text
     assert text.startswith("rank 1 failed first:\nthe process was killed by SIGKILL"), text
@@ -89,7 +91,7 @@ def test_a_failing_torchrun_rank_leaves_so_torchrun_stops_the_others(tmp_path):
     script.write_text(SCRIPT)
     start = time.perf_counter()
     result = subprocess.run(torchrun() + ["--standalone", "--nproc-per-node", "2", str(script)], cwd=ROOT, env=env(),
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=240)
     elapsed = time.perf_counter() - start
     assert result.returncode != 0
     assert "ValueError: boom from rank 1 under torchrun" in result.stderr, result.stderr[-3000:]
