@@ -102,7 +102,9 @@ def straight_line(gm: fx.GraphModule, single: bool) -> Callable:
                 return names[arg]
             if isinstance(arg, (tuple, list)):
                 inner = ", ".join(ref(a) for a in arg)
-                return f"({inner},)" if isinstance(arg, tuple) else f"[{inner}]"
+                if isinstance(arg, tuple):
+                    return f"({inner},)" if arg else "()"
+                return f"[{inner}]"
             if arg is None or isinstance(arg, (bool, int, float, str)):
                 return repr(arg)
             raise TypeError(arg)
@@ -117,7 +119,8 @@ def straight_line(gm: fx.GraphModule, single: bool) -> Callable:
                 lines.append(f"{name} = {ref(node.args[0])}[{ref(node.args[1])}]")
             elif node.op == "output":
                 outputs = node.args[0]
-                result = ref(outputs[0]) if single else ref(tuple(outputs))
+                # A graph may return nothing (a torch.compile graph that only computes sizes).
+                result = ref(outputs[0]) if single and len(outputs) else ref(tuple(outputs))
             else:
                 raise TypeError(node.op)
         except TypeError:

@@ -57,10 +57,18 @@ class _Lowering:
     def __init__(self, op_graph: OpGraph, aten_gm: fx.GraphModule):
         self.op_graph = op_graph
         self.graph = aten_gm.graph
-        self.fake_mode = _fake_mode(self.graph)
+        self._fake_mode = None
         self.values: dict[str, fx.Node] = {}   # op-graph node name -> aten node now holding its value
         self.covered: set[fx.Node] = set()
         self.restrided: set[fx.Node] = set()  # replacements whose strides differ (view_layouts)
+
+    @property
+    def fake_mode(self):
+        """The graph's fake mode, looked up when a fused op is first emitted: a graph with nothing
+        to lower may carry no tensors at all (a dynamic-shape graph computing only sizes)."""
+        if self._fake_mode is None:
+            self._fake_mode = _fake_mode(self.graph)
+        return self._fake_mode
 
     # Values ----------------------------------------------------------------------------------
 
@@ -273,6 +281,7 @@ def lower_fusions(op_graph: OpGraph, aten_gm: fx.GraphModule, lowering: "_Loweri
     lowering.reemit_split()
     stable_topological_sort(aten_gm.graph)
     lowering.erase_covered()
-    refresh_layouts(aten_gm.graph, lowering.fake_mode, lowering.restrided)
+    if lowering.restrided:
+        refresh_layouts(aten_gm.graph, lowering.fake_mode, lowering.restrided)
     aten_gm.graph.lint()
     aten_gm.recompile()

@@ -355,3 +355,24 @@ def test_a_direct_overload_computes_what_its_custom_op_computes():
         assert torch.equal(a, b)
     y, h = torch.ops.opfuse.add_rmsnorm.direct(x, None, r, w, None, 1e-6, "", True, "reference")
     assert y is not x and h is not r and residual_norm.AddRMSNorm.custom_op.direct is torch.ops.opfuse.add_rmsnorm.direct
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["aot_eager", "inductor"])
+def test_graphs_without_tensors_compile(inductor):
+    """Dynamo hands the backend graphs that compute no tensor at all: an empty one (a frame of
+    JetMoE's forward under automatic dynamic shapes), or one computing only sizes. Nothing to
+    fuse, nothing to fail on (the lowering looked for the graph's fake tensors even then)."""
+    from opfuse.torch_compile.backend import OpfuseBackend
+
+    gm = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
+    gm.graph.output(())
+    gm.recompile()
+    backend = OpfuseBackend()
+    assert list(backend(gm, [], options={"inductor": inductor})()) == []
+    (program,) = backend.programs
+    assert program.fusions == [] and "fusions: none" in program.explain()
+    if not inductor:  # Inductor's C++ code generation: minutes on a CI host, the empty graph covers it
+        torch._dynamo.reset()
+        sizes = opfuse.optimize(lambda x, n: x.size(0) * n + 1, dynamic=True, options={"inductor": False})
+        assert sizes(torch.randn(3), 4) == 13 and sizes(torch.randn(5), 6) == 31
+        torch._dynamo.reset()
