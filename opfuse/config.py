@@ -93,9 +93,9 @@ class Config:
     #: (``OPFUSE_OVERLAP_SM_CARVEOUT``; 0 = all SMs to the GEMMs): cuBLAS's persistent GEMMs hold
     #: every SM until they end, so inside a CUDA graph NCCL's kernel may wait for them instead of
     #: running under them (opfuse/torch_compile/sm_carveout.py); covers the GEMMs under every
-    #: backward collective (reductions and the gathers given a weight gradient). Off until measured
-    #: with session 17's schedule fix (docs/PERF_NOTES.md, "Results, session 20": the backward
-    #: gathers of FP8 train-sp ran beside 0-9 us of their GEMM without it).
+    #: backward collective (reductions and the gathers given a weight gradient). Off: it moves
+    #: NCCL's kernels under the GEMMs, but both then run slower by what the overlap hides
+    #: (docs/PERF_NOTES.md, "Results, session 21").
     overlap_sm_carveout: int = 0
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they

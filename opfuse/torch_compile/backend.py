@@ -62,11 +62,13 @@ class OpfuseBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
         from .graph_pass import FusionPass, PassChain
+        from .norm_epsilons import specialize_norm_epsilons
 
         options = dict(options or {})
         inductor = options.pop("inductor", True)
         if not isinstance(inductor, bool):
             raise TypeError(f"opfuse backend: options['inductor']={inductor!r}; expected True or False")
+        specialize_norm_epsilons(gm)
         settings = self._settings(gm, example_inputs, options, inductor)
         fusion = FusionPass(self._record, settings)
         if not inductor:

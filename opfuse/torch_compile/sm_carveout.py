@@ -14,7 +14,7 @@ gradients :func:`.overlap.defer_weight_gradients` moved under a gather) into cal
 The GEMM then runs on fewer SMs for its whole length: a carveout pays only where the collective it
 uncovers is longer than that slowdown. ``opfuse.config.overlap_sm_carveout``
 (``OPFUSE_OVERLAP_SM_CARVEOUT``, SMs) sets it; 0, the default, leaves the GEMMs alone (what it
-gave on GPUs: docs/PERF_NOTES.md, "Results, session 16").
+gave on GPUs: docs/PERF_NOTES.md, "Results, session 21").
 """
 
 from __future__ import annotations

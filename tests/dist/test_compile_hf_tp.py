@@ -2,7 +2,8 @@
 (``from_pretrained(..., tp_plan="auto")``, DTensor parameters, 2 gloo ranks): the loss, the
 logits and every parameter's gradient equal the unsharded model's, and each row-parallel
 projection's all-reduce fuses with the residual add and the next norm. Qwen2-MoE (experts, a
-shared expert, biased q/k/v) and Starcoder2 (biased output projections, LayerNorm);
+shared expert, biased q/k/v), Starcoder2 (biased output projections, LayerNorm) and Phi-3 (fused
+q/k/v and gate/up projections);
 Llama is ``tests/dist/test_compile_backend.py::test_transformers_llama_with_its_tp_plan``, Qwen2's
 inference ``tests/dist/test_compile_hf.py``.
 """
@@ -29,6 +30,8 @@ ARCHITECTURES = {
     "qwen2_moe": (dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
                        num_experts_per_tok=2), "allreduce_add_rmsnorm", 3),
     "starcoder2": ({}, "allreduce_add_layernorm", 5),
+    # q/k/v and gate/up stored as one projection each, sharded by transformers' packed rules.
+    "phi3": (dict(pad_token_id=0), "allreduce_add_rmsnorm", 5),
 }
 
 

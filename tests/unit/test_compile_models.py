@@ -419,6 +419,52 @@ def test_batch_and_sequence_both_symbolic(world1):
     assert "allreduce_add_layernorm" in rules_of([program], "forward"), program.explain()
 
 
+class EpsilonAttributeNorm(nn.Module):
+    """Hugging Face's RMSNorm: the epsilon a float attribute, added to the variance in Python."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(H))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.variance_epsilon))
+
+
+class ResidualThenNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(H, H), EpsilonAttributeNorm()
+
+    def forward(self, x):
+        h = x + self.proj(x)
+        return self.norm(h), h
+
+
+@pytest.mark.parametrize("how", ["optimize", "backend_name"])
+def test_a_norm_epsilon_read_from_an_attribute_stays_a_constant_under_dynamic_true(how):
+    """``dynamic=True`` makes Dynamo pass the floats it reads (``self.variance_epsilon``) as graph
+    inputs; the norm's epsilon would then be a tensor no rule takes (every RMSNorm of a Hugging Face
+    model was left unfused). opfuse has Dynamo specialise those epsilons: the add + norm fuses, and
+    a changed epsilon recompiles (Dynamo guards its value) rather than running a stale one."""
+    torch.manual_seed(0)
+    model = ResidualThenNorm()
+    if how == "optimize":
+        compiled = opfuse.optimize(model, options=EAGER, dynamic=True)
+    else:
+        compiled = torch.compile(model, backend="opfuse", dynamic=True, options=EAGER)
+    before = programs_so_far(compiled)
+    for shape in ((2, 5), (3, 4)):
+        check_training(model, compiled, [torch.randn(*shape, H)])
+    programs = opfuse.programs(compiled)[before:]
+    assert len(programs) == 1 and "add_rmsnorm" in rules_of(programs, "forward"), programs[0].explain()
+    model.norm.variance_epsilon = 0.5
+    check_training(model, compiled, [torch.randn(2, 6, H)])
+    programs = opfuse.programs(compiled)[before:]
+    assert len(programs) == 2 and "add_rmsnorm" in rules_of(programs[1:], "forward"), programs[1].explain()
+
+
 def test_inductor_compiles_symbolic_token_counts(world1):
     model = randomized(Layer(world1))
     compiled = torch.compile(model, backend="opfuse")

@@ -4,7 +4,9 @@ same model run eagerly, at two sequence lengths, and the fusions each architectu
 there. The architectures differ where opfuse's recognition and lowering can go wrong: GPT-2's
 Conv1D projections with biases and LayerNorm, Qwen3's and OLMo 2's per-head q/k norms, Gemma 3's
 norm of the transposed heads, mixture-of-experts blocks (Mixtral, Qwen2-MoE), DeepSeek-V3's
-low-rank attention, Phi's parallel attention and MLP.
+low-rank attention, Phi's parallel attention and MLP, Qwen2's biased q/k/v, Starcoder2's biases
+and LayerNorm (batch 1 and 3 too), GPT-NeoX's parallel residual, Phi-3's fused q/k/v and gate/up
+projections, Gemma 2's sandwich norms and soft-capping; one model under ``dynamic=True``.
 
 ``options={"inductor": False}``: the fused graphs run without code generation (minutes of C++
 compilation on a CI host otherwise); Inductor's own code is not what these tests check.
@@ -38,6 +40,17 @@ ARCHITECTURES = {
                          n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
                          qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8), {"add_rmsnorm"}),
     "phi": (dict(num_key_value_heads=4), {"add_layernorm"}),
+    # Biased q/k/v projections (one merged GEMM with its biases).
+    "qwen2": ({}, {"add_rmsnorm", "horizontal_gemm"}),
+    # Biases on every projection, LayerNorm with a bias, a GELU MLP.
+    "starcoder2": ({}, {"add_layernorm", "horizontal_gemm"}),
+    # Parallel residual (attention and MLP read the same input), q/k/v stored as one projection.
+    "gpt_neox": ({}, {"add_layernorm"}),
+    # q/k/v and gate/up stored fused (qkv_proj, gate_up_proj): nothing to merge, norms still fuse.
+    "phi3": (dict(pad_token_id=0), {"add_rmsnorm"}),
+    # Sandwich norms (a norm after attention and after the MLP, before the residual add), Gemma's
+    # (1 + weight) RMSNorm, attention and final-logit soft-capping; transformers runs it eagerly only.
+    "gemma2": (dict(head_dim=8, attn="eager"), {"add_rmsnorm", "horizontal_gemm"}),
 }
 #: Further architectures the other tests build.
 _MORE = {"qwen2_moe": dict(moe_intermediate_size=16, shared_expert_intermediate_size=32, num_experts=4,
@@ -45,24 +58,22 @@ _MORE = {"qwen2_moe": dict(moe_intermediate_size=16, shared_expert_intermediate_
 
 
 def _model(name: str):
-    overrides = ARCHITECTURES[name][0] if name in ARCHITECTURES else _MORE[name]
+    overrides = dict(ARCHITECTURES[name][0] if name in ARCHITECTURES else _MORE[name])
+    attention = overrides.pop("attn", "sdpa")
     settings = dict(overrides) if "n_embd" in overrides else {**_DECODER, **overrides}
     config = transformers.AutoConfig.for_model(name, **settings)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attention
     torch.manual_seed(0)
     # eval(): the same function in both copies (no dropout); gradients still flow.
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_a_hugging_face_model_trains_as_it_does_eagerly(name):
-    model = _model(name)
-    eager = copy.deepcopy(model)
-    compiled = opfuse.optimize(model, options={"inductor": False})
+def _check_training(model, eager, compiled, shapes):
+    """``compiled`` (over ``model``) gives ``eager``'s logits, loss gradients and unused
+    parameters at each (batch, length) in ``shapes``."""
     generator = torch.Generator().manual_seed(1)
-    # A second length recompiles (static shapes): checked where shapes matter most (CI time).
-    for length in (12, 7) if name in ("qwen3", "mixtral") else (12,):
-        tokens = torch.randint(0, 96, (2, length), generator=generator)
+    for batch, length in shapes:
+        tokens = torch.randint(0, 96, (batch, length), generator=generator)
         got, want = compiled(tokens, labels=tokens), eager(tokens, labels=tokens)
         torch.testing.assert_close(got.logits, want.logits, atol=2e-5, rtol=1e-5)
         got.loss.backward()
@@ -73,19 +84,42 @@ def test_a_hugging_face_model_trains_as_it_does_eagerly(name):
                 torch.testing.assert_close(param.grad, reference.grad, atol=2e-5, rtol=1e-4, msg=key)
         model.zero_grad()
         eager.zero_grad()
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_a_hugging_face_model_trains_as_it_does_eagerly(name):
+    model = _model(name)
+    eager = copy.deepcopy(model)
+    compiled = opfuse.optimize(model, options={"inductor": False})
+    # A second shape recompiles (static shapes): checked where shapes matter most (CI time).
+    shapes = {"qwen3": [(2, 12), (2, 7)], "mixtral": [(2, 12), (2, 7)], "starcoder2": [(2, 12), (3, 7), (1, 2)]}
+    _check_training(model, eager, compiled, shapes.get(name, [(2, 12)]))
     fused = {f.rule for program in opfuse.programs(compiled) for f in program.fusions}
     assert ARCHITECTURES[name][1] <= fused, fused
 
 
-@pytest.mark.parametrize("name", ["qwen3"])
-def test_a_hugging_face_model_generates_as_it_does_eagerly(name):
+def test_a_hugging_face_model_keeps_its_norm_fusions_under_dynamic_true():
+    """``dynamic=True``: Dynamo passes each RMSNorm's ``variance_epsilon`` (a float attribute) as a
+    graph input; opfuse has it specialised again, so every add + RMSNorm still fuses (none did),
+    with eager's loss and gradients at two shapes from one graph."""
+    model = _model("llama")
+    eager = copy.deepcopy(model)
+    compiled = opfuse.optimize(model, options={"inductor": False}, dynamic=True)
+    _check_training(model, eager, compiled, [(2, 12), (3, 7)])
+    (program,) = opfuse.programs(compiled)
+    # Each layer's two norms and the final one, after the embedding or a residual add.
+    assert [f.rule for f in program.fusions_in("forward")].count("add_rmsnorm") == 5, program.explain()
+
+
+@pytest.mark.parametrize("name, cache", [("qwen3", None), ("gemma2", "static")])
+def test_a_hugging_face_model_generates_as_it_does_eagerly(name, cache):
     """Inference under ``torch.no_grad`` with a KV cache (``generate``: a prefill graph, then
-    one-token steps)."""
+    one-token steps); Gemma 2 with a static cache (sliding-window and global layers)."""
     model = _model(name)
     eager = copy.deepcopy(model)
     model.forward = opfuse.optimize(model.forward, options={"inductor": False})
     prompt = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
-    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation=cache)
     with torch.no_grad():
         assert torch.equal(model.generate(prompt, **settings), eager.generate(prompt, **settings))
 
