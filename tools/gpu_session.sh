@@ -66,6 +66,8 @@
 #                                      # per-row quantizer: GPU tests, FP8 MoE bench profiled
 #   tools/gpu_session.sh s19-fp8-sp    # 2 GPUs (~7 min): FP8 world-2 GPU tests, FP8 pow2 train-sp graphs A B B A
 #   tools/gpu_session.sh s19-fp8-rs    # 2 GPUs (~8 min): FP8 train-sp graphs, p2p_overlap FP8 reduce-scatter vs nccl, A B B A
+#   tools/gpu_session.sh s21-gather    # 2 GPUs (~4 min): gradient all-gathers over peer memory: GPU tests, the gather
+#                                      # alone vs NCCL per size, one FP8 train-sp step profiled
 #   tools/gpu_session.sh s21-carveout  # 2 GPUs (~9.5 min): FP8 train-sp with the GEMMs under the backward gathers leaving
 #                                      # 16 SMs to NCCL: profile, then A B B A against without
 #   tools/gpu_session.sh s21-priority  # 2 GPUs (~4 min): the same step profiled with a high-priority NCCL stream, and
@@ -726,6 +728,19 @@ case "$stage" in
       --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap" \
       --warmup-run --run-timeout 110 --json "$OUT/isolated_fp8_rs.json"
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_rs.log | grep -v "^|---"; }
+    ;;
+  s21-gather)  # 2 GPUs (~4 min; prebuilt modules): the backward's gradient all-gathers over peer memory (copy
+               # engines, new all_gather_tokens + gradient_all_gather rule): GPU tests, the gather alone against
+               # NCCL per size, then one FP8 train-sp 2048 step profiled under graphs
+    END=${S21_BUDGET_S:-290}
+    tests gather_tests 110 -q tests/gpu/test_gather_tokens.py
+    step gather_bench 60 python3 bench/gather_tokens.py --world 2 --kib 64 256 1024 4096 8192
+    step fp8_gather "$(fits 130 0)" python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 \
+      --no-aa --fp8 tensor-pow2 --only "opfuse fp8" --train-mode reduce-overhead --profile
+    final_summary() { grep -h -E "passed|failed|Error" "$OUT/gather_tests.log" | tail -4;
+                      grep -h -E "^\|" "$OUT/gather_bench.log"; model_lines fp8_gather;
+                      grep -E "^\| (category|gemm|nccl|GPU|symm|opfuse fp8 \|)|AllGather|under the collective" \
+                        "$OUT/fp8_gather.log" | cut -c1-300; }
     ;;
   s21-carveout)  # 2 GPUs (~9.5 min; prebuilt modules): session 20's profile showed each backward all-gather of FP8
                  # train-sp waiting for the persistent weight-gradient GEMM moved under it (6-9 us beside, 5 x ~100

@@ -52,6 +52,10 @@ class FusedOp(Described, nn.Module):
     #: good or better, so a fusion that only the reference could run is left to it
     #: (``opfuse.config.reference_fusions``, :mod:`opfuse.torch_compile.reference_fusions`).
     reference_is_unfused: ClassVar[bool] = False
+    #: Its reference does worse than the graph it replaces on any device (a collective in line where
+    #: the graph's ran asynchronously): with Inductor, a fusion only the reference could run is left
+    #: unfused on CPUs too (``reference_fusions=auto`` otherwise leaves them on CUDA devices only).
+    reference_is_slower: ClassVar[bool] = False
 
     def __init__(self):
         super().__init__()

@@ -12,7 +12,7 @@ from .pattern import predicate
 from .rule import Match
 
 __all__ = ["norm_params_match_input", "bias_matches_input", "one_group", "not_fp8", "is_fp8", "quantize_fits_gemm",
-           "quantize_fits_gather", "gathered_fp8_scale_shared"]
+           "quantize_fits_gather", "gathered_fp8_scale_shared", "moves_a_gradient", "not_quantized"]
 
 
 @predicate("norm parameters have the activation dtype")
@@ -99,3 +99,25 @@ def gathered_fp8_scale_shared(match: Match) -> bool | str:
     if amax_group is None or not groups.same_group(amax_group, gather.op.group):
         return "its producer quantized each rank's shard with its own scale"
     return True
+
+
+@predicate("the op's input is a gradient (the backward part of a joint forward + backward graph)")
+def moves_a_gradient(matched) -> bool | str:
+    """``True`` when the op depends on one of a joint graph's ``tangents`` inputs (the incoming
+    gradients torch.compile's AOTAutograd names so); graphs without them have no backward part."""
+    seen, stack = set(), [matched.node]
+    while stack:
+        node = stack.pop()
+        if node.op == "placeholder" and node.name.startswith("tangents"):
+            return True
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    return "a forward op (its input depends on no incoming gradient)"
+
+
+@predicate("the input is not FP8")
+def not_quantized(matched) -> bool | str:
+    tag = matched.input_metas[0].quantized
+    return True if tag is None else f"FP8 input ({tag})"

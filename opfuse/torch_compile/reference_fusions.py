@@ -9,7 +9,9 @@ fusion would replace what Inductor fuses into one generated kernel by the same o
 through a custom op's Python: slower than not using opfuse at all. In a graph Inductor compiles,
 such a fusion is therefore not made: its aten nodes stay as they were and ``explain()`` says why
 (``opfuse.config.reference_fusions``: ``auto`` on CUDA devices, ``inductor`` on every device,
-``keep`` never). Fused ops whose reference still does less than the ops it replaces (one GEMM for
+``keep`` never). A fused op whose reference does worse than the graph on any device
+(``FusedOp.reference_is_slower``: an all-gather in line where the graph's ran asynchronously) is
+left on every device unless ``keep``. Fused ops whose reference still does less than the ops it replaces (one GEMM for
 merged projections, one collective instead of two) are made whatever implementation runs them.
 """
 
@@ -34,10 +36,10 @@ def _device(node: fx.Node):
     return None
 
 
-def _applies(device) -> bool:
+def _applies(device, slower: bool) -> bool:
     if config.reference_fusions == "keep":
         return False
-    if config.reference_fusions == "inductor":
+    if config.reference_fusions == "inductor" or slower:
         return True
     return device is not None and device.type == "cuda"
 
@@ -72,7 +74,7 @@ def left_to_inductor(gm: fx.GraphModule, aten: dict) -> dict[str, str]:
             continue
         if forced.get(module.name, forced.get(None)) == "reference":
             continue
-        if not _applies(_device(node)) or not _outputs_map_back(node, aten):
+        if not _applies(_device(node), module.reference_is_slower) or not _outputs_map_back(node, aten):
             continue
         refused = "; ".join(f"{impl}: {reason}" for impl, reason in module.skipped) or "no other implementation"
         left[node.name] = (f"{node.name}: {module.name} left to Inductor: only its reference implementation can run it "

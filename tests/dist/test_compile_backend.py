@@ -51,6 +51,11 @@ def check_case(rank, world, tp, train, inductor, dtype, tolerance, batch=2, cfg=
         assert forward.count("add_rmsnorm") == row_parallel + 1, f"{label}: {program.explain()}"
         if train:  # each gather (attention, MLP, output head) with its largest GEMM, kept for the backward
             assert forward.count("all_gather_keep") == 2 * cfg.layers + 1, f"{label}: {program.explain()}"
+            # The backward's gather of each row projection's output gradient (and the final
+            # norm's), which no GEMM is recognised beside: taken alone, over peer memory on GPUs.
+            backward = rules(programs, "backward")
+            assert backward.count("gradient_all_gather") == row_parallel + 1, f"{label}: {program.explain()}"
+            assert "gradient_all_gather" not in forward, f"{label}: {program.explain()}"
         return
     assert forward.count("allreduce_add_rmsnorm") == row_parallel, f"{label}: {program.explain()}"
     assert "allreduce" not in forward, f"{label}: an all-reduce fused alone in forward: {program.explain()}"

@@ -73,6 +73,10 @@ def llama_case(rank, world, tp, recipe, seq=8):
         # quantization still moves above the gather (FP8 bytes gathered) and into the norm
         assert forward.count("add_rmsnorm_quantize") == 2 * cfg.layers, program.explain()
         assert "quantize" not in forward, program.explain()
+        # The backward's gradient gathers stay in high precision (the quantization of the gathered
+        # gradient reads them): taken alone, never as FP8 bytes.
+        backward = [f.rule for f in program.fusions_in("backward")]
+        assert backward.count("gradient_all_gather") == row_parallel + 1, program.explain()
     else:
         # Every row projection's all-reduce + add + norm emits the next GEMMs' FP8 input (the
         # final norm's feeds the output head).

@@ -41,3 +41,31 @@ def test_reasons(op, x_shape, w_shape):
     mixed = spec(op, x_shape, w_shape)
     mixed.inputs["weight"] = TensorMeta(tuple(w_shape), torch.float16, CUDA)
     assert "mixed dtypes" in check(mixed)
+
+
+def _gather_spec(x_shape, *, dtype=torch.bfloat16, device=CUDA, world=2):
+    return CallSpec(op="all_gather_tokens", inputs={"x": TensorMeta(tuple(x_shape), dtype, device)}, attrs={},
+                    group_name="tp", world_size=world)
+
+
+def test_gather_alone_reasons():
+    """``all_gather_tokens``: the reasons decidable without a GPU, the size threshold at its edge
+    (one row below it NCCL keeps the gather; at it, the next reason is the missing peer memory)."""
+    check = impl.check_all_gather_tokens
+    assert "needs CUDA" in check(_gather_spec((512, 1024), device=torch.device("cpu")))
+    assert "not supported" in check(_gather_spec((512, 1024), dtype=torch.float32))
+    assert "two or more ranks" in check(_gather_spec((512, 1024), world=1))
+    assert "token dim" in check(_gather_spec((1 << 20,)))
+    rows = impl.MIN_GATHER_BYTES // (2 * 1024)
+    assert "NCCL's gather costs less" in check(_gather_spec((rows - 1, 1024)))
+    assert "no peer memory" in check(_gather_spec((rows, 1024)))
+    assert "no peer memory" in check(_gather_spec((rows // 4, 4, 1024)))  # leading dims count as rows
+    names = [i.name for i in implementations.for_op("all_gather_tokens")]
+    assert names == [impl.NAME, "reference"]
+
+
+def test_gather_alone_has_no_backward():
+    from opfuse.families.collective_linear.gather import AllGatherTokens
+
+    with pytest.raises(RuntimeError, match="no backward"):
+        AllGatherTokens()(torch.randn(4, 8, requires_grad=True))

@@ -37,6 +37,14 @@ TABLE = ImplementationTable("collective_linear", {
         Implementation("reference", always, collective_reference.ag_linear_keep_forward,
                        description="all-gather, then one GEMM; the gathered tensor returned too"),
     ],
+    "all_gather_tokens": [
+        Implementation(collective_p2p.NAME, collective_p2p.check_all_gather_tokens,
+                       collective_p2p.all_gather_tokens_forward, None, collective_p2p.prepare,
+                       "every shard pushed over peer memory by the copy engines (no SMs), the gathered region "
+                       "copied out; forward only"),
+        Implementation("reference", always, collective_reference.all_gather_tokens_forward,
+                       description="torch.distributed all-gather (NCCL) in line"),
+    ],
     "linear_reduce_scatter": [
         Implementation(collective_p2p.NAME, collective_p2p.check_linear_reduce_scatter,
                        collective_p2p.linear_reduce_scatter_forward, collective_p2p.linear_reduce_scatter_backward,

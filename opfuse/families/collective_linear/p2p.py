@@ -4,6 +4,8 @@ capability checks, preparation, forward and backward, with the signatures of :mo
 =========================  ======================================================================
 op / direction             pipeline
 =========================  ======================================================================
+AllGatherTokens fwd        gather-push of every shard (the own one too) into the gathered region,
+                           which is copied out; no GEMM, no SMs but the copy-out's
 AllGatherLinear fwd        gather-push + GEMM per arriving shard (own shard first); the ``keep``
                            variant also copies the own shard into the region and returns it gathered
 AllGatherLinear bwd        dgrad reduce-scatter (ring or direct, below) of dy @ W while comm2
@@ -44,11 +46,16 @@ from . import reference
 from .operands import HALF_DTYPES, operand_reason
 
 __all__ = ["NAME", "check_all_gather_linear", "check_all_gather_linear_keep", "check_linear_reduce_scatter",
-           "prepare", "all_gather_linear_forward", "all_gather_linear_keep_forward", "all_gather_linear_backward",
-           "linear_reduce_scatter_forward", "linear_reduce_scatter_backward"]
+           "check_all_gather_tokens", "prepare", "all_gather_linear_forward", "all_gather_linear_keep_forward",
+           "all_gather_linear_backward", "linear_reduce_scatter_forward", "linear_reduce_scatter_backward",
+           "all_gather_tokens_forward", "MIN_GATHER_BYTES"]
 
 NAME = "p2p_overlap"
 SUPPORTED_DTYPES = HALF_DTYPES
+#: A gather alone below this many bytes per rank stays NCCL's: its one kernel has less fixed cost
+#: than the plan's barrier, per-peer copies and copy-out (measured: docs/PERF_NOTES.md,
+#: "The backward all-gathers over peer memory").
+MIN_GATHER_BYTES = 1 << 20
 
 
 # Capability checks (pure) -----------------------------------------------------------------------
@@ -59,8 +66,9 @@ def _itemsize(dtype) -> int:
 
 
 def _requests(spec) -> list:
-    x, w = spec.x, spec.inputs["weight"]
-    return plans.call_requests(spec.op, x.tokens, x.features, w.shape[0], bias=spec.inputs.get("bias") is not None,
+    x, w = spec.x, spec.inputs.get("weight")
+    return plans.call_requests(spec.op, x.tokens, x.features, 0 if w is None else w.shape[0],
+                               bias=spec.inputs.get("bias") is not None,
                                bias_after=spec.attrs.get("bias_after", True), world=spec.world_size,
                                requires_grad=spec.requires_grad, itemsize=_itemsize(x.dtype))
 
@@ -108,6 +116,25 @@ def check_all_gather_linear(spec) -> Optional[str]:
 def check_all_gather_linear_keep(spec) -> Optional[str]:
     """As :func:`check_all_gather_linear`, for the forward-only call that keeps the gathered input."""
     return _check(spec)
+
+
+def check_all_gather_tokens(spec) -> Optional[str]:
+    """Capable when CUDA, bf16/fp16, world >= 2, at least :data:`MIN_GATHER_BYTES` per rank, and the
+    gathered region and its signal channels fit in the group's peer memory."""
+    x = spec.x
+    if torch.device(x.device).type != "cuda":
+        return f"needs CUDA tensors (x is on {x.device})"
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {x.dtype} not supported (bfloat16, float16)"
+    if spec.world_size < 2 or spec.group_name is None:
+        return "needs a process group of two or more ranks"
+    if len(x.shape) < 2:
+        return f"x has shape {list(x.shape)}; needs a token dim before the features"
+    if x.nbytes < MIN_GATHER_BYTES:
+        return f"{x.nbytes} bytes per rank, below {MIN_GATHER_BYTES} (NCCL's gather costs less there)"
+    if is_capturing():
+        return "cannot reserve symmetric memory during CUDA-graph capture"
+    return _room_reason(spec, _requests(spec))
 
 
 def check_linear_reduce_scatter(spec) -> Optional[str]:
@@ -314,3 +341,22 @@ def linear_reduce_scatter_backward(dy: Tensor, x: Tensor, weight: Tensor, bias_a
     if need_db:
         db = _sum_rows(dy2 if bias_after else bound.local("gather"))
     return dx, dw, db
+
+
+# AllGatherTokens ---------------------------------------------------------------------------------
+
+
+def all_gather_tokens_forward(x: Tensor, group: str) -> Tensor:
+    """Every rank's ``x`` along dim 0, pushed by the copy engines into the gathered region, then
+    copied out of it (peers write the region again at this rank's next overlap call)."""
+    ctx = _context(group, x)
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else None
+    bound = ctx and x2 is not None and _bound(ctx, plans.gather_request(x2.shape[0], x2.shape[1], 0, fill_own=True,
+                                                                         gemm=False, itemsize=x.element_size()),
+                                              x.dtype)
+    if not bound:
+        return reference.all_gather_tokens_forward(x, group)
+    x2 = x2.contiguous()
+    bound(x2, a=x2)
+    gathered = bound.local("gather").clone()
+    return gathered.view((x.shape[0] * ctx.world,) + tuple(x.shape[1:]))

@@ -10,7 +10,7 @@ from ...ops.collectives import raw_all_gather, raw_reduce_scatter
 from ...ops.norm import compute_dtype
 
 __all__ = ["ag_linear_forward", "ag_linear_backward", "ag_linear_keep_forward", "linear_rs_forward",
-           "linear_rs_backward"]
+           "linear_rs_backward", "all_gather_tokens_forward"]
 
 
 def _rows(t):
@@ -36,6 +36,10 @@ def ag_linear_backward(dy, x, weight, group, need_dx, need_dw, need_db):
     dw = _rows(dy).t().mm(_rows(raw_all_gather(x, pg))) if need_dw else dy.new_empty(0)
     db = _sum_rows(dy) if need_db else dy.new_empty(0)
     return dx, dw, db
+
+
+def all_gather_tokens_forward(x, group):
+    return raw_all_gather(x, groups.from_name(group))
 
 
 def linear_rs_forward(x, weight, bias, bias_after, group):

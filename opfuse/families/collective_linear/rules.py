@@ -9,20 +9,25 @@ linear_reduce_scatter_fp8    [Quantize] -> BasicLinear(fp8) -> ReduceScatter -> 
 all_gather_linear            AllGather -> BasicLinear -> [Bias]                          30
 linear_reduce_scatter        BasicLinear -> ReduceScatter -> [Bias]                      30
 linear_bias_reduce_scatter   BasicLinear -> Bias -> ReduceScatter                        30
+gradient_all_gather          AllGather (of a gradient, nothing else fused it)            0
 ===========================  ==========================================================  ====
 
 Each rule's replacement is the fused op of the same name, except ``linear_bias_reduce_scatter``
-(``linear_reduce_scatter`` with the bias on every partial sum). ``(fp8)``: GEMMs the FP8 pass
+(``linear_reduce_scatter`` with the bias on every partial sum) and ``gradient_all_gather``
+(``all_gather_tokens``: the backward's gather of a sequence-parallel output's gradient, whose GEMMs
+are not recognised in a backward; forward gathers without a GEMM keep NCCL, whose kernel the FP8
+weight casts run under). ``(fp8)``: GEMMs the FP8 pass
 marked (under :func:`opfuse.fp8.autocast`); the bf16 rules refuse them (``not_fp8``).
 """
 
 from __future__ import annotations
 
 from ...machinery.pattern import OpSpec, Pattern
-from ...machinery.predicates import (bias_matches_input, gathered_fp8_scale_shared, is_fp8, not_fp8,
-                                     quantize_fits_gather, quantize_fits_gemm)
+from ...machinery.predicates import (bias_matches_input, gathered_fp8_scale_shared, is_fp8, moves_a_gradient,
+                                     not_fp8, not_quantized, quantize_fits_gather, quantize_fits_gemm)
 from ...machinery.rule import Match, Replacement, Rule
 from .fp8.op import AllGatherLinearFp8, LinearReduceScatterFp8
+from .gather import AllGatherTokens
 from .op import AllGatherLinear, LinearReduceScatter
 
 __all__ = ["RULES"]
@@ -62,6 +67,10 @@ def build_linear_reduce_scatter_fp8(match: Match) -> Replacement:
     return Replacement(module, [match.input("quantize" if "quantize" in match else "linear")])
 
 
+def build_gradient_all_gather(match: Match) -> Replacement:
+    return Replacement(AllGatherTokens(group=match["gather"].op.group), [match.input("gather")])
+
+
 RULES = (
     Rule("all_gather_linear_fp8",
          Pattern.chain(OpSpec("quantize", "Quantize", optional=True), OpSpec("gather", "AllGather"),
@@ -90,4 +99,8 @@ RULES = (
                        OpSpec("scatter", "ReduceScatter")),
          build_linear_bias_reduce_scatter, priority=30,
          description="GEMM + per-rank bias overlapped with the token reduce-scatter"),
+    Rule("gradient_all_gather",
+         Pattern.chain(OpSpec("gather", "AllGather", where=[moves_a_gradient, not_quantized])),
+         build_gradient_all_gather, priority=0,
+         description="the backward's all-gather of a gradient on its own, over peer memory (copy engines, no SMs)"),
 )

@@ -146,6 +146,8 @@ def call_requests(op: str, rows: int, k: int, n: int, *, bias: bool, bias_after:
     make, with ``x`` of ``rows`` tokens (the local shard for ``all_gather_linear``, all tokens
     for ``linear_reduce_scatter``) x ``k`` features and ``n`` outputs: what the check sizes and
     ``prepare`` reserves and binds."""
+    if op == "all_gather_tokens":  # the gather alone, every shard (the own one too) in the gathered region
+        return [gather_request(rows, k, 0, fill_own=True, gemm=False, itemsize=itemsize)]
     if op == "all_gather_linear_keep":  # forward only; the own shard joins the gathered region it returns
         return [gather_request(rows, k, n, bias=bias, fill_own=True, itemsize=itemsize)]
     if op == "all_gather_linear":
@@ -161,7 +163,7 @@ def call_requests(op: str, rows: int, k: int, n: int, *, bias: bool, bias_after:
             requests.append(gather_request(chunk, n, k, fill_own=True, itemsize=itemsize))
         return requests
     raise ValueError(f"overlap: op {op!r}; known: 'all_gather_linear', 'all_gather_linear_keep', "
-                     f"'linear_reduce_scatter'")
+                     f"'all_gather_tokens', 'linear_reduce_scatter'")
 
 
 def fingerprint_requests(rows: int, k: int, n: int) -> list[tuple[str, Request]]:
