@@ -97,6 +97,11 @@ class Config:
     #: NCCL's kernels under the GEMMs, but both then run slower by what the overlap hides
     #: (docs/PERF_NOTES.md, "Results, session 21").
     overlap_sm_carveout: int = 0
+    #: Compiled training graphs: the backward's gradient all-gathers that no GEMM fusion takes run
+    #: over peer memory, pushed by the copy engines (``OPFUSE_P2P_GRADIENT_GATHERS``;
+    #: ``all_gather_tokens``' ``p2p_overlap``); off keeps NCCL's asynchronous gather. Off until
+    #: checked and measured on GPUs (docs/PERF_NOTES.md, "The backward all-gathers over peer memory").
+    p2p_gradient_gathers: bool = False
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they
     #: cover (add + norm, all-reduce + add + norm, GEMM + bias + activation): Inductor's own code for
@@ -307,6 +312,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "overlap_collectives": _choice("auto", "fuse"),
     "allreduce_chunks": _integer(0),
     "overlap_sm_carveout": _integer(0),
+    "p2p_gradient_gathers": _boolean,
     "reference_fusions": _choice("auto", "inductor", "keep"),
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
@@ -332,6 +338,7 @@ _ENV_NAMES = {
     "overlap_collectives": "OVERLAP_COLLECTIVES",
     "allreduce_chunks": "ALLREDUCE_CHUNKS",
     "overlap_sm_carveout": "OVERLAP_SM_CARVEOUT",
+    "p2p_gradient_gathers": "P2P_GRADIENT_GATHERS",
     "reference_fusions": "REFERENCE_FUSIONS",
     "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",

@@ -735,7 +735,7 @@ case "$stage" in
     END=${S21_BUDGET_S:-290}
     tests gather_tests 110 -q tests/gpu/test_gather_tokens.py
     step gather_bench 60 python3 bench/gather_tokens.py --world 2 --kib 64 256 1024 4096 8192
-    step fp8_gather "$(fits 130 0)" python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 \
+    OPFUSE_P2P_GRADIENT_GATHERS=1 step fp8_gather "$(fits 130 0)" python3 bench/model.py --world 2 --cases train-sp --train 2048 --train-batch 1 \
       --no-aa --fp8 tensor-pow2 --only "opfuse fp8" --train-mode reduce-overhead --profile
     final_summary() { grep -h -E "passed|failed|Error" "$OUT/gather_tests.log" | tail -4;
                       grep -h -E "^\|" "$OUT/gather_bench.log"; model_lines fp8_gather;

@@ -123,6 +123,7 @@ def all_checks(rank, world):
     import opfuse
 
     opfuse.config.peer_timeout_ms = 120_000
+    opfuse.config.p2p_gradient_gathers = True
     check_calls(rank, world)
     check_graph_replay(rank, world)
     check_threshold(rank, world)

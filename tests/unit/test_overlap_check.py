@@ -4,6 +4,8 @@ their place in the implementation table."""
 import pytest
 import torch
 
+import opfuse
+
 from opfuse.core import dispatch as implementations
 from opfuse.machinery.implementation import CallSpec
 from opfuse.families.collective_linear import p2p as impl
@@ -48,10 +50,12 @@ def _gather_spec(x_shape, *, dtype=torch.bfloat16, device=CUDA, world=2):
                     group_name="tp", world_size=world)
 
 
-def test_gather_alone_reasons():
+def test_gather_alone_reasons(monkeypatch):
     """``all_gather_tokens``: the reasons decidable without a GPU, the size threshold at its edge
     (one row below it NCCL keeps the gather; at it, the next reason is the missing peer memory)."""
     check = impl.check_all_gather_tokens
+    assert "OPFUSE_P2P_GRADIENT_GATHERS=1" in check(_gather_spec((512, 1024)))  # off by default
+    monkeypatch.setattr(opfuse.config, "p2p_gradient_gathers", True)
     assert "needs CUDA" in check(_gather_spec((512, 1024), device=torch.device("cpu")))
     assert "not supported" in check(_gather_spec((512, 1024), dtype=torch.float32))
     assert "two or more ranks" in check(_gather_spec((512, 1024), world=1))

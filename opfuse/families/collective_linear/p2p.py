@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ...config import config
 from ...ops.base import OpInputError
 from ...ops.norm import compute_dtype
 from ...ops.collectives import raw_all_reduce
@@ -119,9 +120,12 @@ def check_all_gather_linear_keep(spec) -> Optional[str]:
 
 
 def check_all_gather_tokens(spec) -> Optional[str]:
-    """Capable when CUDA, bf16/fp16, world >= 2, at least :data:`MIN_GATHER_BYTES` per rank, and the
-    gathered region and its signal channels fit in the group's peer memory."""
+    """Capable when turned on (``opfuse.config.p2p_gradient_gathers``), CUDA, bf16/fp16, world >= 2, at
+    least :data:`MIN_GATHER_BYTES` per rank, and the gathered region and its signal channels fit in
+    the group's peer memory."""
     x = spec.x
+    if not config.p2p_gradient_gathers:
+        return "off (OPFUSE_P2P_GRADIENT_GATHERS=1 turns it on)"
     if torch.device(x.device).type != "cuda":
         return f"needs CUDA tensors (x is on {x.device})"
     if x.dtype not in SUPPORTED_DTYPES:
