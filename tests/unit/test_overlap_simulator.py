@@ -282,3 +282,25 @@ def test_sequence_parallel_training_step_back_to_back(world, seed, alternate):
                     torch.testing.assert_close(probes[(call, r, "gather")], torch.cat([b[p]["x"] for p in range(world)]),
                                                rtol=0, atol=0)
             torch.testing.assert_close(probes[(call, r, "out")], ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world,rows,chunks", [(2, 5, 1), (3, 4, 2), (4, 1, 1), (8, 3, 1)])
+def test_gather_only_plan_gathers_every_shard_back_to_back(world, rows, chunks):
+    """The plan of ``all_gather_tokens`` (``gemm=False``, ``fill_own``): after each of three calls
+    with fresh shards, every rank's gathered region is the concatenation of the shards, rank-major,
+    bit for bit, under random interleavings of the streams (a missing wait or barrier shows up as a
+    NaN, a stale shard or a race)."""
+    k, calls = 6, 3
+    for seed in SEEDS[:3]:
+        grid = policy.Grid(rows, k) if chunks == 1 else policy.Grid(rows, k, chunks)
+        channels = policy.channel_map(world, grid, None)
+        plans = [[S.all_gather_matmul_plan(r, world, grid, 0, channels, bias=False, fill_own=True, gemm=False,
+                                           probe=True) for r in range(world)] for _ in range(calls)]
+        gen = torch.Generator().manual_seed(seed)
+        buffers = [[{"a": _randn(rows, k, gen=gen)} for _ in range(world)] for _ in range(calls)]
+        regions = [{"gather": _nan(world * rows, k)} for _ in range(world)]
+        probes = simulate(plans, buffers, regions, seed=seed)
+        for call in range(calls):
+            full = torch.cat([buffers[call][p]["a"] for p in range(world)])
+            for r in range(world):
+                torch.testing.assert_close(probes[(call, r, "gather")], full, rtol=0, atol=0)
