@@ -66,6 +66,8 @@
 #                                      # per-row quantizer: GPU tests, FP8 MoE bench profiled
 #   tools/gpu_session.sh s19-fp8-sp    # 2 GPUs (~7 min): FP8 world-2 GPU tests, FP8 pow2 train-sp graphs A B B A
 #   tools/gpu_session.sh s19-fp8-rs    # 2 GPUs (~8 min): FP8 train-sp graphs, p2p_overlap FP8 reduce-scatter vs nccl, A B B A
+#   tools/gpu_session.sh s22-gather-ab # 2 GPUs (~6 min): FP8 train-sp 2048 with / without the p2p gradient gathers, A B B A
+#   tools/gpu_session.sh s22-gather-bf16 # 2 GPUs (~7 min): the same in bf16
 #   tools/gpu_session.sh s21-gather    # 2 GPUs (~4 min): gradient all-gathers over peer memory: GPU tests, the gather
 #                                      # alone vs NCCL per size, one FP8 train-sp step profiled
 #   tools/gpu_session.sh s21-carveout  # 2 GPUs (~9.5 min): FP8 train-sp with the GEMMs under the backward gathers leaving
@@ -728,6 +730,22 @@ case "$stage" in
       --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap" \
       --warmup-run --run-timeout 110 --json "$OUT/isolated_fp8_rs.json"
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_rs.log | grep -v "^|---"; }
+    ;;
+  s22-gather-ab)  # 2 GPUs (~6 min; prebuilt modules; after s21-gather passed): FP8 train-sp 2048 under graphs with the
+                  # backward gradient gathers over peer memory against NCCL's, each alone, A B B A
+    END=${S22_BUDGET_S:-575}
+    step isolated_gather "$(fits 560 0)" python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%P2P_GRADIENT_GATHERS=1" \
+      --run-timeout 110 --json "$OUT/isolated_gather.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_gather.log | grep -v "^|---"; }
+    ;;
+  s22-gather-bf16)  # 2 GPUs (~7 min; prebuilt modules): the same for bf16 train-sp 2048 (opfuse vs opfuse with
+                    # the gradient gathers over peer memory), A B B A
+    END=${S22_BUDGET_S:-585}
+    step isolated_gather_bf16 "$(fits 570 0)" python3 bench/model_isolated.py --world 2 --cases train-sp --train 2048 \
+      --train-batch 1 --pair opfuse "opfuse%P2P_GRADIENT_GATHERS=1" --run-timeout 120 \
+      --json "$OUT/isolated_gather_bf16.json"
+    final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_gather_bf16.log | grep -v "^|---"; }
     ;;
   s21-gather)  # 2 GPUs (~4 min; prebuilt modules): the backward's gradient all-gathers over peer memory (copy
                # engines, new all_gather_tokens + gradient_all_gather rule): GPU tests, the gather alone against
