@@ -41,6 +41,19 @@ class OpfuseBackend:
         self.model = model
         self.prepared = prepared
 
+    def __deepcopy__(self, memo):
+        # copy.deepcopy of a compiled model (an EMA or a frozen copy of it) copies Dynamo's wrappers
+        # down to this backend: the copy gets a backend of its own, with the same settings, over
+        # the copied model (``memo`` maps it and its packed parameters to the copies) and no
+        # programs yet. The programs themselves hold fake tensors, which cannot be copied.
+        import copy
+
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for key, value in vars(self).items():
+            setattr(twin, key, [] if key == "programs" else copy.deepcopy(value, memo))
+        return twin
+
     def _record(self, program) -> None:
         if self.prepared is not None:
             program.notes.extend(("optimize", note) for note in self.prepared.notes)
@@ -310,7 +323,11 @@ def _is_compiled(model) -> bool:
 
 def _find_backend(compiled) -> OpfuseBackend | None:
     """The opfuse backend behind a ``torch.compile`` result, following the wrappers Dynamo keeps
-    (``dynamo_ctx.callback`` -> ``_torchdynamo_orig_backend`` -> ``compiler_fn``)."""
+    (``dynamo_ctx.callback`` -> ``_torchdynamo_orig_backend`` -> ``compiler_fn``; a compiled
+    function holds its context in its closure; ``nn.Module.compile()`` leaves the compiled function
+    on the module as ``_compiled_call_impl``)."""
+    from torch._dynamo.eval_frame import _TorchDynamoContext
+
     seen = set()
     stack = [getattr(getattr(compiled, "dynamo_ctx", None), "callback", None), compiled]
     while stack:
@@ -322,8 +339,16 @@ def _find_backend(compiled) -> OpfuseBackend | None:
             return item
         if item is opfuse_backend:
             return DEFAULT_BACKEND
-        for attr in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__", "_torchdynamo_orig_callable"):
+        for attr in ("_torchdynamo_orig_backend", "compiler_fn", "__wrapped__", "_torchdynamo_orig_callable",
+                     "_compiled_call_impl"):
             stack.append(getattr(item, attr, None))
+        for cell in getattr(item, "__closure__", None) or ():
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(content, _TorchDynamoContext):
+                stack.append(content.callback)
     return None
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from ..machinery.aten import aten, calls, known_equal
+from ..machinery.aten import aten, calls, is_static_size, known_equal
 from ..machinery.aten import value as fake_value
 
 __all__ = ["LayoutError", "refresh_layouts", "same_layout"]
@@ -67,6 +67,8 @@ def refresh_layouts(graph: fx.Graph, fake_mode, changed: set[fx.Node]) -> int:
             raise LayoutError(f"opfuse: {node.name} (as_strided) reads {node.args[0].name}, whose layout a fusion "
                               f"changed; as_strided would read other elements")
         new = _run(node, fake_mode)
+        if calls(node, *_STRICT_VIEWS) and isinstance(new, torch.Tensor) and not _viewable(fake_value(node.args[0]), new):
+            new = _FAILED
         if new is _FAILED and calls(node, *_STRICT_VIEWS):
             source = node.args[0]
             with graph.inserting_before(node):
@@ -87,6 +89,70 @@ def refresh_layouts(graph: fx.Graph, fake_mode, changed: set[fx.Node]) -> int:
 
 
 _FAILED, _UNKNOWN = object(), object()
+
+
+def _hint(size):
+    """A size as a plain int (a symbol's hint: the value it was traced with), or ``None``."""
+    if is_static_size(size):
+        return int(size)
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if is_static_size(hint) else None
+
+
+def _viewable(source, result) -> bool:
+    """Whether a real tensor laid out as fake value ``source`` can be viewed with ``result``'s
+    shape. A fake tensor's ``view`` is not the judge: it accepts some that real tensors refuse,
+    where a size-1 dim sits among the dims it flattens (torch 2.13: ``[2, 1, 4, 8]`` with strides
+    ``(64, 32, 8, 1)``, a column slice of a merged q/k/v GEMM at one token per sequence, viewed as
+    ``[-1, 8]``; the graph then failed when it ran). :func:`_view_strides` is the check real
+    tensors run. ``True`` when a size is unknown."""
+    if not isinstance(source, torch.Tensor) or not isinstance(result, torch.Tensor):
+        return True
+    sizes, strides = [_hint(s) for s in source.shape], [_hint(s) for s in source.stride()]
+    shape = [_hint(s) for s in result.shape]
+    if None in sizes or None in strides or None in shape:
+        return True
+    return _view_strides(sizes, strides, shape) is not None
+
+
+def _view_strides(sizes: list[int], strides: list[int], shape: list[int]) -> list[int] | None:
+    """The strides of ``view(shape)`` of a tensor with ``sizes`` and ``strides``, ``None`` when no
+    view can be taken: ATen's ``computeStride`` (``aten/src/ATen/TensorUtils.cpp``). Dims are
+    merged in chunks of memory-contiguous dims (size-1 dims belong to any chunk); each chunk must
+    map onto whole dims of the new shape."""
+    numel = 1
+    for size in sizes:
+        numel *= size
+    if numel == 0:
+        return list(strides) if sizes == shape else list(_contiguous(shape))
+    if not sizes:
+        return [1] * len(shape)
+    new = [0] * len(shape)
+    view_d = len(shape) - 1
+    chunk_base_stride = strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in range(len(sizes) - 1, -1, -1):
+        tensor_numel *= sizes[tensor_d]
+        if tensor_d == 0 or (sizes[tensor_d - 1] != 1 and strides[tensor_d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or shape[view_d] == 1):
+                new[view_d] = view_numel * chunk_base_stride
+                view_numel *= shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base_stride = strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return new if view_d == -1 else None
+
+
+def _contiguous(shape: list[int]):
+    stride = 1
+    out = []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= max(size, 1)
+    return reversed(out)
 
 
 def _run(node: fx.Node, fake_mode):

@@ -529,3 +529,27 @@ def test_lowering_writes_symbolic_sizes_as_graph_values():
         assert size.target is torch.ops.aten.sym_size.int or size.op == "placeholder"
     (tokens, width) = lowering.size_args((batch * seq, H), flat)
     assert width == H and (tokens == -1 or isinstance(tokens, torch.fx.Node))
+
+
+def test_view_checks_follow_real_tensors_where_fake_tensors_differ():
+    """Whether a view can be taken after a fusion changed strides is decided as real tensors decide
+    it (ATen's ``computeStride``), not by a fake tensor's ``view``, which accepts
+    ``[2, 1, 4, 8]`` with strides ``(64, 32, 8, 1)`` (q sliced from a merged q/k/v GEMM at one token
+    per sequence) as ``[8, 8]`` where real tensors refuse it (the HF test: batched generation)."""
+    from opfuse.torch_compile.view_layouts import _view_strides
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [((2, 1, 4, 8), (64, 32, 8, 1), (8, 8)), ((2, 1, 4, 8), (64, 64, 8, 1), (-1, 8)),
+             ((2, 12, 4, 8), (768, 64, 8, 1), (96, 8)), ((2, 1, 32), (64, 32, 1), (2, 1, 4, 8)),
+             ((1, 3, 4), (12, 4, 1), (12,)), ((3, 1, 4), (4, 99, 1), (12, 1)), ((4, 3), (1, 4), (12,))]
+    for sizes, strides, shape in cases:
+        real = torch.randn(4096, generator=generator).as_strided(sizes, strides)
+        try:
+            want = list(real.view(shape).stride())
+        except RuntimeError:
+            want = None
+        target = list(real.reshape(shape).shape)
+        got = _view_strides(list(sizes), list(strides), target)
+        assert (got is None) == (want is None), (sizes, strides, shape, got, want)
+        if want is not None:
+            assert [g for g, n in zip(got, target) if n != 1] == [w for w, n in zip(want, target) if n != 1]

@@ -111,6 +111,25 @@ def test_a_hugging_face_model_keeps_its_norm_fusions_under_dynamic_true():
     assert [f.rule for f in program.fusions_in("forward")].count("add_rmsnorm") == 5, program.explain()
 
 
+def test_a_deep_copy_of_a_compiled_model_runs_on_its_own_weights():
+    """``copy.deepcopy`` of an optimized model (an EMA or frozen copy) copies Dynamo's wrappers down
+    to opfuse's backend, whose programs hold fake tensors (the copy failed: "Cannot access data
+    pointer of Tensor"). The copy gets a backend of its own over the copied model: its results
+    follow its own weights (still stored back to back for the merged q/k/v), the original's stay."""
+    model = _model("llama")
+    compiled = opfuse.optimize(model, options={"inductor": False})
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    compiled(tokens, labels=tokens).loss.backward()
+    twin = copy.deepcopy(compiled)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in (twin._orig_mod, reference):
+            m.model.layers[0].self_attn.k_proj.weight.mul_(2)
+        torch.testing.assert_close(twin(tokens).logits, reference(tokens).logits, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(compiled(tokens).logits, model(tokens).logits, atol=2e-5, rtol=1e-5)
+    assert opfuse.programs(twin) and not set(map(id, opfuse.programs(twin))) & set(map(id, opfuse.programs(compiled)))
+
+
 @pytest.mark.parametrize("name, cache", [("qwen3", None), ("gemma2", "static")])
 def test_a_hugging_face_model_generates_as_it_does_eagerly(name, cache):
     """Inference under ``torch.no_grad`` with a KV cache (``generate``: a prefill graph, then
@@ -122,6 +141,24 @@ def test_a_hugging_face_model_generates_as_it_does_eagerly(name, cache):
     settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation=cache)
     with torch.no_grad():
         assert torch.equal(model.generate(prompt, **settings), eager.generate(prompt, **settings))
+
+
+def test_batched_generation_with_merged_qkv_and_per_head_norms():
+    """Qwen3 normalises q and k per head (``view(B, S, heads, head_dim)``), and opfuse flattens that
+    to ``[-1, head_dim]`` for the fused norm. Once q and k are column slices of the merged q/k/v
+    GEMM's output, that view cannot be taken at one token per sequence and batch > 1 (every decoding
+    step of a batched ``generate``), but torch's fake tensors said it could, so no copy was inserted
+    and the graph failed when it ran ("view size is not compatible with input tensor's size and
+    stride"). The merged weights come from ``prepare_model``, as ``opfuse.optimize(model)`` makes them."""
+    model = _model("qwen3")
+    eager = copy.deepcopy(model)
+    opfuse.torch_compile.prepare_model(model)
+    model.forward = opfuse.optimize(model.forward, options={"inductor": False})
+    prompt = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **settings), eager.generate(prompt, **settings))
+    assert "horizontal_gemm" in {f.rule for program in opfuse.programs(model.forward) for f in program.fusions}
 
 
 @pytest.mark.parametrize("name, dtype", [("qwen2_moe", torch.bfloat16), ("qwen2_moe", torch.float16)], ids=["bf16", "fp16"])

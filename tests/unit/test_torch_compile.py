@@ -253,6 +253,24 @@ def test_programs_of_the_backend_name_and_of_other_compiles(world1):
         opfuse.optimize(model, backend="inductor")
 
 
+def test_programs_of_module_compile_and_of_a_compiled_function(world1):
+    """``model.compile(backend=...)`` leaves the compiled call on the module itself
+    (``_compiled_call_impl``) and a compiled function keeps Dynamo's context in its closure:
+    ``programs`` finds the backend behind both (it said "not compiled by opfuse")."""
+    backend = opfuse.torch_compile.OpfuseBackend()
+    model = ReduceAddNorm(HFNorm(torch.float32), world1)
+    model.compile(backend=backend, options=EAGER)
+    with torch.no_grad():
+        model(torch.randn(2, H), torch.randn(2, H))
+    assert opfuse.programs(model) == backend.programs
+    assert rules_of(backend.programs) == ["allreduce_add_rmsnorm"]
+    other = opfuse.torch_compile.OpfuseBackend()
+    function = torch.compile(lambda x, residual: model.norm(x + residual), backend=other, options=EAGER)
+    with torch.no_grad():
+        function(torch.randn(2, H), torch.randn(2, H))
+    assert opfuse.programs(function) == other.programs and rules_of(other.programs) == ["add_rmsnorm"]
+
+
 def test_inductor_compiles_the_fused_graph(world1):
     torch.manual_seed(4)
     model = ReduceAddNorm(HFNorm(torch.bfloat16), world1)
