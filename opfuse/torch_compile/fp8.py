@@ -31,6 +31,7 @@ from typing import Callable
 from torch import fx
 
 from ..fp8.recipe import Recipe
+from ..machinery.region import is_input
 from ..ops.grouped import BasicGroupedLinear
 from ..ops.linear import BasicLinear
 from ..families.grouped_linear.recognizers import grouped_backward, weight_source
@@ -164,7 +165,10 @@ def plan_fp8(op_graph, aten_gm: fx.GraphModule, settings: CompileSettings) -> Fp
         weight = next(iter(region.params.values())).node
         name, module = _describe(settings, weight)
         reason = None
-        if _is_router(settings, weight):
+        if not is_input(weight_source(weight) or weight):
+            # torch.autocast casts the float32 weight in the graph: the recipe quantizes parameters
+            reason = "its weight is cast in the graph (torch.autocast over float32 parameters)"
+        elif _is_router(settings, weight):
             reason = "MoE router: routing stays in high precision"
         elif not _keep(settings, name, module):
             reason = "fp8_filter"

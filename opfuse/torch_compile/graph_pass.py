@@ -24,6 +24,7 @@ from ..core.pipeline import PassContext, run_pipeline
 from ..core.recorder import PassRecorder, new_dump_dir
 from .agree import check_ranks_agree
 from .fp8 import CompileSettings, plan_fp8, unfused_fp8
+from .casts import merge_duplicate_casts
 from .chunked_all_reduce import plan_chunked_all_reduces, split_all_reduces
 from .fp8_lower import JointLowering
 from .direct_calls import use_direct_overloads
@@ -78,6 +79,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     dump_dir = new_dump_dir("graph")
     _write_aten(dump_dir, "aten_before", gm)
     joined = view_adjacent_concatenations(gm.graph)
+    casts = merge_duplicate_casts(gm.graph)
     integer_histogram_counts(gm.graph)
     overlaps = plan_overlaps(gm.graph) if config.overlap_collectives == "auto" else []
     chunked = []
@@ -86,6 +88,8 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         split_all_reduces(gm.graph, chunked)
     op_graph = build_op_graph(gm, exclude={node for o in overlaps for node in (o.issue, o.wait)}
                               | {node for c in chunked for node in c.issues + c.waits})
+    if casts:
+        op_graph.notes.append(f"{casts} repeated dtype cast(s) of one value merged (torch.autocast casts per op)")
     if joined:
         op_graph.notes.append(f"{joined} concatenation(s) of parameters stored back to back read as views of "
                               f"their storage (no copy)")

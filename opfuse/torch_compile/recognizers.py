@@ -9,9 +9,10 @@ op                 aten form
 ``AllGather``      ``wait_tensor(all_gather_into_tensor(x, n, group))`` (dim 0)
 ``ReduceScatter``  ``wait_tensor(reduce_scatter_tensor(x, "sum", n, group))`` (dim 0, or DTensor's
                    sequence dim when every dim before it has size 1)
-``BasicLinear``    ``mm(x, permute(W, [1, 0]))`` with ``W`` a graph input (a parameter), with the
-                   views that flatten ``x``'s leading dims and restore them
-``Bias``           ``add(y, b)`` with ``b`` a graph input of shape ``[features]``;
+``BasicLinear``    ``mm(x, permute(W, [1, 0]))`` with ``W`` a graph input (a parameter) or its
+                   dtype cast (``torch.autocast``), with the views that flatten ``x``'s leading
+                   dims and restore them
+``Bias``           ``add(y, b)`` with ``b`` a graph input of shape ``[features]`` (or its cast);
                    ``addmm(b, x, W.T)`` is a ``BasicLinear`` followed by a ``Bias``
 ``AddExtraInput``  ``add(a, b)`` of two tensors of one shape and dtype (the residual add)
 =================  ==========================================================================
@@ -23,7 +24,8 @@ import operator
 
 from torch import fx
 
-from ..machinery.aten import aten, c10d, calls, dtype, is_static_size, is_tensor_node, known_equal, same_shape, shape
+from ..machinery.aten import (aten, c10d, calls, dtype, is_cast_to, is_static_size, is_tensor_node, known_equal,
+                              same_shape, shape)
 from ..machinery.recognizer import Found, Phase, Recognizer
 from ..machinery.region import VIEWS, ParamSource, Region, frozen, is_input, is_vector_of, standin
 from ..ops import group as groups
@@ -165,9 +167,11 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
         return []  # a weight's sizes are fixed; only token counts vary between calls
     nodes = {mm}
     # The weight of ``mm(x, permute(W))`` is ``W``. Only weights that are graph inputs count
-    # (parameters, or their local shards under DTensor): the GEMMs of backward graphs multiply
+    # (parameters, or their local shards under DTensor), or such an input cast to the activations'
+    # dtype (``torch.autocast`` over float32 parameters casts each weight in the graph; the cast
+    # stays in the graph and the fused op reads its result): the GEMMs of backward graphs multiply
     # activations and transposed weights, which the fused ops do not take.
-    if not (calls(b, aten.permute.default) and list(b.args[1]) == [1, 0] and is_input(b.args[0])):
+    if not (calls(b, aten.permute.default) and list(b.args[1]) == [1, 0] and is_weight(b.args[0])):
         return []
     weight = ParamSource(b.args[0])
     nodes.add(b)
@@ -200,7 +204,7 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
     gemm = Region(frozen(BasicLinear(k, n, weight=weight_standin)), (x,), out, frozenset(nodes), {weight_standin: weight})
     if bias is None:
         return [gemm]
-    if not is_vector_of(bias, n) or dtype(bias) != dtype(mm) or not is_input(bias):
+    if not is_vector_of(bias, n) or dtype(bias) != dtype(mm) or not is_weight(bias):
         return []
     # addmm: the GEMM has no value of its own; the bias region's nodes (the addmm and the views
     # that restore x's leading dims) compute from x and W.
@@ -210,6 +214,11 @@ def linear(mm: fx.Node, found: Found | None = None) -> list[Region]:
     biased = Region(frozen(Bias(n, bias=bias_standin)), (), out, frozenset({mm, *out_views}),
                     {bias_standin: ParamSource(bias)}, virtual_input=True)
     return [gemm, biased]
+
+
+def is_weight(node) -> bool:
+    """A graph input, or a graph input cast to another dtype (``torch.autocast``'s weight cast)."""
+    return is_input(node) or (is_cast_to(node) and is_input(node.args[0]))
 
 
 # Adds -------------------------------------------------------------------------------------------------
@@ -261,7 +270,7 @@ def add(node: fx.Node, found: Found) -> Region | None:
     (a, views_a), (b, views_b) = _through_views(a), _through_views(b)
     for y, vec in ((a, b), (b, a)):
         if (_same_rows(shape(y), shape(node)) and is_vector_of(vec, shape(node)[-1]) and len(shape(node)) >= 2
-                and len(shape(y)) >= 2 and is_input(vec)):
+                and len(shape(y)) >= 2 and is_weight(vec)):
             if dtype(node) != dtype(y) and dtype(vec) == dtype(y):
                 return None
             bias_standin = standin((shape(node)[-1],), dtype(vec))

@@ -70,6 +70,35 @@ def check_case(rank, world, tp, train, inductor, dtype, tolerance, batch=2, cfg=
     assert len(norms) == row_parallel  # each reduction took a different norm, the final one included
 
 
+def autocast_case(rank, world):
+    """Sequence parallelism with float32 parameters under ``torch.autocast`` (bf16): the weights are
+    cast in the graph, and each row projection still fuses with its reduce-scatter; outputs and
+    float32 gradients are eager autocast's."""
+    import copy
+
+    import llama_tp
+
+    import opfuse
+
+    cfg = llama_tp.Config()
+    eager = llama_tp.build("dtensor-sp", rank, world, cfg, torch.float32, "cpu")
+    model = copy.deepcopy(eager)
+    compiled = opfuse.optimize(model, options={"inductor": False})
+    tokens = torch.randint(0, cfg.vocab, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = eager(tokens), compiled(tokens)
+    assert llama_tp.relative_error(got, want) <= BF16
+    want.float().square().sum().backward()
+    got.float().square().sum().backward()
+    mine, ref = llama_tp.local_grads(model), llama_tp.local_grads(eager)
+    for name in ref:
+        assert mine[name].dtype == torch.float32, name
+        assert llama_tp.relative_error(mine[name], ref[name]) <= BF16, name
+    (program,) = opfuse.programs(compiled)
+    row_parallel = len(llama_tp.ROW_PARALLEL) * cfg.layers
+    assert rules([program], "forward").count("linear_reduce_scatter") == row_parallel, program.explain()
+
+
 def cases(rank, world):
     check_case(rank, world, "dist", True, False, torch.float32, F32)
     check_case(rank, world, "dtensor", True, False, torch.float32, F32)
@@ -77,6 +106,7 @@ def cases(rank, world):
     check_case(rank, world, "dtensor-sp", True, False, torch.float32, F32, batch=2)
     check_case(rank, world, "dtensor", False, False, torch.bfloat16, BF16)
     check_case(rank, world, "dist", True, True, torch.float32, F32)
+    autocast_case(rank, world)
 
 
 def test_llama_example_fuses_and_matches_eager():

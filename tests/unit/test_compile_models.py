@@ -9,6 +9,8 @@ Graphs run through ``options={"inductor": False}`` except one dynamic-shape test
 Inductor. The same shapes on 2 ranks: tests/dist/test_compile_hf.py.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -553,3 +555,44 @@ def test_view_checks_follow_real_tensors_where_fake_tensors_differ():
         assert (got is None) == (want is None), (sizes, strides, shape, got, want)
         if want is not None:
             assert [g for g, n in zip(got, target) if n != 1] == [w for w, n in zip(want, target) if n != 1]
+
+
+class ProjectionThenGELU(nn.Module):
+    """A biased projection and a GELU, then q/k/v-style projections of one input; float32
+    parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(H, 32)
+        self.q, self.k = nn.Linear(32, H, bias=False), nn.Linear(32, 8, bias=False)
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        return torch.cat([self.q(h), self.k(h)], dim=-1).float().square().sum()
+
+
+def test_linears_under_autocast_are_recognised():
+    """``torch.autocast`` over float32 parameters casts each weight and bias in the graph (and each
+    GEMM's input, once per GEMM): the casts are still the linear's weight and bias (GEMM + bias +
+    GELU fuses), the repeated casts of one input are merged, and the loss and every float32
+    gradient are eager autocast's. Projections whose float32 weights are cast apart are not merged
+    (the join would copy them on every call), and explain() says so."""
+    model = randomized(ProjectionThenGELU())
+    compiled = opfuse.optimize(copy.deepcopy(model), options=EAGER)
+    x = torch.randn(2, 5, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = model(x), compiled(x)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for (name, param), mine in zip(model.named_parameters(), compiled._orig_mod.parameters()):
+        assert mine.dtype == torch.float32 and mine.grad.dtype == torch.float32, name
+        torch.testing.assert_close(mine.grad, param.grad, rtol=2e-2, atol=2e-2, msg=name)
+    (program,) = opfuse.programs(compiled)
+    assert "repeated dtype cast" in program.explain(), program.explain()
+    # Training keeps the pre-activation for GELU's backward; inference fuses the GEMM + bias + GELU.
+    inference = opfuse.optimize(copy.deepcopy(model), options=EAGER)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(inference(x), model(x), rtol=1e-2, atol=1e-2)
+    (program,) = opfuse.programs(inference)
+    assert "linear_bias_activation" in rules_of([program], "forward"), program.explain()
