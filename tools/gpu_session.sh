@@ -66,6 +66,7 @@
 #                                      # per-row quantizer: GPU tests, FP8 MoE bench profiled
 #   tools/gpu_session.sh s19-fp8-sp    # 2 GPUs (~7 min): FP8 world-2 GPU tests, FP8 pow2 train-sp graphs A B B A
 #   tools/gpu_session.sh s19-fp8-rs    # 2 GPUs (~8 min): FP8 train-sp graphs, p2p_overlap FP8 reduce-scatter vs nccl, A B B A
+#   tools/gpu_session.sh s21-single    # 1 GPU (~4 min): single-GPU fused ops (autocast linears), FP8/MoE compile tests
 #   tools/gpu_session.sh s22-gather-ab # 2 GPUs (~6 min): FP8 train-sp 2048 with / without the p2p gradient gathers, A B B A
 #   tools/gpu_session.sh s22-gather-bf16 # 2 GPUs (~7 min): the same in bf16
 #   tools/gpu_session.sh s21-gather    # 2 GPUs (~4 min): gradient all-gathers over peer memory: GPU tests, the gather
@@ -730,6 +731,13 @@ case "$stage" in
       --fp8 tensor-pow2 --pair "opfuse fp8@graphs" "opfuse fp8@graphs%linear_reduce_scatter_fp8=p2p_overlap" \
       --warmup-run --run-timeout 110 --json "$OUT/isolated_fp8_rs.json"
     final_summary() { grep -h -E "^(\[|\||note)" "$OUT"/isolated_fp8_rs.log | grep -v "^|---"; }
+    ;;
+  s21-single)  # 1 GPU (~4 min; prebuilt modules): this session's compile-path changes on a GPU with Inductor:
+               # single-GPU fused ops incl. linears under torch.autocast, FP8 / MoE / merged projections
+    END=${S21_BUDGET_S:-280}
+    tests fused_single "$(fits 120 150)" -x -q tests/gpu/test_fused_single_gpu.py
+    tests compile_fp8_moe "$(fits 240 0)" -x -q tests/gpu/test_compile_fp8_moe.py
+    final_summary() { grep -h -E "passed|failed|Error" "$OUT/fused_single.log" "$OUT/compile_fp8_moe.log" | tail -6; }
     ;;
   s22-gather-ab)  # 2 GPUs (~6 min; prebuilt modules; after s21-gather passed): FP8 train-sp 2048 under graphs with the
                   # backward gradient gathers over peer memory against NCCL's, each alone, A B B A

@@ -103,3 +103,29 @@ def test_norm_backward_kernel_rounds_the_residual_gradient_sum_once(kind, dtype)
     assert opfuse.compile(block, x, r).fusions[0].impl == "cuda"
     torch.autograd.backward((y, h), (dy.cuda(), dh_out.cuda()))
     assert rel_err(x.grad.cpu(), want) < 0.02
+
+
+def test_compiled_linears_under_autocast():
+    """torch.compile with Inductor, float32 parameters under ``torch.autocast`` (bf16): the cast
+    weights are still linears (GEMM + bias + GELU through cuBLASLt's epilogue at inference), and a
+    training step's float32 gradients match eager autocast's."""
+    import copy
+
+    from torch import nn
+
+    model = randomize_(nn.Sequential(nn.Linear(512, 1024), nn.GELU(approximate="tanh"), nn.Linear(1024, 512)).cuda())
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(64, 512, generator=gen, device="cuda")
+    inference = opfuse.optimize(copy.deepcopy(model))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert rel(inference(x), model(x)) < TOL[torch.bfloat16]
+    fusions = [(f.rule, f.impl) for p in opfuse.programs(inference) for f in p.fusions]
+    assert ("linear_bias_activation", "cublaslt_epilogue") in fusions, fusions
+    trained = copy.deepcopy(model)
+    compiled = opfuse.optimize(trained)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, want = compiled(x), model(x)
+    got.float().square().sum().backward()
+    want.float().square().sum().backward()
+    for (name, mine), ref in zip(trained.named_parameters(), model.parameters()):
+        assert mine.grad.dtype == torch.float32 and rel(mine.grad, ref.grad) < TOL[torch.bfloat16], name
