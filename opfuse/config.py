@@ -99,8 +99,9 @@ class Config:
     overlap_sm_carveout: int = 0
     #: Compiled training graphs: the backward's gradient all-gathers that no GEMM fusion takes run
     #: over peer memory, pushed by the copy engines (``OPFUSE_P2P_GRADIENT_GATHERS``;
-    #: ``all_gather_tokens``' ``p2p_overlap``); off keeps NCCL's asynchronous gather. Off until
-    #: checked and measured on GPUs (docs/PERF_NOTES.md, "The backward all-gathers over peer memory").
+    #: ``all_gather_tokens``' ``p2p_overlap``); off keeps NCCL's asynchronous gather. Off: exact on
+    #: GPUs, but in line it is no faster than NCCL's gather (1.02x at 16 MiB per rank on 2x H200;
+    #: docs/PERF_NOTES.md, "The backward all-gathers over peer memory").
     p2p_gradient_gathers: bool = False
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they
