@@ -12,7 +12,7 @@ need: NCCL's all-reduce alone, opfuse (chosen and every implementation forced), 
 bandwidth columns; the torch.compile / eager / torch symmetric-memory baselines, opfuse's plain
 all-reduce and the single-GPU add+norm columns are left out (they cost a torch.compile per size).
 
-Method (as ../shared/ANCHORS.md): CUDA-graph replays of 40 back-to-back calls, median of 7
+Method (as ../shared/ANCHORS.md): CUDA-graph replays of 40 back-to-back calls, median of 15
 replays, max over ranks; bf16; hidden 8192; inputs reset (untimed) before each replay so in-place
 baselines stay finite. Columns:
   nccl_ar        NCCL all-reduce alone (in place)
@@ -22,8 +22,8 @@ baselines stay finite. Columns:
   symm1_eager    torch symm_mem one_shot_all_reduce + eager add+norm
   symm2_ar       torch symm_mem two_shot_all_reduce_ alone
   ours           opfuse AllReduceAddRMSNorm, implementation chosen by the dispatch table
-  ours_pdl       (up to 1 MiB) the chosen program with its peer kernels launched with PDL (OPFUSE_PDL=1):
-                 PDL's share
+  ours_pdl / ours_nopdl  (up to 1 MiB) the chosen program with its peer kernels launched with PDL /
+                 without it, whichever is not the default (``OPFUSE_PDL``, on by default): PDL's share
   ours_1shot / ours_2shotL / ours_2shot / ours_nccl   the same with the implementation forced (where
                             capable; 2shotL = the pipelined Lamport two-shot of issue 30, 2shot = the
                             flag-based two-shot, nccl = NCCL all-reduce + opfuse's local add+norm kernel)
@@ -247,11 +247,15 @@ def worker(rank, world, opts, out_path):
 
                 measure_opfuse(row, "ours", health, ours)
                 if message <= PDL_COMPARE_MAX_BYTES:
-                    def ours_with_pdl():  # the same program, its peer kernels launched with PDL (captured so)
-                        with opfuse.config.override(pdl=True):
+                    # The same program with its peer kernels launched the other way (captured so):
+                    # with PDL when the default is without, and without when the default is with.
+                    other = not opfuse.config.pdl
+
+                    def ours_other_pdl():
+                        with opfuse.config.override(pdl=other):
                             return graph_time_us(lambda: block(x, res))
 
-                    measure_opfuse(row, "ours_pdl", health, ours_with_pdl)
+                    measure_opfuse(row, "ours_pdl" if other else "ours_nopdl", health, ours_other_pdl)
                 row.update(flashinfer_columns(fi, fi_why, world, x, res, weight, y_ref, h_ref, row["err"]))
                 for impl, key in FORCED:
                     def forced_us(impl=impl):

@@ -6,7 +6,7 @@ from __future__ import annotations
 __all__ = ["CALLS", "REPLAYS", "busbw_gbs", "fmt", "ratio", "table", "summary", "ratio_series"]
 
 #: CUDA-graph replays: calls per graph, timed replays.
-CALLS, REPLAYS = 40, 7
+CALLS, REPLAYS = 40, 15  # 15: a 1-token call varied by ~0.5 us between two medians of 7 (session 22)
 
 
 def busbw_gbs(message, world, us):
@@ -60,6 +60,7 @@ def _columns(world, result):
         ("ours", None, lambda r: fmt(r.get("ours"))),
         ("impl", None, lambda r: str(r.get("ours_impl") or "-")),
         ("ours PDL", "ours_pdl", lambda r: fmt(r.get("ours_pdl"))),
+        ("ours no PDL", "ours_nopdl", lambda r: fmt(r.get("ours_nopdl"))),
         ("ours/compiled", "nccl_compiled", lambda r: fmt(ratio(r.get("ours"), r.get("nccl_compiled")), 2)),
         ("ours/symm1", "symm1_eager", lambda r: fmt(ratio(r.get("ours"), r.get("symm1_eager")), 2)),
         ("ours/symm2", "symm2_ar", lambda r: fmt(ratio(r.get("ours"), r.get("symm2_ar")), 2)),

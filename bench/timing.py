@@ -7,8 +7,9 @@ every variant alike (use it to compare variants whose ratio matters).
 ``graph_replay_us(fn, calls, replays)`` captures one CUDA graph holding ``calls`` back-to-back
 calls of ``fn`` (after ``warmup`` eager calls on a side stream, so lazy compilation and workspace
 reservation happen outside the capture) and returns the per-call time of each of ``replays``
-timed replays, in microseconds. Every replay starts after a process-group barrier and a device
-sync; ``reset`` (untimed) runs before the warm-up calls, the capture and each replay, so in-place
+timed replays, in microseconds. Every replay starts after a process-group barrier, a device
+sync and, with NCCL, a one-element all-reduce on the stream that aligns the ranks on the GPU
+before the start event; ``reset`` (untimed) runs before the warm-up calls, the capture and each replay, so in-place
 baselines can start from the same data every time.
 
 Also shared: the ceilings a benchmark measures at its start to print floors (``device_copy_gbs``,
@@ -69,6 +70,23 @@ def _capture(fn, calls: int, warmup: int, reset=None) -> torch.cuda.CUDAGraph:
     return graph
 
 
+_ALIGN: dict = {}
+
+
+def _align_ranks_on_device() -> None:
+    """An NCCL all-reduce of one element on the current stream: the ranks' streams leave it within
+    about a microsecond of each other, where the host barrier before it returns tens of microseconds
+    apart. A timed replay started after the barrier alone charged that skew to the rank that
+    started first (it waits for the other in its first calls): ~1 us per call in a graph of 40 calls
+    of 5 us, the size of the differences measured at 1-64 tokens (session 22)."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    device = torch.cuda.current_device()
+    if device not in _ALIGN:
+        _ALIGN[device] = torch.zeros(1, device="cuda")
+    dist.all_reduce(_ALIGN[device])
+
+
 def _replay_us(graph: torch.cuda.CUDAGraph, calls: int, reset=None) -> float:
     if reset:
         reset()
@@ -76,6 +94,7 @@ def _replay_us(graph: torch.cuda.CUDAGraph, calls: int, reset=None) -> float:
         dist.barrier()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _align_ranks_on_device()
     start.record()
     graph.replay()
     end.record()

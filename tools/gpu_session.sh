@@ -135,6 +135,12 @@
 #                                      # over NCCL), bench/allreduce_norm.py --quick (FlashInfer column when
 #                                      # .thirdparty/ is carried and its check passes), the Lamport kernel's
 #                                      # bounded-wait test; every step's time limit shrinks to fit a 520 s budget
+#   tools/gpu_session.sh s22-ar-small  # 2 GPUs (~9.5 min; issue 30): per-block call state tests, quick bench at 1-256
+#                                      # tokens new vs previous kernels (.baseline/), the one-shot's phase timeline
+#   tools/gpu_session.sh s22-ar-next   # 2 GPUs (~9 min; issue 30): protocol tests, quick table, one-shot timeline over
+#                                      # push sizes, decode with / without PDL (profiled)
+#   tools/gpu_session.sh s22-ar-clear  # 2 GPUs (~8 min; issue 30): clear-on-read one-shot, poll depth 1 vs 2: tests,
+#                                      # quick tables, timeline
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 #   DRY=1 tools/gpu_session.sh STAGE     # print the steps a stage would run, run none (no GPU needed)
 set -uo pipefail
@@ -1027,6 +1033,109 @@ case "$stage" in
       else  # cut before its tables: the per-size progress lines hold the times
         echo "=== allreduce_quick (no summary: cut or failed)"; grep "tokens done" "$OUT/allreduce_quick.log" | tail -16
       fi
+    }
+    ;;
+  s22-ar-small)
+    # Issue 30's small messages in one call on 2 GPUs (~9.5 min; modules prebuilt and carried, plus the
+    # previous main's opfuse/ and bench/ with their own modules in .baseline/, so old and new kernels are
+    # timed on one machine): the per-block call state's protocol tests (simulated ranks; world 2 over
+    # NCCL), the quick bench at 1-256 tokens (new, with FlashInfer; then the previous kernels), the
+    # one-shot's phase timeline, and the Lamport kernel's tests last.
+    END=${AR_BUDGET_S:-560}
+    tests kernels "$(fits 150 420)" -q --maxfail=3 tests/gpu/test_residual_norm_kernels.py \
+      -k "oneshot or grid or peer_kernels or skips"
+    tests residual_norm_dist "$(fits 90 360)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    fi_flag=--no-flashinfer
+    if [ -d .thirdparty/flashinfer ]; then
+      step flashinfer_check "$(fits 60 300)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
+      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
+    fi
+    step allreduce_new "$(fits 150 170)" python3 bench/allreduce_norm.py --quick --tokens 1 4 16 64 256 \
+      --json "$OUT/allreduce_new.json" $fi_flag
+    if [ -d .baseline/opfuse ]; then
+      step allreduce_old "$(fits 100 90)" env PYTHONPATH=.baseline OPFUSE_CACHE_DIR="$PWD/.baseline/.opfuse-cache" \
+        python3 .baseline/bench/allreduce_norm.py --quick --tokens 1 4 16 64 256 --no-flashinfer \
+        --json "$OUT/allreduce_old.json"
+    fi
+    step timeline "$(fits 80 30)" python3 bench/allreduce_timeline.py --world 2 --hidden 8192 --tokens 1 4 16 64 \
+      --json "$OUT/timeline.json"
+    tests lamport_kernels "$(fits 200 0)" -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
+    final_summary() {
+      grep -E "^(measured ceilings|not measured)" "$OUT/allreduce_new.log" 2>/dev/null | sort -u | cut -c1-300
+      for name in allreduce_new allreduce_old; do
+        echo "=== $name"; grep -E "^(\||summary|targets)" "$OUT/$name.log" 2>/dev/null | grep -v "^|---" | cut -c1-260
+      done
+      echo "=== timeline"; cat "$OUT/timeline.log" 2>/dev/null | grep -v "^\[" | cut -c1-330
+    }
+    ;;
+  s22-ar-next)
+    # Issue 30, second call (2 GPUs, ~9 min; modules prebuilt and carried): the peer addresses in the
+    # kernels' parameters and PDL on by default: protocol tests, the full quick table (FlashInfer
+    # column), the one-shot's timeline over the packs each block pushes, decode with and without PDL.
+    END=${AR_BUDGET_S:-560}
+    tests kernels "$(fits 150 450)" -q --maxfail=3 tests/gpu/test_residual_norm_kernels.py \
+      -k "oneshot or grid or peer_kernels or skips"
+    tests lamport_kernels "$(fits 120 420)" -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
+    tests residual_norm_dist "$(fits 90 380)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    fi_flag=--no-flashinfer
+    if [ -d .thirdparty/flashinfer ]; then
+      step flashinfer_check "$(fits 60 330)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
+      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
+    fi
+    step allreduce_quick "$(fits 150 240)" python3 bench/allreduce_norm.py --quick --json "$OUT/allreduce_quick.json" $fi_flag
+    step timeline "$(fits 100 170)" python3 bench/allreduce_timeline.py --world 2 --hidden 8192 --tokens 1 4 16 64 \
+      --pdl on --push-packs 0 32 64 256 1024 --json "$OUT/timeline.json"
+    step decode_pdl "$(fits 200 0)" python3 bench/model.py --world 2 --cases decode --decode 1 8 --pdl-ab --profile \
+      --json "$OUT/decode_pdl.json"
+    final_summary() {
+      grep -E "^(measured ceilings|not measured)" "$OUT/allreduce_quick.log" 2>/dev/null | sort -u | cut -c1-300
+      echo "=== allreduce_quick"; grep -E "^(\||summary|targets)" "$OUT/allreduce_quick.log" 2>/dev/null \
+        | grep -v "^|---" | cut -c1-250
+      echo "=== timeline"; grep -vE "^\[|Warning|enable\(" "$OUT/timeline.log" 2>/dev/null | cut -c1-300
+      echo "=== decode"; grep -E "^(\| (decode|2)|relative|note)" "$OUT/decode_pdl.log" 2>/dev/null | cut -c1-300
+    }
+    ;;
+  s22-ar-1gpu)
+    # Issue 30 on one GPU (~2 min): the clear-on-read one-shot's protocol tests on simulated ranks,
+    # both poll depths, the FP8 epilogue, the Lamport kernel, the bounded waits.
+    tests kernels 150 -q --maxfail=3 tests/gpu/test_residual_norm_kernels.py
+    step kernels_depth2 90 env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 -m pytest -q --maxfail=3 \
+      tests/gpu/test_residual_norm_kernels.py -k "oneshot or grid or skips"
+    tests fp8_ar_kernels 90 -q --maxfail=3 tests/gpu/test_fp8_allreduce_norm_kernels.py
+    tests lamport_kernels 120 -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
+    tests peer_timeout 60 -q tests/gpu/test_peer_timeout.py
+    ;;
+  s22-ar-clear)
+    # Issue 30, third call (2 GPUs, ~8 min; modules prebuilt and carried): the one-shot with two
+    # buffers cleared as they are read, and its two-deep poll (OPFUSE_ONESHOT_POLL_DEPTH=2) against
+    # the default: protocol tests (both depths, FP8 epilogue, bounded waits), the quick table
+    # (FlashInfer column; ranks aligned on the GPU before each timed replay), the depth-2 table at
+    # 1-1024 tokens, the timeline of both depths.
+    END=${AR_BUDGET_S:-540}
+    tests kernels "$(fits 150 450)" -q --maxfail=3 tests/gpu/test_residual_norm_kernels.py \
+      -k "oneshot or grid or peer_kernels or skips"
+    step kernels_depth2 "$(fits 90 420)" env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 -m pytest -q --maxfail=3 \
+      tests/gpu/test_residual_norm_kernels.py -k "oneshot or grid or skips"
+    tests fp8_ar_kernels "$(fits 90 400)" -q --maxfail=3 tests/gpu/test_fp8_allreduce_norm_kernels.py
+    tests lamport_kernels "$(fits 120 380)" -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
+    tests residual_norm_dist "$(fits 90 340)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    tests peer_timeout "$(fits 60 300)" -x -q tests/gpu/test_peer_timeout.py
+    fi_flag=--no-flashinfer
+    if [ -d .thirdparty/flashinfer ]; then
+      step flashinfer_check "$(fits 60 260)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
+      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
+    fi
+    step allreduce_quick "$(fits 120 150)" python3 bench/allreduce_norm.py --quick --json "$OUT/allreduce_quick.json" $fi_flag
+    step allreduce_depth2 "$(fits 80 80)" env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 bench/allreduce_norm.py --quick \
+      --tokens 1 4 16 64 256 --no-flashinfer --json "$OUT/allreduce_depth2.json"
+    step timeline "$(fits 80 0)" python3 bench/allreduce_timeline.py --world 2 --hidden 8192 --tokens 1 16 64 256 \
+      --pdl on --poll-depth 1 2 --json "$OUT/timeline.json"
+    final_summary() {
+      grep -E "^(measured ceilings|not measured)" "$OUT/allreduce_quick.log" 2>/dev/null | sort -u | cut -c1-300
+      for name in allreduce_quick allreduce_depth2; do
+        echo "=== $name"; sed -n '/^summary/,$p' "$OUT/$name.log" 2>/dev/null | grep -v "^|---" | cut -c1-250
+      done
+      echo "=== timeline"; grep -vE "^\[|Warning|enable\(" "$OUT/timeline.log" 2>/dev/null | cut -c1-300
     }
     ;;
   oneshot)

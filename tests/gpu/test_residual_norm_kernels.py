@@ -189,7 +189,7 @@ def test_peer_kernels_negative_zero_and_options(ext, kind):
 # Back-to-back calls whose sizes change so that every receive buffer is reused after a larger
 # call (stale data past the smaller message, or at other offsets when the row size changes) and
 # after a smaller one (the larger message lands on cleared sentinels only if the clearing of the
-# previous user covered it). (tokens, hidden) per call; 11 calls, so the three buffers meet
+# previous user covered it). (tokens, hidden) per call; 11 calls (odd), so the receive buffers meet
 # different sizes on every lap and in every graph replay.
 SEQUENCE = [(96, 8192), (1, 8192), (7, 2048), (33, 5120), (1, 5120), (128, 4096), (2, 16384), (5, 8192),
             (64, 2880), (1, 1024), (40, 8192)]
@@ -251,6 +251,38 @@ def test_oneshot_back_to_back_calls_of_changing_sizes(ext, world, dtype):
         seq.enqueue()
         seq.check(f"lap {lap}")
         seq.refill()
+
+
+@pytest.mark.parametrize("kind", ["oneshot", "lamport"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_grid_changes_between_calls(ext, kind, world):
+    """The one-shot and Lamport kernels keep their call state in one slot per block index, and a
+    block writes the next state into every slot of its residue class: calls whose grids grow and
+    shrink (1 to 64 blocks, and past the largest grid seen), back to back without synchronisation,
+    must all land in the right buffers."""
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(90 + world)
+    tokens, hidden = 80, 4096
+    sim = SimulatedRanks(ext, kind, world, dtype, capacity=tokens * hidden * xs_elem(dtype))
+    grids = [g for g in (1, 64, 3, 17, 2, 64, 1, 5, 40, 7) if g <= sim.blocks]
+    calls = [make(tokens - 7 * i, hidden, dtype, world, gen) for i in range(len(grids))]
+    outs = [[(torch.full((tokens - 7 * i, hidden), float("nan"), device="cuda", dtype=dtype),
+              torch.full((tokens - 7 * i, hidden), float("nan"), device="cuda", dtype=dtype)) for _ in range(world)]
+            for i in range(len(grids))]
+    sim.fork()
+    for grid, (xs, bias, res, w, nb), out in zip(grids, calls, outs):
+        sim.blocks = grid
+        for r in range(world):
+            sim.launch(r, xs[r], bias, res, w, nb, out[r][0], out[r][1], "rms", timeout_ns=SEQUENCE_TIMEOUT_NS)
+    sim.join()
+    torch.cuda.synchronize()
+    for r, watch in enumerate(sim.watches):
+        assert not watch.failed(), f"rank {r} waited past the timeout: {watch.read()}"
+    for grid, (xs, bias, res, w, nb), out in zip(grids, calls, outs):
+        try:
+            check_ranks([y for y, _ in out], [h for _, h in out], xs, bias, res, w, nb, "rms", dtype)
+        except AssertionError as err:
+            raise AssertionError(f"{kind}, grid {grid}: {err}") from None
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

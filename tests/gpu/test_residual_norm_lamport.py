@@ -158,7 +158,7 @@ def test_graph_replays_with_fresh_data(ext, kind, world, pdl):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_oneshot_back_to_back_with_pdl(ext, world):
-    """The one-shot's protocol (three buffers, the clear of the previous call) with PDL launches."""
+    """The one-shot's protocol (two buffers, each pack cleared as it is read) with PDL launches."""
     dtype = torch.bfloat16
     shapes = [(t, h) for t, h in SEQUENCE if t * h <= 1 << 20]
     gen = torch.Generator(device="cuda").manual_seed(110 + world)

@@ -203,3 +203,40 @@ def test_step_timeline_says_what_ran_beside_each_collective():
     text = step_timeline.format_timeline({"v": {"host_us": 0, "gpu_wall_us": 0, "busy_us": 0, "idle": {}, "gaps": [],
                                                 "collectives": rows}}, "t")
     assert "NCCL kernels of the last step" in text and "dw_gemm 2" in text
+
+
+def test_allreduce_timeline_phases_from_stamps(tmp_path):
+    """bench/allreduce_timeline.py's analysis of the one-shot's stamps: phases relative to each
+    call's first block entry, earliest..latest block, row phases only where written, the first call
+    of a replay left out, medians over the others (one slow call is an outlier, not a shift), and
+    the period and gap to the next call; --from-json prints the table."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import allreduce_timeline as timeline
+    finally:
+        sys.path.pop(0)
+    stamps = torch.zeros(64, 512, 8, dtype=torch.int64)
+    starts = {0: 10_000, 1: 20_000, 2: 30_003, 3: 40_003}
+    for ring, call in ((5, 2), (6, 0), (7, 1), (9, 3)):  # ring slots need not be in call order
+        base = starts[call]
+        for block in range(2):
+            row = [base + 100 * block, base + 300, base + 500 + block, 0, 0, base + 4000 + 500 * block]
+            if block == 0:
+                row[3:5] = [base + 2000, base + (3000 if call != 2 else 9000)]
+            stamps[ring, block, :6] = torch.tensor(row)
+    phases = timeline.phase_table(stamps)
+    assert phases["state"] == pytest.approx((0.3, 0.3))
+    assert phases["pushed"] == pytest.approx((0.5, 0.501))
+    assert phases["arrived"] == pytest.approx((2.0, 2.0))
+    assert phases["row"] == pytest.approx((3.0, 3.0))  # the median of 3.0, 9.0, 3.0
+    assert phases["end"] == pytest.approx((4.0, 4.5))
+    assert phases["next"][0] == pytest.approx(10.0)  # the median of 10.0, 10.003, 10.0
+    assert phases["gap"][0] == pytest.approx(10.0 - 4.5)
+    rows = [{"hidden": 8192, "tokens": 1, "pdl": False, "rank": r, "us": 5.0, "stamped_us": 5.1,
+             "phases": phases} for r in (0, 1)]
+    saved = tmp_path / "timeline.json"
+    saved.write_text(json.dumps(rows))
+    run = bench("bench/allreduce_timeline.py", "--from-json", str(saved))
+    assert run.returncode == 0, run.stderr
+    assert "one-shot phase timeline" in run.stdout and " 4.00..4.50" in run.stdout

@@ -37,8 +37,8 @@
 // earlier or the same step of the same pipeline, so chains of different blocks never wait for each
 // other and the grid needs no co-residency on one GPU.
 //
-// Region layout (bytes): [0, 256) state (state[0]: completed calls, state[1]: blocks finished in
-// this call); then buffer 0 and buffer 1, each a reduce-scatter area and an all-gather area of
+// Region layout (bytes): [0, kCallStateBytes) the per-block call slots (row.cuh: completed calls,
+// whose parity picks the buffer); then buffer 0 and buffer 1, each a reduce-scatter area and an all-gather area of
 // area_bytes. In owner o's reduce-scatter area, slot k (k = 0 .. W-2) holds the partial rows of
 // source (o + 1 + k) % W (R rows each); in receiver d's all-gather area, slot k holds the rounded
 // sums of owner (d + 1 + k) % W.
@@ -48,7 +48,7 @@
 namespace opfuse {
 namespace {
 
-constexpr int64_t kStateBytes = 256;
+constexpr int64_t kStateBytes = kCallStateBytes;
 constexpr int64_t kMaxRowBytes = 65536LL * 2;  // rows up to 128 KiB (bf16 hidden 65536)
 // The residual row is requested into L2 (a prefetch, no registers) before a row's wait, and read
 // by finish_row after it. Holding it and the other operands in registers (the one-shot's
@@ -76,8 +76,8 @@ inline int64_t area_bytes(int world, int64_t capacity) {
 struct LamportLaunch {
   ResidualNormArgs args;
   PeerWait wait;
-  const uint64_t* peers;
-  uint32_t* state;
+  PeerAddresses peers;
+  void* state;
   int rank;
   int world;
   int64_t area_bytes;
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kMaxThreads) lamport_kernel(const LamportLaunc
 
   pdl_wait();  // before any load: the inputs and the state may come from the previous kernel
   pdl_launch_dependents();
-  const uint32_t call = read_call_state(p.state);
+  const uint32_t call = read_call_slot(p.state).calls;
   const int64_t buffer = kStateBytes + static_cast<int64_t>(call & 1u) * 2 * p.area_bytes;
   // Area ``which`` (0: reduce-scatter, 1: all-gather) of the current buffer on rank ``owner``.
   auto area = [&](int owner, int which) {
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kMaxThreads) lamport_kernel(const LamportLaunc
     if (s >= 2) finish(s - 2);
   }
 
-  publish_call(p.state, call + 1, [] {});
+  write_call_slots(p.state, call + 1);
 }
 
 template <typename T>
@@ -297,8 +297,9 @@ const char* allreduce_lamport(const ResidualNormArgs& args, const PeerRegion& re
   if ((region.world - 1) * rows_per_rank * row_bytes > area)  // guaranteed by the capacity check; kept as a guard
     return "opfuse Lamport two-shot: message does not fit the region's areas";
   const RowLayout layout = row_layout(args.hidden, args.dtype);
-  const int blocks = static_cast<int>(rows_per_rank < max_blocks ? rows_per_rank : max_blocks);
-  LamportLaunch launch{args, wait, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
+  const int64_t cap = max_blocks < kCallSlots ? max_blocks : kCallSlots;  // the same on every rank
+  const int blocks = static_cast<int>(rows_per_rank < cap ? rows_per_rank : cap);
+  LamportLaunch launch{args, wait, region.addresses, region.local, region.rank, region.world,
                        area, rows_per_rank};
   return dispatch_peer_row_kernel(args.dtype, layout.vpt, args.quant,
                                   [&]<typename T, int VPT, QuantMode Q>() -> const char* {

@@ -5,33 +5,46 @@
 // -0.0 sentinel. No flags, no barrier: the data is the flag. The sum runs in rank order 0..W-1
 // in float32 on every rank, so all ranks produce bitwise-identical results.
 //
-// Three receive buffers rotate: call k writes buffer k%3 and clears (back to the sentinel) the
-// part of buffer (k-1)%3 that call k-1 filled. It clears after pushing, so the local stores
-// overlap the transfer. That is safe because peers write buffer (k-1)%3 again only at call k+2,
-// and a peer reaches call k+2 only after its call k+1 received this rank's call-k+1 data, which
-// this rank pushes from its next launch, after this whole call (clearing included) finished. No
-// peer writes buffer (k-1)%3 during call k either: call k-1 already received every peer's
-// data (a peer that timed out is the exception; the host then refuses further calls). Which
-// buffer, and how much of it is dirty, lives in device memory, so the kernel needs nothing from
-// the host per call and can be captured in CUDA graphs.
+// Two receive buffers alternate: call k writes buffer k%2, and the receiver writes the sentinel
+// back into every pack right after reading it, so between calls a buffer holds only sentinels
+// whatever the earlier sizes were (no clear pass, no record of what is dirty). That is safe because
+// a peer writes buffer k%2 again only at call k+2, which it reaches only after its call k+1
+// received this rank's call-k+1 data, pushed from this rank's next launch, after this whole call
+// (the write-backs included) finished; a peer that timed out is the exception, and the host then
+// refuses further calls. Writing the sentinel while the line is still in L2 (it was just read)
+// costs no extra HBM traffic over the clear pass it replaces, and none of it delays the rows. The
+// buffer index lives in device memory (per-block call slots, row.cuh), so the kernel needs nothing
+// from the host per call, can be captured in CUDA graphs, and ends without any grid-wide step: a
+// block is done when its own rows are.
 //
 // Blocks: every block pushes an equal share of the message (several SMs per row at small token
-// counts), clears its share of the previous buffer, then blocks [0, tokens) reduce and normalise
-// one row at a time. Before a row's first wait a block requests everything else the row needs
-// (its own contribution, the bias, residual and norm weight), so those loads' latency overlaps
-// the peers' transfer instead of following it.
+// counts), then blocks [0, tokens) reduce and normalise one row at a time. Before a row's first
+// wait a block requests everything else the row needs (its own contribution, the bias, residual
+// and norm weight), so those loads' latency overlaps the peers' transfer instead of following it.
 //
-// Region layout (bytes): [0, 256) state; then 3 buffers of world * capacity bytes.
-//   state[0]: completed calls (the iteration counter);  state[1]: blocks finished in this call;
-//   state[2 + b]: elements of buffer b that the last call using it filled.
+// Region layout (bytes): [0, kCallStateBytes) the call slots; then 2 buffers of world * capacity
+// bytes (slot [rank] of this rank's buffers is never written: a rank does not push to itself).
+
+#include <cstdlib>
 
 #include "row.cuh"
 
 namespace opfuse {
 namespace {
 
-constexpr int64_t kStateBytes = 256;
+constexpr int64_t kStateBytes = kCallStateBytes;
 constexpr int64_t kPushPacksPerBlock = 128;  // 2 KiB per peer per block
+
+// kPushPacksPerBlock, or OPFUSE_ONESHOT_PUSH_PACKS when set (read once per process): the tuning
+// knob bench/allreduce_timeline.py --push-packs sweeps.
+int64_t push_packs_per_block() {
+  static const int64_t packs = [] {
+    const char* text = std::getenv("OPFUSE_ONESHOT_PUSH_PACKS");
+    const long long value = text ? std::atoll(text) : 0;
+    return value > 0 ? static_cast<int64_t>(value) : kPushPacksPerBlock;
+  }();
+  return packs;
+}
 
 inline int64_t align256(int64_t n) { return (n + 255) / 256 * 256; }
 
@@ -40,12 +53,34 @@ inline int64_t buffer_bytes(int world, int64_t capacity) { return align256(world
 struct OneShotLaunch {
   ResidualNormArgs args;
   PeerWait wait;
-  const uint64_t* peers;
-  uint32_t* state;
+  PeerAddresses peers;
+  void* state;
+  uint64_t* timeline;  // PeerRegion::timeline
   int rank;
   int world;
+  int poll_depth;      // poll_depth()
   int64_t buffer_bytes;
 };
+
+// The one-shot's phase stamps (row.cuh, bench/allreduce_timeline.py): kernel entry (before the
+// PDL wait), call state read, this block's pushes issued, its first row's peer data arrived
+// (thread 0's packs), its last row finished, the block's end.
+enum OneShotPhase : int { kEntry = 0, kStateRead, kPushed, kArrived, kRowDone, kEnd };
+
+// Loads of a pack kept in flight while waiting for it (OPFUSE_ONESHOT_POLL_DEPTH, 1 or 2, read
+// once per process; default 1): with one, a pack that lands just after a poll was answered is seen
+// a whole L2 round trip later; with two, staggered by half a round trip, half of one. (Deeper
+// spills: the kernel has 64 registers per thread at 1024 threads.)
+constexpr int kMaxPollDepth = 2;
+
+int poll_depth() {
+  static const int depth = [] {
+    const char* text = std::getenv("OPFUSE_ONESHOT_POLL_DEPTH");
+    const int value = text ? std::atoi(text) : 1;
+    return value < 1 ? 1 : value > kMaxPollDepth ? kMaxPollDepth : value;
+  }();
+  return depth;
+}
 
 // Rows with at most this many packs per thread hold their operands in registers across the wait
 // (kernels are bounded to 64 registers at 1024 threads; larger rows would spill).
@@ -57,11 +92,31 @@ template <typename T>
 __device__ __forceinline__ uint4 wait_arrival(const uint4* slot, const OneShotLaunch& p, int src) {
   uint64_t start = 0;
   int polls = 0;
+  uint4 value = ld_volatile(slot);
+  if (!has_sentinel<T>(value)) return value;
+  if (p.poll_depth <= 1) {
+    while (true) {
+      value = ld_volatile(slot);
+      if (!has_sentinel<T>(value)) return value;
+      if ((++polls & 1023) == 0 && peer_wait_expired(p.wait, start, PeerWaitSite::kOneShot, p.rank, src))
+        return value;
+    }
+  }
+  // Two loads in flight, issued half a round trip apart; each is reissued as soon as it is answered
+  // without the data, which keeps them staggered.
+  constexpr long long kHalfRoundTrip = 256;  // SM cycles (an L2 round trip is ~500)
+  uint4 early = value;
+  const long long issued = clock64();
+  while (clock64() - issued < kHalfRoundTrip) {
+  }
+  uint4 late = ld_volatile(slot);
   while (true) {
-    const uint4 value = ld_volatile(slot);
-    if (!has_sentinel<T>(value)) return value;
-    if ((++polls & 1023) == 0 && peer_wait_expired(p.wait, start, PeerWaitSite::kOneShot, p.rank, src))
-      return value;
+    if (!has_sentinel<T>(early)) return early;
+    early = ld_volatile(slot);
+    if (!has_sentinel<T>(late)) return late;
+    late = ld_volatile(slot);
+    if ((++polls & 511) == 0 && peer_wait_expired(p.wait, start, PeerWaitSite::kOneShot, p.rank, src))
+      return late;
   }
 }
 
@@ -75,6 +130,7 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
 
   // With PDL (launch_kernel) everything above pdl_wait overlaps the previous kernel's tail; the
   // inputs and the region's state are read after it.
+  const uint64_t entry_ns = p.timeline ? global_timer_ns() : 0;
   pdl_wait();
   pdl_launch_dependents();
   const uint4* x = static_cast<const uint4*>(a.x);
@@ -85,10 +141,13 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
   // The first pack this thread pushes is requested before the call state, so the two loads'
   // latencies overlap (the acquire below only orders the loads after it).
   const uint4 first_pack = push_begin < push_end ? __ldg(x + push_begin) : make_uint4(0u, 0u, 0u, 0u);
-  const uint32_t iteration = read_call_state(p.state);
-  const int current = iteration % 3;
-  const int previous = (iteration + 2) % 3;
-  char* local = reinterpret_cast<char*>(p.peers[p.rank]);
+  const CallState call = read_call_slot(p.state);
+  const int current = call.calls % 2;
+  char* local = static_cast<char*>(p.state);  // this rank's region (== peers[rank])
+  if (p.timeline) {
+    stamp(p.timeline, call.calls, kEntry, entry_ns);
+    stamp(p.timeline, call.calls, kStateRead, timer_after(call.calls));
+  }
 
   // 1. Push this rank's message into slot [rank] of every peer's current buffer. The message is
   //    split into equal pack ranges over *all* blocks (there may be more blocks than rows): one
@@ -106,20 +165,12 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
       }
     }
   }
+  if (p.timeline) stamp(p.timeline, call.calls, kPushed, global_timer_ns());
 
-  // 2. Return the part of the previous buffer that was used to the sentinel, while the pushes
-  //    are in flight (the header says why no peer can be writing it).
-  {
-    uint4* prev = reinterpret_cast<uint4*>(local + kStateBytes + previous * p.buffer_bytes);
-    const int64_t dirty_packs = p.state[2 + previous] / Pack<T>::kElems;
-    const uint4 sentinel = sentinel_pack<T>();
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < dirty_packs;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      prev[i] = sentinel;
-  }
-
-  // 3. Reduce every row this block owns, in rank order, then the epilogue.
-  const uint4* inbox = reinterpret_cast<const uint4*>(local + kStateBytes + current * p.buffer_bytes);
+  // 2. Reduce every row this block owns, in rank order, then the epilogue; every received pack goes
+  //    back to the sentinel as soon as it is read (the header says why no peer can be writing it).
+  uint4* inbox = reinterpret_cast<uint4*>(local + kStateBytes + current * p.buffer_bytes);
+  const uint4 sentinel = sentinel_pack<T>();
   for (int64_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
     // Local loads first, the waits after them: the operands and this rank's own contribution
     // (-0.0 flushed, as its peers receive it) are in flight while the peers' packs arrive.
@@ -141,22 +192,26 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
         const int idx = j * blockDim.x + threadIdx.x;
         if (idx >= nvec) continue;
         uint4 value;
-        if (src != p.rank)
-          value = wait_arrival<T>(inbox + src * message_packs + row * nvec + idx, p, src);
-        else if constexpr (kHeld)
+        if (src != p.rank) {
+          uint4* at = inbox + src * message_packs + row * nvec + idx;
+          value = wait_arrival<T>(at, p, src);
+          st_volatile(at, sentinel);
+        } else if constexpr (kHeld)
           value = own[j];
         else
           value = clear_negative_zero<T>(__ldg(x + row * nvec + idx));
         regs.add(j, value);
       }
     }
+    if (p.timeline && row == blockIdx.x)
+      stamp(p.timeline, call.calls, kArrived, timer_after(__float_as_uint(regs.v[0][0])));
     finish_row<T, VPT, Q>(regs, row, a, nvec, scratch, kHeld ? &in : nullptr);
+    if (p.timeline) stamp(p.timeline, call.calls, kRowDone, global_timer_ns());
   }
 
-  // 4. The last block to finish advances the iteration and records how much it dirtied.
-  publish_call(p.state, iteration + 1, [&] {
-    p.state[2 + current] = static_cast<uint32_t>(p.world * message_packs * Pack<T>::kElems);
-  });
+  // 3. The next call's state: one more completed call.
+  write_call_slots(p.state, call.calls + 1);
+  if (p.timeline) stamp(p.timeline, call.calls, kEnd, global_timer_ns());
 }
 
 template <typename T>
@@ -170,12 +225,13 @@ __global__ void fill_sentinel_kernel(uint4* data, int64_t packs) {
 }  // namespace
 
 int64_t oneshot_region_bytes(int world, int64_t capacity) {
-  return kStateBytes + 3 * buffer_bytes(world, align256(capacity));
+  return kStateBytes + 2 * buffer_bytes(world, align256(capacity));
 }
 
 const char* oneshot_init(const PeerRegion& region, int dtype, cudaStream_t stream) {
+  if (oneshot_region_bytes(region.world, region.capacity) > region.bytes) return "opfuse one-shot: region too small";
   if (cudaMemsetAsync(region.local, 0, kStateBytes, stream) != cudaSuccess) return launch_status();
-  const int64_t packs = 3 * buffer_bytes(region.world, align256(region.capacity)) / kPackBytes;
+  const int64_t packs = 2 * buffer_bytes(region.world, align256(region.capacity)) / kPackBytes;
   uint4* data = reinterpret_cast<uint4*>(static_cast<char*>(region.local) + kStateBytes);
   if (dtype == static_cast<int>(DType::kFloat32))
     fill_sentinel_kernel<float><<<256, 256, 0, stream>>>(data, packs);
@@ -194,13 +250,17 @@ const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& re
   if (oneshot_region_bytes(region.world, region.capacity) > region.bytes) return "opfuse one-shot: region too small";
   if (args.tokens == 0) return nullptr;
   const RowLayout layout = row_layout(args.hidden, args.dtype);
-  // At least one block per row (up to max_blocks), and enough blocks that each pushes at most
-  // kPushPacksPerBlock packs.
+  if (max_blocks < 1) return "opfuse one-shot: max_blocks must be >= 1";
+  // At least one block per row (up to max_blocks and the call slots), and enough blocks that each
+  // pushes at most kPushPacksPerBlock packs.
   const int64_t packs = args.tokens * layout.nvec;
-  int64_t want = (packs + kPushPacksPerBlock - 1) / kPushPacksPerBlock;
+  const int64_t push_packs = push_packs_per_block();
+  int64_t want = (packs + push_packs - 1) / push_packs;
   if (want < args.tokens) want = args.tokens;
-  const int blocks = static_cast<int>(want < max_blocks ? want : max_blocks);
-  OneShotLaunch launch{args, wait, region.peers, static_cast<uint32_t*>(region.local), region.rank, region.world,
+  const int64_t cap = max_blocks < kCallSlots ? max_blocks : kCallSlots;
+  const int blocks = static_cast<int>(want < cap ? want : cap);
+  OneShotLaunch launch{args,        wait,         region.addresses, region.local,
+                       region.timeline, region.rank, region.world,     poll_depth(),
                        buffer_bytes(region.world, align256(region.capacity))};
   return dispatch_peer_row_kernel(args.dtype, layout.vpt, args.quant,
                                   [&]<typename T, int VPT, QuantMode Q>() -> const char* {

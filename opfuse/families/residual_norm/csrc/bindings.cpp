@@ -178,6 +178,15 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
       .def(py::init([](uintptr_t peers, uintptr_t local, int rank, int world, int64_t bytes, int64_t capacity) {
              opfuse::PeerRegion region;
              region.peers = ptr<const uint64_t>(peers);
+             if (world < 1 || world > opfuse::kMaxWorld)
+               throw std::invalid_argument("PeerRegion: world " + std::to_string(world) + " is outside 1.." +
+                                           std::to_string(opfuse::kMaxWorld));
+             // The kernels take the addresses by value (PeerAddresses): read them once, here.
+             const cudaError_t copied =
+                 cudaMemcpy(region.addresses.at, region.peers, world * sizeof(uint64_t), cudaMemcpyDeviceToHost);
+             if (copied != cudaSuccess)
+               throw std::runtime_error(std::string("PeerRegion: reading the peer addresses: ") +
+                                        cudaGetErrorString(copied));
              region.local = ptr(local);
              region.rank = rank;
              region.world = world;
@@ -190,7 +199,12 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
       .def_readonly("rank", &opfuse::PeerRegion::rank)
       .def_readonly("world", &opfuse::PeerRegion::world)
       .def_readonly("bytes", &opfuse::PeerRegion::bytes)
-      .def_readonly("capacity", &opfuse::PeerRegion::capacity);
+      .def_readonly("capacity", &opfuse::PeerRegion::capacity)
+      .def(
+          "set_timeline", [](opfuse::PeerRegion& region, uintptr_t stamps) { region.timeline = ptr<uint64_t>(stamps); },
+          "Record the one-shot's phase times into ``stamps`` (a device uint64 array of TIMELINE_CALLS x "
+          "CALL_SLOTS x TIMELINE_PHASES, indexed [calls % TIMELINE_CALLS, block, phase]); 0 stops recording.",
+          py::arg("stamps"));
 
   py::class_<PeerWatch>(m, "PeerWatch")
       .def(py::init<>())
@@ -208,6 +222,9 @@ PYBIND11_MODULE(_opfuse_residual_norm, m) {
 
   m.attr("MAX_WORLD") = opfuse::kMaxWorld;
   m.attr("MAX_BLOCKS") = opfuse::kMaxBlocks;
+  m.attr("CALL_SLOTS") = opfuse::kCallSlots;
+  m.attr("TIMELINE_CALLS") = opfuse::kTimelineCalls;
+  m.attr("TIMELINE_PHASES") = opfuse::kTimelinePhases;
   m.def("oneshot_region_bytes", &opfuse::oneshot_region_bytes, py::arg("world"), py::arg("capacity"));
   m.def("twoshot_region_bytes", &opfuse::twoshot_region_bytes, py::arg("world"), py::arg("capacity"));
   m.def("lamport_region_bytes", &opfuse::lamport_region_bytes, py::arg("world"), py::arg("capacity"));

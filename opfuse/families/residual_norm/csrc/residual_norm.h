@@ -50,17 +50,32 @@ struct ResidualNormArgs {
   const float* amax = nullptr;  // kTensor: the tensor's amax [1] (device)
 };
 
+constexpr int kMaxWorld = 8;
+
+// The region's address on every rank, by value: kernels take it in their parameters (constant
+// memory), so a push's destination needs no load from global memory after the call state's.
+struct PeerAddresses {
+  uint64_t at[kMaxWorld] = {};
+  __host__ __device__ uint64_t operator[](int rank) const { return at[rank]; }
+};
+
 // One rank's view of a region of the symmetric pool: the same byte range on every rank.
 struct PeerRegion {
   const uint64_t* peers = nullptr;  // device array [world]: the region's address on each rank
+  PeerAddresses addresses;          // the same addresses, host copy (filled where PeerRegion is built)
   void* local = nullptr;            // this rank's region (== peers[rank], as a host-side value)
   int rank = 0;
   int world = 1;
   int64_t bytes = 0;                // region size
   int64_t capacity = 0;             // largest message (bytes per rank) the region was sized for
+  uint64_t* timeline = nullptr;     // phase stamps of the one-shot's calls (row.cuh); null: none
 };
 
-constexpr int kMaxWorld = 8;
+// Grid cap of the one-shot and Lamport kernels: one call-state slot per block index (row.cuh).
+constexpr int kCallSlots = 512;
+// PeerRegion::timeline's shape: [kTimelineCalls, kCallSlots, kTimelinePhases] uint64 nanoseconds.
+constexpr int kTimelineCalls = 64;
+constexpr int kTimelinePhases = 8;
 constexpr int kMaxBlocks = 128;  // two-shot grid (identical on every rank; <= SM count)
 
 // Region sizes for a given world size and message capacity (bytes per rank).

@@ -208,7 +208,7 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
   if constexpr (Q != QuantMode::kNone) quantize_row<T, VPT, Q>(regs, row, a, nvec, scratch);
 }
 
-// The call counter (state[0]) as this call's blocks see it; every thread that uses it reads it
+// The flag-based two-shot's call counter (state[0]) as this call's blocks see it; every thread that uses it reads it
 // here, once, at its start. The acquire orders the read before everything the thread does later,
 // in particular (through publish_call's barrier) before its block's increment of the finished-
 // blocks counter, so no block can read the value the last block publishes.
@@ -222,7 +222,7 @@ __device__ __forceinline__ uint32_t read_call_state(const uint32_t* state) { ret
 // The counter only elects the last block; the state it writes is read by the next launch on this
 // stream, after the kernel boundary; peers never read it (they read their receive buffers, where
 // the data itself is the flag, and the buffer rotation is ordered by stream order plus the
-// arrival of this rank's next call's data, see allreduce_oneshot.cu). A fence here would only
+// arrival of this rank's next call's data). A fence here would only
 // make every block wait for its remote stores to be acknowledged before it retires. The fence
 // before the publish pairs with read_call_state's acquire: if a block could read ``next``, the
 // last block's increment would be ordered before that block's own earlier increment.
@@ -238,6 +238,57 @@ __device__ __forceinline__ void publish_call(uint32_t* state, uint32_t next, OnL
       atomicExch(state, next);
     }
   }
+}
+
+// --- Per-block call state (one-shot, Lamport two-shot) -------------------------------------
+// The Lamport kernels need, per call, only the number of calls this rank completed on the region
+// (which receive buffer is current). It lives in kCallSlots 4-byte slots at the region's start,
+// one per block index: block b reads slot b when it starts and, when it is done, writes the next
+// count into every slot s = b (mod gridDim.x). So every slot is current whatever grid the next call
+// launches with, and a call needs no atomic, no fence and no election of a last block: the previous
+// design's end-of-call publish (an atomic per block, then the last block's fence, which waited for
+// that block's remote stores) sat on the critical path of every small call. The next launch on the
+// stream reads the slots after the kernel boundary (or pdl_wait). Grids are capped at kCallSlots.
+constexpr int64_t kCallStateBytes = kCallSlots * 4;  // kCallSlots: residual_norm.h
+
+struct CallState {
+  uint32_t calls;  // calls this rank completed on the region
+};
+
+__device__ __forceinline__ CallState read_call_slot(const void* state) {
+  uint32_t calls;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];"
+               : "=r"(calls)
+               : "l"(static_cast<const uint32_t*>(state) + blockIdx.x)
+               : "memory");
+  return {calls};
+}
+
+// Every thread of the block must call this, after its last use of the slot it read.
+__device__ __forceinline__ void write_call_slots(void* state, uint32_t next_calls) {
+  __syncthreads();  // slot blockIdx.x is overwritten only after every thread of the block read it
+  uint32_t* slots = static_cast<uint32_t*>(state);
+  for (int s = blockIdx.x + threadIdx.x * gridDim.x; s < kCallSlots; s += blockDim.x * gridDim.x)
+    slots[s] = next_calls;
+}
+
+// --- Phase timeline (tools/allreduce_timeline.py) ---------------------------------------------
+// With PeerRegion::timeline set, thread 0 of every block stores %globaltimer at the kernel's phase
+// boundaries into timeline[((calls % kTimelineCalls) * kCallSlots + block) * kTimelinePhases +
+// phase]; a null timeline (every production launch) costs one uniform branch per phase.
+// (kTimelineCalls, kTimelinePhases: residual_norm.h.)
+
+// The timer read after ``dep`` is available (its load has completed), so a stamp taken after a
+// wait marks the data's arrival, not the load's issue.
+__device__ __forceinline__ uint64_t timer_after(uint32_t dep) {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep) : "memory");
+  return t;
+}
+
+__device__ __forceinline__ void stamp(uint64_t* timeline, uint32_t calls, int phase, uint64_t ns) {
+  if (timeline != nullptr && threadIdx.x == 0)
+    timeline[((calls % kTimelineCalls) * kCallSlots + blockIdx.x) * kTimelinePhases + phase] = ns;
 }
 
 // --- Programmatic dependent launch (PDL) -----------------------------------------------------
