@@ -12,7 +12,8 @@ cost a few stores per block). Phases, per call, relative to the call's first blo
 (``entry``; with PDL the entry precedes the wait for the previous kernel):
 
   state    the call state read (after the PDL wait)     pushed   this block's pushes issued
-  arrived  a row block's peer data in (thread 0's)        row      its last row finished
+  arrived  a row block's peer data in (thread 0's)        all in   every thread's (a barrier after
+  row      its last row finished                                   ``arrived``, in timed launches only)
   end      the block's end                                next     the next call's first entry
   gap      next entry - this call's last block end
 
@@ -42,8 +43,7 @@ import timing  # noqa: E402  (bench/timing.py)
 from timing import graph_replay_us, median  # noqa: E402
 
 CALLS, REPLAYS, EPS = 40, 5, 1e-6
-PHASES = ("entry", "state", "pushed", "arrived", "row", "end")  # allreduce_oneshot.cu OneShotPhase order
-ROW_PHASES = ("arrived", "row")
+PHASES = ("entry", "state", "pushed", "arrived", "row", "end", "all in")  # allreduce_oneshot.cu OneShotPhase order
 
 
 def phase_table(stamps) -> dict:
@@ -127,7 +127,7 @@ def worker(rank, world, opts, out_path):
 
 
 def table(rows) -> str:
-    names = PHASES[1:] + ("next", "gap")
+    names = ("state", "pushed", "arrived", "all in", "row", "end", "next", "gap")
     lines = ["one-shot phase timeline, us from the call's first block entry (earliest..latest block)",
              f"{'hidden':>6} {'tok':>4} {'pdl':>3} {'push':>4} {'poll':>4} {'rank':>4} {'us/call':>7} {'stamped':>7}  "
              + "  ".join(f"{n:>11}" for n in names)]

@@ -64,8 +64,10 @@ struct OneShotLaunch {
 
 // The one-shot's phase stamps (row.cuh, bench/allreduce_timeline.py): kernel entry (before the
 // PDL wait), call state read, this block's pushes issued, its first row's peer data arrived
-// (thread 0's packs), its last row finished, the block's end.
-enum OneShotPhase : int { kEntry = 0, kStateRead, kPushed, kArrived, kRowDone, kEnd };
+// (thread 0's packs), its last row finished, the block's end; then (numbered last, so older
+// records keep their columns) every thread's packs of the first row arrived (a barrier that only
+// timed launches execute).
+enum OneShotPhase : int { kEntry = 0, kStateRead, kPushed, kArrived, kRowDone, kEnd, kAllArrived };
 
 // Loads of a pack kept in flight while waiting for it (OPFUSE_ONESHOT_POLL_DEPTH, 1 or 2, read
 // once per process; default 1): with one, a pack that lands just after a poll was answered is seen
@@ -203,8 +205,11 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
         regs.add(j, value);
       }
     }
-    if (p.timeline && row == blockIdx.x)
+    if (p.timeline && row == blockIdx.x) {
       stamp(p.timeline, call.calls, kArrived, timer_after(__float_as_uint(regs.v[0][0])));
+      __syncthreads();  // uniform: p.timeline is the same for every thread
+      stamp(p.timeline, call.calls, kAllArrived, global_timer_ns());
+    }
     finish_row<T, VPT, Q>(regs, row, a, nvec, scratch, kHeld ? &in : nullptr);
     if (p.timeline) stamp(p.timeline, call.calls, kRowDone, global_timer_ns());
   }
