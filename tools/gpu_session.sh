@@ -140,6 +140,7 @@
 #   tools/gpu_session.sh s22-ar-next   # 2 GPUs (~9 min; issue 30): protocol tests, quick table, one-shot timeline over
 #                                      # push sizes, decode with / without PDL (profiled)
 #   tools/gpu_session.sh s22-ar-1gpu   # 1 GPU (~2 min; issue 30): the one-shot's protocol tests, both poll depths
+#   tools/gpu_session.sh s22-sim       # 1 GPU (~3 min; issue 30): simulated-rank timings, previous main vs this tree
 #   tools/gpu_session.sh s22-ar-clear  # 2 GPUs (~9 min; issue 30): clear-on-read one-shot, poll depth 1 vs 2: NCCL
 #                                      # tests, quick tables, timeline, world-2 crossover sweep and its fitted table
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
@@ -1105,6 +1106,25 @@ case "$stage" in
     tests fp8_ar_kernels 90 -q --maxfail=3 tests/gpu/test_fp8_allreduce_norm_kernels.py
     tests lamport_kernels 120 -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
     tests peer_timeout 60 -q tests/gpu/test_peer_timeout.py
+    ;;
+  s22-sim)
+    # Issue 30 on one GPU (~3 min): the peer kernels on simulated ranks (bench/allreduce_simulated.py),
+    # the previous main (.baseline/, PDL off) against this tree without PDL, with it, and with the
+    # two-deep poll: the kernels' own costs (call state, clears, polls, norm) without NVLink.
+    sizes=(--hidden 8192 5120 --tokens 1 4 16 64 256 --kinds oneshot lamport)
+    if [ -d .baseline/opfuse ]; then
+      step sim_old 120 env PYTHONPATH=.baseline OPFUSE_CACHE_DIR="$PWD/.baseline/.opfuse-cache" OPFUSE_PDL=0 \
+        python3 .baseline/bench/allreduce_simulated.py "${sizes[@]}" --label previous
+    fi
+    step sim_new_nopdl 120 env OPFUSE_PDL=0 python3 bench/allreduce_simulated.py "${sizes[@]}" --label new
+    step sim_new 120 python3 bench/allreduce_simulated.py "${sizes[@]}" --label new
+    step sim_new_depth2 120 env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 bench/allreduce_simulated.py "${sizes[@]}" \
+      --label "new, poll depth 2"
+    final_summary() {
+      for name in sim_old sim_new_nopdl sim_new sim_new_depth2; do
+        echo "=== $name"; grep -E "^(\||simulated)" "$OUT/$name.log" 2>/dev/null
+      done
+    }
     ;;
   s22-ar-clear)
     # Issue 30, third call (2 GPUs, ~8 min; modules prebuilt and carried): the one-shot with two

@@ -240,3 +240,15 @@ def test_allreduce_timeline_phases_from_stamps(tmp_path):
     run = bench("bench/allreduce_timeline.py", "--from-json", str(saved))
     assert run.returncode == 0, run.stderr
     assert "one-shot phase timeline" in run.stdout and " 4.00..4.50" in run.stdout
+
+
+def test_allreduce_simulated_skips_without_a_gpu_and_prints_recorded_rows(tmp_path):
+    run = bench("bench/allreduce_simulated.py")
+    assert run.returncode == 0, run.stderr
+    assert "skipped" in run.stdout
+    saved = tmp_path / "sim.json"
+    saved.write_text(json.dumps([{"kind": "oneshot", "hidden": 8192, "tokens": 1, "us": 4.56, "pdl": False,
+                                  "label": "new"}]))
+    again = bench("bench/allreduce_simulated.py", "--from-json", str(saved))
+    assert again.returncode == 0, again.stderr
+    assert "build new, PDL off" in again.stdout and "| oneshot | 8192 | 1 | 4.56 |" in again.stdout
