@@ -11,6 +11,7 @@ local), so absolute times are not the multi-GPU ones (bench/allreduce_norm.py). 
 capped so that every rank's kernel is resident at once ((SMs - 4) / W blocks, half that with PDL,
 where a rank's next grid may be resident too). Per size: a CUDA graph of CALLS calls on every rank,
 median of REPLAYS replays, us per call; ``OPFUSE_PDL`` and the kernel's tuning knobs apply.
+``--timeline`` adds rank 0's one-shot phase timeline (bench/allreduce_timeline.py) per size.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ CALLS, REPLAYS = 40, 15
 KINDS = ("oneshot", "lamport")
 
 
-def measure_size(ext, kind: str, world: int, tokens: int, hidden: int, pdl: bool) -> float:
+def measure_size(ext, kind: str, world: int, tokens: int, hidden: int, pdl: bool, timeline: bool = False):
+    """us per call; with ``timeline`` (one-shot) also rank 0's phase table (bench/allreduce_timeline.py's
+    phase_table of one replay, from a second graph captured with the stamps on)."""
     dtype = torch.bfloat16
     code = ext.DTYPES["bfloat16"]
     capacity = tokens * hidden * 2
@@ -65,26 +68,45 @@ def measure_size(ext, kind: str, world: int, tokens: int, hidden: int, pdl: bool
         for stream in streams:
             torch.cuda.current_stream().wait_stream(stream)
 
-    calls(3)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls(CALLS)
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
+    def timed_graph():
+        calls(3)
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls(CALLS)
         graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / CALLS)
-    for r, watch in enumerate(watches):
-        if watch.failed():
-            raise RuntimeError(f"simulated rank {r} waited past the timeout: {watch.read()}")
+        times = []
+        for _ in range(REPLAYS):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000.0 / CALLS)
+        for r, watch in enumerate(watches):
+            if watch.failed():
+                raise RuntimeError(f"simulated rank {r} waited past the timeout: {watch.read()}")
+        return graph, median(times)
+
+    graph, us = timed_graph()
     del graph
-    return median(times)
+    if not timeline:
+        return us, None
+    import allreduce_timeline
+
+    stamps = torch.zeros(ext.TIMELINE_CALLS, ext.CALL_SLOTS, ext.TIMELINE_PHASES, dtype=torch.int64, device="cuda")
+    regions[0].set_timeline(stamps.data_ptr())  # captured into the next graph's kernel parameters
+    try:
+        graph, _ = timed_graph()
+        stamps.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        phases = allreduce_timeline.phase_table(stamps.cpu())
+        del graph
+    finally:
+        regions[0].set_timeline(0)
+    return us, phases
 
 
 def main() -> int:
@@ -94,6 +116,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["oneshot"])
     parser.add_argument("--label", default="", help="a name for this build in the table (e.g. the commit)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also rank 0's one-shot phase timeline per size (bench/allreduce_timeline.py's phases)")
     args = parser.parse_args()
 
     def measure():
@@ -105,9 +129,10 @@ def main() -> int:
         for kind in args.kinds:
             for hidden in args.hidden:
                 for tokens in args.tokens:
-                    us = measure_size(ext, kind, args.world, tokens, hidden, pdl)
+                    us, phases = measure_size(ext, kind, args.world, tokens, hidden, pdl,
+                                              timeline=args.timeline and kind == "oneshot")
                     rows.append({"kind": kind, "hidden": hidden, "tokens": tokens, "us": us, "pdl": pdl,
-                                 "label": args.label})
+                                 "label": args.label, "phases": phases})
                     common.progress(f"{kind} hidden {hidden} tokens {tokens}: {us:.2f} us")
         return rows
 
@@ -119,6 +144,14 @@ def main() -> int:
     print("| kind | hidden | tokens | us |")
     for r in rows:
         print(f"| {r['kind']} | {r['hidden']} | {r['tokens']} | {r['us']:.2f} |")
+    timed = [r for r in rows if r.get("phases")]
+    if timed:
+        names = ("state", "pushed", "arrived", "all in", "row", "end", "next", "gap")
+        print("rank 0's one-shot phases, us from the call's first block entry (earliest..latest block)")
+        print("| hidden | tokens | " + " | ".join(names) + " |")
+        for r in timed:
+            cells = [f"{r['phases'][n][0]:.2f}..{r['phases'][n][1]:.2f}" if n in r["phases"] else "-" for n in names]
+            print(f"| {r['hidden']} | {r['tokens']} | " + " | ".join(cells) + " |")
     common.finish(args, rows)
     return 0
 

@@ -141,8 +141,9 @@
 #                                      # push sizes, decode with / without PDL (profiled)
 #   tools/gpu_session.sh s22-ar-1gpu   # 1 GPU (~2 min; issue 30): the one-shot's protocol tests, both poll depths
 #   tools/gpu_session.sh s22-sim       # 1 GPU (~3 min; issue 30): simulated-rank timings, previous main vs this tree
-#   tools/gpu_session.sh s22-ar-clear  # 2 GPUs (~9 min; issue 30): clear-on-read one-shot, poll depth 1 vs 2: NCCL
-#                                      # tests, quick tables, timeline, world-2 crossover sweep and its fitted table
+#   tools/gpu_session.sh s22-sim-timeline # 1 GPU (~1.5 min; issue 30): simulated-rank one-shot phase timelines
+#   tools/gpu_session.sh s22-ar-clear  # 2 GPUs (~6.5 min; issue 30): clear-on-read one-shot, poll depth 1 vs 2: NCCL
+#                                      # tests, quick tables, timeline
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
 #   DRY=1 tools/gpu_session.sh STAGE     # print the steps a stage would run, run none (no GPU needed)
 set -uo pipefail
@@ -1126,30 +1127,49 @@ case "$stage" in
       done
     }
     ;;
+  s22-sim-timeline)
+    # Issue 30 on one GPU (~1.5 min): where the one-shot's own time goes without NVLink (simulated
+    # ranks with rank 0's phase timeline), PDL off and on; then the SASS of the bf16 one-shot (one
+    # pack per thread, no FP8 epilogue): where the epilogue's operand loads sit against the wait.
+    tests kernels 150 -q --maxfail=3 tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fp8_allreduce_norm_kernels.py
+    step sim_timeline_nopdl 120 env OPFUSE_PDL=0 python3 bench/allreduce_simulated.py --hidden 8192 5120 \
+      --tokens 1 4 16 64 256 --timeline --label "PDL off"
+    step sim_timeline 120 python3 bench/allreduce_simulated.py --hidden 8192 5120 --tokens 1 4 16 64 --timeline \
+      --label "PDL on"
+    step oneshot_sass 60 bash -c 'cd opfuse/families/residual_norm/csrc && nvcc -O3 -std=c++20 \
+      --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -I../../../runtime/csrc -cubin \
+      -o /tmp/oneshot.cubin allreduce_oneshot.cu && cuobjdump -sass /tmp/oneshot.cubin | awk \
+      "/Function : .*oneshot_kernelI13__nv_bfloat16Li1ELNS_9QuantModeE0/{f=1;next} /Function : /{f=0} f" \
+      | grep -nE "LDG|STG|BAR|SHFL|BRA|GLOBALTIMER|EXIT|CCTL|MEMBAR|LDL|STL|ERRBAR"'
+    final_summary() {
+      for name in sim_timeline_nopdl sim_timeline; do
+        echo "=== $name"; grep -E "^(\||simulated|rank 0)" "$OUT/$name.log" 2>/dev/null
+      done
+      echo "=== oneshot_sass"; head -150 "$OUT/oneshot_sass.log"
+    }
+    ;;
   s22-ar-clear)
     # Issue 30, third call (2 GPUs, ~8 min; modules prebuilt and carried): the one-shot with two
     # buffers cleared as they are read, and its two-deep poll (OPFUSE_ONESHOT_POLL_DEPTH=2) against
     # the default: protocol tests (both depths, FP8 epilogue, bounded waits), the quick table
     # (FlashInfer column; ranks aligned on the GPU before each timed replay), the depth-2 table at
-    # 1-1024 tokens, the timeline of both depths.
+    # 1-256 tokens, the timeline of both depths.
     # (The single-GPU protocol tests of this version passed in s22-ar-1gpu.)
-    END=${AR_BUDGET_S:-560}
-    tests residual_norm_dist "$(fits 90 470)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
-    tests lamport_dist "$(fits 100 420)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
-    tests peer_timeout "$(fits 60 380)" -x -q tests/gpu/test_peer_timeout.py
+    END=${AR_BUDGET_S:-400}
+    tests residual_norm_dist "$(fits 90 330)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    tests lamport_dist "$(fits 100 290)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
+    tests peer_timeout "$(fits 60 260)" -x -q tests/gpu/test_peer_timeout.py
     fi_flag=--no-flashinfer
     if [ -d .thirdparty/flashinfer ]; then
-      step flashinfer_check "$(fits 60 340)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
+      step flashinfer_check "$(fits 60 220)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
       grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
     fi
-    step allreduce_quick "$(fits 120 230)" python3 bench/allreduce_norm.py --quick --json "$OUT/allreduce_quick.json" $fi_flag
-    step allreduce_depth2 "$(fits 80 170)" env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 bench/allreduce_norm.py --quick \
+    step allreduce_quick "$(fits 120 140)" python3 bench/allreduce_norm.py --quick --json "$OUT/allreduce_quick.json" $fi_flag
+    step allreduce_depth2 "$(fits 80 80)" env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 bench/allreduce_norm.py --quick \
       --tokens 1 4 16 64 256 --no-flashinfer --json "$OUT/allreduce_depth2.json"
-    step timeline "$(fits 80 100)" python3 bench/allreduce_timeline.py --world 2 --hidden 8192 --tokens 1 16 64 256 \
+    step timeline "$(fits 80 0)" python3 bench/allreduce_timeline.py --world 2 --hidden 8192 --tokens 1 16 64 256 \
       --pdl on --poll-depth 1 2 --json "$OUT/timeline.json"
-    crossover_sweep "$(fits 150 10)" 30 2
     final_summary() {
-      show crossover_sweep crossover_table
       grep -E "^(measured ceilings|not measured)" "$OUT/allreduce_quick.log" 2>/dev/null | sort -u | cut -c1-300
       for name in allreduce_quick allreduce_depth2; do
         echo "=== $name"; sed -n '/^summary/,$p' "$OUT/$name.log" 2>/dev/null | grep -v "^|---" | cut -c1-250
