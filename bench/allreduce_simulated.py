@@ -146,7 +146,7 @@ def main() -> int:
         print(f"| {r['kind']} | {r['hidden']} | {r['tokens']} | {r['us']:.2f} |")
     timed = [r for r in rows if r.get("phases")]
     if timed:
-        names = ("state", "pushed", "arrived", "all in", "row", "end", "next", "gap")
+        names = ("state", "pushed", "arrived", "all in", "summed", "reduced", "row", "end", "next", "gap")
         print("rank 0's one-shot phases, us from the call's first block entry (earliest..latest block)")
         print("| hidden | tokens | " + " | ".join(names) + " |")
         for r in timed:

@@ -43,7 +43,7 @@ import timing  # noqa: E402  (bench/timing.py)
 from timing import graph_replay_us, median  # noqa: E402
 
 CALLS, REPLAYS, EPS = 40, 5, 1e-6
-PHASES = ("entry", "state", "pushed", "arrived", "row", "end", "all in")  # allreduce_oneshot.cu OneShotPhase order
+PHASES = ("entry", "state", "pushed", "arrived", "row", "end", "all in", "summed", "reduced")  # OneShotPhase order
 
 
 def phase_table(stamps) -> dict:
@@ -63,7 +63,7 @@ def phase_table(stamps) -> dict:
             continue
         t0 = min(b[0] for b in blocks)
         for p, name in enumerate(PHASES[1:], start=1):
-            values = [b[p] - t0 for b in blocks if b[p] > 0]
+            values = [b[p] - t0 for b in blocks if p < len(b) and b[p] > 0]  # records of older builds have fewer phases
             if values:
                 sums.setdefault(name, []).append((min(values), max(values)))
         previous = calls[index - 1]
@@ -127,7 +127,7 @@ def worker(rank, world, opts, out_path):
 
 
 def table(rows) -> str:
-    names = ("state", "pushed", "arrived", "all in", "row", "end", "next", "gap")
+    names = ("state", "pushed", "arrived", "all in", "summed", "reduced", "row", "end", "next", "gap")
     lines = ["one-shot phase timeline, us from the call's first block entry (earliest..latest block)",
              f"{'hidden':>6} {'tok':>4} {'pdl':>3} {'push':>4} {'poll':>4} {'rank':>4} {'us/call':>7} {'stamped':>7}  "
              + "  ".join(f"{n:>11}" for n in names)]

@@ -142,6 +142,9 @@
 #   tools/gpu_session.sh s22-ar-1gpu   # 1 GPU (~2 min; issue 30): the one-shot's protocol tests, both poll depths
 #   tools/gpu_session.sh s22-sim       # 1 GPU (~3 min; issue 30): simulated-rank timings, previous main vs this tree
 #   tools/gpu_session.sh s22-sim-timeline # 1 GPU (~1.5 min; issue 30): simulated-rank one-shot phase timelines
+#   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
+#   tools/gpu_session.sh s23-split     # 1 GPU (~3 min; issue 30): one-shot rows split over clusters vs whole rows
+#   tools/gpu_session.sh s23-sim-stamps # 1 GPU (~1.5 min; issue 30): the one-shot's row epilogue, stamped
 #   tools/gpu_session.sh s22-ar-clear  # 2 GPUs (~6.5 min; issue 30): clear-on-read one-shot, poll depth 1 vs 2: NCCL
 #                                      # tests, quick tables, timeline
 #   tools/gpu_session.sh STAGE -k EXPR   # extra args go to pytest
@@ -1125,6 +1128,52 @@ case "$stage" in
       for name in sim_old sim_new_nopdl sim_new sim_new_depth2; do
         echo "=== $name"; grep -E "^(\||simulated)" "$OUT/$name.log" 2>/dev/null
       done
+    }
+    ;;
+  s23-final)
+    # Issue 30 on one GPU (~3 min): the final kernels' GPU tests (residual-norm kernels with the
+    # split-row test, FP8 epilogues, Lamport, poll depth 2), then simulated ranks, whole rows
+    # (OPFUSE_ONESHOT_ROW_SPLIT=1) against the default, PDL off and on.
+    tests kernels 240 -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fp8_allreduce_norm_kernels.py \
+      tests/gpu/test_residual_norm_lamport.py
+    step depth2 120 env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 -m pytest -q tests/gpu/test_residual_norm_kernels.py \
+      -k "oneshot or grid or skips or split"
+    sizes=(--hidden 8192 5120 --tokens 1 4 16 64 256)
+    step sim_whole_nopdl 120 env OPFUSE_PDL=0 OPFUSE_ONESHOT_ROW_SPLIT=1 python3 bench/allreduce_simulated.py \
+      "${sizes[@]}" --label "whole rows, PDL off"
+    step sim_split_nopdl 120 env OPFUSE_PDL=0 python3 bench/allreduce_simulated.py "${sizes[@]}" --label "split rows, PDL off"
+    step sim_whole 120 env OPFUSE_ONESHOT_ROW_SPLIT=1 python3 bench/allreduce_simulated.py "${sizes[@]}" \
+      --label "whole rows, PDL on"
+    step sim_split 120 python3 bench/allreduce_simulated.py "${sizes[@]}" --timeline --label "split rows, PDL on"
+    final_summary() {
+      for name in sim_whole_nopdl sim_split_nopdl sim_whole sim_split; do
+        echo "=== $name"; grep -E "^(\||simulated|rank 0)" "$OUT/$name.log" 2>/dev/null
+      done
+    }
+    ;;
+  s23-split)
+    # Issue 30 on one GPU (~3 min): the one-shot with rows split over clusters (row_split) against
+    # whole rows (OPFUSE_ONESHOT_ROW_SPLIT=1), simulated ranks, PDL off, with the epilogue stamps;
+    # kernel tests (the new split test among them) and the FP8 epilogues first.
+    tests kernels 200 -q --maxfail=3 tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fp8_allreduce_norm_kernels.py
+    for split in 1 2 4 8; do
+      step sim_split$split 120 env OPFUSE_PDL=0 OPFUSE_ONESHOT_ROW_SPLIT=$split python3 bench/allreduce_simulated.py \
+        --hidden 8192 5120 --tokens 1 4 16 64 --timeline --label "PDL off, row split <= $split"
+    done
+    final_summary() {
+      for split in 1 2 4 8; do
+        echo "=== sim_split$split"; grep -E "^(\||simulated|rank 0)" "$OUT/sim_split$split.log" 2>/dev/null
+      done
+    }
+    ;;
+  s23-sim-stamps)
+    # Issue 30 on one GPU (~1.5 min): the one-shot's row epilogue split by stamps inside finish_row
+    # (residual added and h stored; the norm's block reduction; y stored), simulated ranks, PDL off.
+    tests kernels 150 -q --maxfail=3 tests/gpu/test_residual_norm_kernels.py
+    step sim_stamps 120 env OPFUSE_PDL=0 python3 bench/allreduce_simulated.py --hidden 8192 5120 \
+      --tokens 1 4 16 64 256 --timeline --label "PDL off, epilogue stamps"
+    final_summary() {
+      echo "=== sim_stamps"; grep -E "^(\||simulated|rank 0)" "$OUT/sim_stamps.log" 2>/dev/null
     }
     ;;
   s22-sim-timeline)

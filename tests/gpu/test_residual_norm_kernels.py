@@ -285,6 +285,34 @@ def test_grid_changes_between_calls(ext, kind, world):
             raise AssertionError(f"{kind}, grid {grid}: {err}") from None
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_oneshot_rows_split_over_clusters(ext, world, dtype):
+    """At small token counts the one-shot splits each row over a cluster of up to 8 blocks
+    (allreduce_oneshot.cu row_split: the largest power of two with tokens x split <= the grid
+    bound and 128-512 packs per block), whose reductions combine through distributed shared
+    memory. The grid bound picks the split here: every split from 8 down to whole rows, rows whose
+    packs do not divide evenly (2880, 5120), every norm, -0.0 in the messages; ranks bitwise equal,
+    and every split within the reference's bound."""
+    gen = torch.Generator(device="cuda").manual_seed(70 + world)
+    sim = SimulatedRanks(ext, "oneshot", world, dtype, capacity=1 << 20)
+    bounds = [b for b in (1, 2, 3, 4, 8, 16, 24) if b <= sim.blocks]
+    for tokens, hidden, norm in [(1, 8192, "rms"), (2, 5120, "layer"), (3, 2880, "rms"), (1, 1024, "none"),
+                                 (1, 16384, "layer"), (2, 4096, "rms")]:
+        if dtype == torch.float32 and hidden == 16384:
+            continue  # 64 KiB rows of float32: past the capacity of this region
+        xs, bias, res, w, nb = make(tokens, hidden, dtype, world, gen, with_nb=norm == "layer")
+        for r, x in enumerate(xs):
+            x[:, r::9] = -0.0
+        for bound in bounds:
+            sim.blocks = bound
+            ys, hs = sim.run(xs, bias, res, w, nb, norm)
+            try:
+                check_ranks(ys, hs, xs, bias, res, w, nb, norm, dtype)
+            except AssertionError as err:
+                raise AssertionError(f"{tokens} x {hidden} {norm}, grid bound {bound}: {err}") from None
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_oneshot_graph_replays_with_fresh_data(ext, world):
     """SEQUENCE captured once per rank in one CUDA graph, replayed with new inputs each time: the

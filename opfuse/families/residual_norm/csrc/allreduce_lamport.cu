@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(kMaxThreads) lamport_kernel(const LamportLaunc
   __shared__ float scratch[33];
   const ResidualNormArgs& a = p.args;
   const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
+  WholeRow whole{0, nvec};
   const int world = p.world, me = p.rank, peers = p.world - 1;
   const int64_t R = p.rows_per_rank;
   const int64_t G = gridDim.x;
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(kMaxThreads) lamport_kernel(const LamportLaunc
         st_volatile(area(dest, 1) + slot(me, dest) * slot_packs + i * nvec + idx, sum);
       }
     }
-    finish_row<T, VPT, Q>(regs, t, a, nvec, scratch);
+    finish_row<T, VPT, Q>(regs, t, a, nvec, scratch, whole);
   };
 
   // finish(s): row i of every other owner, from the sums it sent.
@@ -239,7 +240,7 @@ __global__ void __launch_bounds__(kMaxThreads) lamport_kernel(const LamportLaunc
         clear_packs<T>(at);
         regs.set(j, got[0]);
       }
-      finish_row<T, VPT, Q>(regs, t, a, nvec, scratch);
+      finish_row<T, VPT, Q>(regs, t, a, nvec, scratch, whole);
     }
   };
 

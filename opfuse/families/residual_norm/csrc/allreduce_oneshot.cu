@@ -18,14 +18,17 @@
 // block is done when its own rows are.
 //
 // Blocks: every block pushes an equal share of the message (several SMs per row at small token
-// counts), then blocks [0, tokens) reduce and normalise one row at a time. Before a row's first
-// wait a block requests everything else the row needs (its own contribution, the bias, residual
-// and norm weight), so those loads' latency overlaps the peers' transfer instead of following it.
+// counts), then blocks [0, tokens) reduce and normalise one row at a time; at small token counts a
+// row is split over a cluster of up to 8 blocks instead (row_split, ClusterRow in row.cuh), each
+// reducing and normalising its part, so no SM moves a whole row. Before a row's first wait a
+// block requests everything else its part needs (its own contribution, the bias, residual and
+// norm weight), so those loads' latency overlaps the peers' transfer instead of following it.
 //
 // Region layout (bytes): [0, kCallStateBytes) the call slots; then 2 buffers of world * capacity
 // bytes (slot [rank] of this rank's buffers is never written: a rank does not push to itself).
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "row.cuh"
 
@@ -66,8 +69,9 @@ struct OneShotLaunch {
 // PDL wait), call state read, this block's pushes issued, its first row's peer data arrived
 // (thread 0's packs), its last row finished, the block's end; then (numbered last, so older
 // records keep their columns) every thread's packs of the first row arrived (a barrier that only
-// timed launches execute).
-enum OneShotPhase : int { kEntry = 0, kStateRead, kPushed, kArrived, kRowDone, kEnd, kAllArrived };
+// timed launches execute), and inside the first row's epilogue: the residual added and h stored,
+// the norm's block reduction done (RowStamps).
+enum OneShotPhase : int { kEntry = 0, kStateRead, kPushed, kArrived, kRowDone, kEnd, kAllArrived, kSummed, kReduced };
 
 // Loads of a pack kept in flight while waiting for it (OPFUSE_ONESHOT_POLL_DEPTH, 1 or 2, read
 // once per process; default 1): with one, a pack that lands just after a poll was answered is seen
@@ -82,6 +86,39 @@ int poll_depth() {
     return value < 1 ? 1 : value > kMaxPollDepth ? kMaxPollDepth : value;
   }();
   return depth;
+}
+
+// Blocks per row (row_split): a part of at least this many packs per block (2 KiB), so the
+// cluster exchange of each reduction (~0.3 us) is paid only where the row's bytes per SM are the
+// cost (on simulated ranks: hidden 8192 in 8 parts of 128 packs 4.44 -> 3.64 us at one token,
+// hidden 5120 in 8 parts of 80 no faster than whole rows; docs/PERF_NOTES.md, session 23).
+constexpr int kMinPartPacks = 128;
+// ... and at most this many (one per thread; the split kernels' register bound is that of 512 threads).
+constexpr int kMaxPartThreads = 512;
+static_assert(kMaxPartThreads <= 32 * kMaxClusterRowWarps, "ClusterRowShared holds a total per warp");
+
+// kMaxClusterRow, or OPFUSE_ONESHOT_ROW_SPLIT when set (1: whole rows; read once per process):
+// the largest number of blocks a row may be split over.
+int max_row_split() {
+  static const int limit = [] {
+    const char* text = std::getenv("OPFUSE_ONESHOT_ROW_SPLIT");
+    const int value = text ? std::atoi(text) : kMaxClusterRow;
+    return value < 1 ? 1 : value > kMaxClusterRow ? kMaxClusterRow : value;
+  }();
+  return limit;
+}
+
+// The blocks (a cluster) each row is split over: the largest power of two up to max_row_split()
+// with every row's cluster resident at once (tokens x split <= max_blocks, the SM count), parts
+// of kMinPartPacks to kMaxPartThreads packs (one per thread); 1 (whole rows) otherwise. The same
+// on every rank (the same sizes and GPU kind), so ranks sum in the same order.
+int row_split(int64_t tokens, int nvec, int max_blocks) {
+  for (int split = kMaxClusterRow; split > 1; split /= 2) {
+    const int span = (nvec + split - 1) / split;
+    if (split <= max_row_split() && tokens * split <= max_blocks && span >= kMinPartPacks && span <= kMaxPartThreads)
+      return split;
+  }
+  return 1;
 }
 
 // Rows with at most this many packs per thread hold their operands in registers across the wait
@@ -122,17 +159,33 @@ __device__ __forceinline__ uint4 wait_arrival(const uint4* slot, const OneShotLa
   }
 }
 
-template <typename T, int VPT, QuantMode Q>
-__global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunch p) {
+// kSplitRows: launched in clusters, the blocks of a cluster share each row (ClusterRow).
+template <typename T, int VPT, QuantMode Q, bool kSplitRows>
+__global__ void __launch_bounds__(kSplitRows ? kMaxPartThreads : kMaxThreads, 1) oneshot_kernel(const OneShotLaunch p) {
   constexpr bool kHeld = VPT <= kHeldMaxVpt;
   __shared__ float scratch[33];
+  __shared__ ClusterRowShared cluster_row;  // ClusterRow's (unused without kSplitRows)
   const ResidualNormArgs& a = p.args;
   const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
   const int64_t message_packs = a.tokens * nvec;  // packs per rank slot
+  using Part = std::conditional_t<kSplitRows, ClusterRow, WholeRow>;
 
   // With PDL (launch_kernel) everything above pdl_wait overlaps the previous kernel's tail; the
   // inputs and the region's state are read after it.
   const uint64_t entry_ns = p.timeline ? global_timer_ns() : 0;
+  Part part;
+  int split = 1;
+  if constexpr (kSplitRows) {
+    part.init(&cluster_row);
+    split = static_cast<int>(part.blocks);
+    const int span = (nvec + split - 1) / split;
+    part.first = static_cast<int>(part.rank) * span;
+    part.count = max(0, min(span, nvec - part.first));
+  } else {
+    part.count = nvec;
+  }
+  const int64_t first_row = blockIdx.x / split;  // rows go to clusters (of one block without kSplitRows)
+  const int64_t row_step = gridDim.x / split;
   pdl_wait();
   pdl_launch_dependents();
   const uint4* x = static_cast<const uint4*>(a.x);
@@ -173,17 +226,18 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
   //    back to the sentinel as soon as it is read (the header says why no peer can be writing it).
   uint4* inbox = reinterpret_cast<uint4*>(local + kStateBytes + current * p.buffer_bytes);
   const uint4 sentinel = sentinel_pack<T>();
-  for (int64_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
+  for (int64_t row = first_row; row < a.tokens; row += row_step) {
     // Local loads first, the waits after them: the operands and this rank's own contribution
     // (-0.0 flushed, as its peers receive it) are in flight while the peers' packs arrive.
     HeldOperands<T, VPT> in;
-    if constexpr (kHeld) in.load(row, a, nvec);
+    if constexpr (kHeld) in.load(row, a, nvec, part.first, part.count);
     uint4 own[VPT];
     if constexpr (kHeld) {
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
-        const int idx = j * blockDim.x + threadIdx.x;
-        own[j] = idx < nvec ? clear_negative_zero<T>(__ldg(x + row * nvec + idx)) : make_uint4(0u, 0u, 0u, 0u);
+        const int local = j * blockDim.x + threadIdx.x;
+        own[j] = local < part.count ? clear_negative_zero<T>(__ldg(x + row * nvec + part.first + local))
+                                    : make_uint4(0u, 0u, 0u, 0u);
       }
     }
     RowRegs<T, VPT> regs;
@@ -191,8 +245,9 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
     for (int src = 0; src < p.world; ++src) {
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
-        const int idx = j * blockDim.x + threadIdx.x;
-        if (idx >= nvec) continue;
+        const int local = j * blockDim.x + threadIdx.x;
+        if (local >= part.count) continue;
+        const int idx = part.first + local;
         uint4 value;
         if (src != p.rank) {
           uint4* at = inbox + src * message_packs + row * nvec + idx;
@@ -205,12 +260,13 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(const OneShotLaunc
         regs.add(j, value);
       }
     }
-    if (p.timeline && row == blockIdx.x) {
+    if (p.timeline && row == first_row) {
       stamp(p.timeline, call.calls, kArrived, timer_after(__float_as_uint(regs.v[0][0])));
       __syncthreads();  // uniform: p.timeline is the same for every thread
       stamp(p.timeline, call.calls, kAllArrived, global_timer_ns());
     }
-    finish_row<T, VPT, Q>(regs, row, a, nvec, scratch, kHeld ? &in : nullptr);
+    const RowStamps stamps{row == first_row ? p.timeline : nullptr, call.calls, kSummed, kReduced};
+    finish_row<T, VPT, Q>(regs, row, a, nvec, scratch, part, kHeld ? &in : nullptr, stamps);
     if (p.timeline) stamp(p.timeline, call.calls, kRowDone, global_timer_ns());
   }
 
@@ -256,20 +312,27 @@ const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& re
   if (args.tokens == 0) return nullptr;
   const RowLayout layout = row_layout(args.hidden, args.dtype);
   if (max_blocks < 1) return "opfuse one-shot: max_blocks must be >= 1";
-  // At least one block per row (up to max_blocks and the call slots), and enough blocks that each
-  // pushes at most kPushPacksPerBlock packs.
+  // At least one block (a cluster of split blocks) per row, up to max_blocks and the call slots,
+  // and enough blocks that each pushes at most kPushPacksPerBlock packs.
+  const int split = row_split(args.tokens, layout.nvec, max_blocks);
   const int64_t packs = args.tokens * layout.nvec;
   const int64_t push_packs = push_packs_per_block();
   int64_t want = (packs + push_packs - 1) / push_packs;
-  if (want < args.tokens) want = args.tokens;
-  const int64_t cap = max_blocks < kCallSlots ? max_blocks : kCallSlots;
+  if (want < args.tokens * split) want = args.tokens * split;
+  want = (want + split - 1) / split * split;
+  const int64_t cap = (max_blocks < kCallSlots ? max_blocks : kCallSlots) / split * split;
   const int blocks = static_cast<int>(want < cap ? want : cap);
+  const int span = (layout.nvec + split - 1) / split;
+  const int threads = split > 1 ? (span + 31) / 32 * 32 : layout.threads;
   OneShotLaunch launch{args,        wait,         region.addresses, region.local,
                        region.timeline, region.rank, region.world,     poll_depth(),
                        buffer_bytes(region.world, align256(region.capacity))};
-  return dispatch_peer_row_kernel(args.dtype, layout.vpt, args.quant,
+  return dispatch_peer_row_kernel(args.dtype, split > 1 ? 1 : layout.vpt, args.quant,
                                   [&]<typename T, int VPT, QuantMode Q>() -> const char* {
-    return launch_kernel(oneshot_kernel<T, VPT, Q>, blocks, layout.threads, stream, pdl, launch);
+    if (split == 1) return launch_kernel(oneshot_kernel<T, VPT, Q, false>, blocks, threads, stream, pdl, launch);
+    if constexpr (VPT == 1)  // a split row's part is at most one pack per thread (row_split)
+      return launch_cluster_kernel(oneshot_kernel<T, 1, Q, true>, blocks, threads, split, stream, pdl, launch);
+    return "opfuse one-shot: internal error: a split row with more than one pack per thread";
   });
 }
 

@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
   __shared__ float scratch[33];
   const ResidualNormArgs& a = p.args;
   const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
+  WholeRow whole{0, nvec};
   const int64_t rows_per_rank = (a.tokens + p.world - 1) / p.world;
   const int64_t G = gridDim.x;
   // Stage s of this block covers chunk rows i = blockIdx.x + (s * R + r) * G, r < R.
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(const TwoShotLaunc
           const int idx = j * blockDim.x + threadIdx.x;
           if (idx < nvec) regs.add(j, ld_l2(sums + idx));
         }
-        finish_row<T, VPT, Q>(regs, t, a, nvec, scratch);
+        finish_row<T, VPT, Q>(regs, t, a, nvec, scratch, whole);
       }
     }
   };

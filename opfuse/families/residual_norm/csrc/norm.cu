@@ -33,6 +33,7 @@ template <typename T, int VPT, QuantMode Q>
 __global__ void __launch_bounds__(kMaxThreads) add_norm_kernel(const ResidualNormArgs a) {
   __shared__ float scratch[33];
   const int nvec = static_cast<int>(a.hidden / Pack<T>::kElems);
+  WholeRow whole{0, nvec};
   const uint4* x = static_cast<const uint4*>(a.x);
   for (int64_t row = blockIdx.x; row < a.tokens; row += gridDim.x) {
     RowRegs<T, VPT> regs;
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(kMaxThreads) add_norm_kernel(const ResidualNor
       const int idx = j * blockDim.x + threadIdx.x;
       if (idx < nvec) regs.add(j, __ldg(x + row * nvec + idx));
     }
-    finish_row<T, VPT, Q>(regs, row, a, nvec, scratch);
+    finish_row<T, VPT, Q>(regs, row, a, nvec, scratch, whole);
   }
 }
 

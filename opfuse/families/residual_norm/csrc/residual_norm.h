@@ -75,7 +75,7 @@ struct PeerRegion {
 constexpr int kCallSlots = 512;
 // PeerRegion::timeline's shape: [kTimelineCalls, kCallSlots, kTimelinePhases] uint64 nanoseconds.
 constexpr int kTimelineCalls = 64;
-constexpr int kTimelinePhases = 8;
+constexpr int kTimelinePhases = 9;
 constexpr int kMaxBlocks = 128;  // two-shot grid (identical on every rank; <= SM count)
 
 // Region sizes for a given world size and message capacity (bytes per rank).

@@ -1,10 +1,12 @@
 // Row-level building blocks shared by every residual-norm kernel: the thread layout of one row,
 // the bias + residual + norm epilogue, argument checks and the dtype/VPT dispatch.
 //
-// A block works on one row at a time. Thread t owns the 16-byte packs t, t + blockDim.x, ...
-// (VPT of them), so a row lives in registers between the reduction and the normalisation.
+// A block works on one row (or one part of a row, RowPart) at a time. Thread t owns the 16-byte
+// packs first + t, first + t + blockDim.x, ... (VPT of them), so a row lives in registers between
+// the reduction and the normalisation.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_fp8.h>
 
 #include <cstdio>
@@ -54,6 +56,157 @@ struct RowRegs {
   }
 };
 
+// --- Phase timeline (bench/allreduce_timeline.py) ---------------------------------------------
+// With PeerRegion::timeline set, thread 0 of every block stores %globaltimer at the kernel's phase
+// boundaries into timeline[((calls % kTimelineCalls) * kCallSlots + block) * kTimelinePhases +
+// phase]; a null timeline (every production launch) costs one uniform branch per phase.
+// (kTimelineCalls, kTimelinePhases: residual_norm.h.)
+
+// The timer read after ``dep`` is available (its load has completed), so a stamp taken after a
+// wait marks the data's arrival, not the load's issue.
+__device__ __forceinline__ uint64_t timer_after(uint32_t dep) {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep) : "memory");
+  return t;
+}
+
+__device__ __forceinline__ void stamp(uint64_t* timeline, uint32_t calls, int phase, uint64_t ns) {
+  if (timeline != nullptr && threadIdx.x == 0)
+    timeline[((calls % kTimelineCalls) * kCallSlots + blockIdx.x) * kTimelinePhases + phase] = ns;
+}
+
+// Where finish_row stamps its own steps (the one-shot passes these for its first row): after the
+// residual add and the h stores (``summed``), after the norm's block reduction (``reduced``).
+struct RowStamps {
+  uint64_t* timeline = nullptr;
+  uint32_t calls = 0;
+  int summed = 0;
+  int reduced = 0;
+
+  __device__ __forceinline__ void at(int phase, float dep) const {
+    if (timeline != nullptr) stamp(timeline, calls, phase, timer_after(__float_as_uint(dep)));
+  }
+};
+
+// --- Row parts ---------------------------------------------------------------------------------
+// The packs [first, first + count) of a row that one block handles, and how its partial reductions
+// (the norm's sums, the FP8 amax) become the row's. Both kinds keep every block's result bitwise
+// equal to every other's, and to every rank's (ranks split rows the same way).
+
+// A block owns whole rows: block reductions.
+struct WholeRow {
+  int first = 0;
+  int count = 0;  // the row's packs
+
+  __device__ __forceinline__ float sum(float v, float* scratch) { return block_sum(v, scratch); }
+  __device__ __forceinline__ float max(float v, float* scratch) { return block_max(v, scratch); }
+  // The thread that writes a row's scalar outputs (FP8 scales).
+  __device__ __forceinline__ bool leader() const { return threadIdx.x == 0; }
+};
+
+// Blocks a ClusterRow may split a row over (the portable cluster size).
+constexpr int kMaxClusterRow = 8;
+
+// A row split over the blocks of a thread-block cluster (sm_90): block rank r of the cluster
+// handles [r * span, (r + 1) * span). Moving a whole row (the received packs, the operands, h and
+// y: ~6 x the row's bytes) through one SM bounds a small call's epilogue; split k ways, each SM
+// moves 1/k of it.
+//
+// A reduction sends every warp's total into every block's shared memory (st.async, which signals
+// the receiver's mbarrier with its bytes); each block then reduces the blocks x warps totals in one
+// fixed order, so every block gets the same bits. Neither a block nor a cluster barrier per
+// reduction: a cluster barrier's release would wait for every global store the block has issued
+// (its pushes to the peers, h, the sentinels: measured ~1.7 us on simulated ranks), which is what
+// the split is meant to take off the row's path. Reductions alternate between two slots and
+// mbarriers. A block sends reduction n + 2 into a slot only after it completed n + 1, which needed
+// every block's n + 1 totals, sent after that block had read the slot's reduction n; so a slot is
+// never overwritten while unread, and an mbarrier never sees a phase's bytes before its previous
+// phase completed. No block exits before it has received the last reduction's totals, so nothing
+// is sent to a block that has exited.
+// Warps per block of a split row (512 threads).
+constexpr int kMaxClusterRowWarps = 16;
+
+struct ClusterRowShared {
+  float totals[2][kMaxClusterRow * kMaxClusterRowWarps];  // [slot][sender block's rank x warps + warp]
+  uint64_t arrived[2];                                    // mbarrier per slot
+};
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The address of shared variable ``local`` (a shared::cta address) in block ``rank`` of the cluster.
+__device__ __forceinline__ uint32_t cluster_address(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+
+struct ClusterRow {
+  int first = 0;
+  int count = 0;
+  ClusterRowShared* shared = nullptr;
+  uint32_t blocks = 1;  // in the cluster
+  uint32_t rank = 0;    // this block's
+  uint32_t reductions = 0;
+
+  // Every thread of every block of the cluster, before the first reduction: the mbarriers are
+  // initialised, then one relaxed cluster barrier (no global memory is ordered by it, so it costs
+  // the same wherever it runs; it may precede pdl_wait) publishes them to the other blocks.
+  __device__ __forceinline__ void init(ClusterRowShared* s) {
+    const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    shared = s;
+    blocks = cluster.num_blocks();
+    rank = cluster.block_rank();
+    if (threadIdx.x == 0) {
+      for (int slot = 0; slot < 2; ++slot)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(&s->arrived[slot])) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+  }
+
+  // The row's sum (or max) of every thread's ``v`` over the cluster: each warp reduces its own,
+  // then lanes 0..blocks-1 send the warp's total to every block, and every warp of every block
+  // reduces the blocks x warps totals in the same order (lane i takes totals i, i + 32, ...; then
+  // the butterfly, which gives every lane the same bits). No block barrier at all.
+  __device__ __forceinline__ float combine(float v, bool take_max) {
+    const int slot = reductions & 1;
+    const uint32_t parity = (reductions >> 1) & 1;
+    ++reductions;
+    const uint32_t warps = (blockDim.x + 31) / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t senders = blocks * warps;  // totals every block receives
+    const uint32_t arrived = shared_address(&shared->arrived[slot]);
+    v = take_max ? warp_max(v) : warp_sum(v);
+    if (threadIdx.x == 0)
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(arrived), "r"(senders * 4u)
+                   : "memory");
+    if (lane < blocks) {  // lane r sends this warp's total to block r
+      const uint32_t mine = shared_address(&shared->totals[slot][rank * warps + warp]);
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                       cluster_address(mine, lane)),
+                   "r"(__float_as_uint(v)), "r"(cluster_address(arrived, lane))
+                   : "memory");
+    }
+    uint32_t done = 0;
+    while (!done)
+      asm volatile(
+          "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+          : "=r"(done)
+          : "r"(arrived), "r"(parity)
+          : "memory");
+    float total = 0.f;
+    for (uint32_t i = lane; i < senders; i += 32) {
+      const float t = shared->totals[slot][i];
+      total = take_max ? fmaxf(total, t) : total + t;
+    }
+    return take_max ? warp_max(total) : warp_sum(total);
+  }
+  __device__ __forceinline__ float sum(float v, float*) { return combine(v, false); }
+  __device__ __forceinline__ float max(float v, float*) { return combine(v, true); }
+  __device__ __forceinline__ bool leader() const { return threadIdx.x == 0 && rank == 0; }
+};
+
 // The epilogue's per-row operands, loaded into registers ahead of finish_row: a kernel that
 // waits for peers loads them before its wait, so their latency overlaps it instead of following
 // it. Costs 4 x VPT x 16 B of registers per thread; absent operands (null pointers) stay zero.
@@ -62,7 +215,8 @@ struct HeldOperands {
   enum : int { kBias = 0, kResidual = 1, kWeight = 2, kNormBias = 3 };
   uint4 pack[4][VPT];
 
-  __device__ __forceinline__ void load(int64_t row, const ResidualNormArgs& a, int nvec) {
+  // The operands of packs [first, first + count) of row ``row`` (``nvec`` packs per row).
+  __device__ __forceinline__ void load(int64_t row, const ResidualNormArgs& a, int nvec, int first, int count) {
     const uint4* src[4] = {static_cast<const uint4*>(a.bias),
                            a.residual ? static_cast<const uint4*>(a.residual) + row * nvec : nullptr,
                            static_cast<const uint4*>(a.weight), static_cast<const uint4*>(a.norm_bias)};
@@ -70,8 +224,8 @@ struct HeldOperands {
     for (int k = 0; k < 4; ++k)
 #pragma unroll
       for (int j = 0; j < VPT; ++j) {
-        const int idx = j * blockDim.x + threadIdx.x;
-        pack[k][j] = src[k] && idx < nvec ? __ldg(src[k] + idx) : make_uint4(0u, 0u, 0u, 0u);
+        const int local = j * blockDim.x + threadIdx.x;
+        pack[k][j] = src[k] && local < count ? __ldg(src[k] + first + local) : make_uint4(0u, 0u, 0u, 0u);
       }
   }
 };
@@ -86,9 +240,9 @@ __device__ __forceinline__ uint32_t to_fp8(float v, float fp8_max, int format) {
 // The FP8 epilogue (QuantMode Q != kNone) of a row whose normalised values, rounded to T, are in
 // ``regs``. The scale math is opfuse/fp8/numerics.py's in float32 with IEEE divisions, so the
 // bytes equal the reference quantizer's for the same y. Contains barriers (block_max).
-template <typename T, int VPT, QuantMode Q>
+template <typename T, int VPT, QuantMode Q, typename Part>
 __device__ __forceinline__ void quantize_row(const RowRegs<T, VPT>& regs, int64_t row, const ResidualNormArgs& a,
-                                             int nvec, float* scratch) {
+                                             float* scratch, Part& part) {
   constexpr int E = Pack<T>::kElems;  // FP8 bytes per pack: 8 (16-bit T) or 4 (float32)
   float amax;
   if constexpr (Q == QuantMode::kTensor) {
@@ -97,26 +251,27 @@ __device__ __forceinline__ void quantize_row(const RowRegs<T, VPT>& regs, int64_
     float local = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      if (j * blockDim.x + threadIdx.x < nvec) {
+      if (j * blockDim.x + threadIdx.x < part.count) {
 #pragma unroll
         for (int e = 0; e < E; ++e) local = fmaxf(local, fabsf(regs.v[j][e]));
       }
     }
-    amax = block_max(local, scratch);
+    amax = part.max(local, scratch);
     if constexpr (Q == QuantMode::kRowAmax) {
-      if (threadIdx.x == 0) a.scales[row] = amax;
+      if (part.leader()) a.scales[row] = amax;
       return;
     }
   }
   const float fp8_max = a.fp8 == static_cast<int>(Fp8Format::kE5M2) ? 57344.f : 448.f;
   const float scale = amax > 0.f ? __fdiv_rn(fp8_max, amax) : 1.f;
-  if (threadIdx.x == 0 && (Q == QuantMode::kRowwise || row == 0))
+  if (part.leader() && (Q == QuantMode::kRowwise || row == 0))
     a.scales[Q == QuantMode::kRowwise ? row : 0] = __fdiv_rn(1.f, scale);
   uint8_t* q_row = static_cast<uint8_t*>(a.q) + row * a.hidden;
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    const int idx = j * blockDim.x + threadIdx.x;
-    if (idx < nvec) {
+    const int local = j * blockDim.x + threadIdx.x;
+    if (local < part.count) {
+      const int idx = part.first + local;
       uint32_t word[E / 4] = {};
 #pragma unroll
       for (int e = 0; e < E; ++e)
@@ -132,13 +287,15 @@ __device__ __forceinline__ void quantize_row(const RowRegs<T, VPT>& regs, int64_
 
 // h = T(sum + bias + residual) (written when args.h is set); y = norm(h) or h, then the FP8
 // epilogue ``Q`` (QuantMode, residual_norm.h).
-// ``regs`` holds the reduced sum of row ``row`` (zero in packs past the row end). The bias,
-// residual and norm weight/bias come from ``held`` when given (loaded for this row), otherwise
-// from global memory where they are used. Every thread of the block must call this (it contains
+// ``regs`` holds the reduced sum of ``part`` of row ``row`` (a WholeRow or ClusterRow; zero in
+// packs past its end; ``nvec`` packs per row). The bias, residual and norm weight/bias come from
+// ``held`` when given (loaded for this part), otherwise from global memory where they are used.
+// Every thread of the block (and of its cluster, for a ClusterRow) must call this (it contains
 // barriers).
-template <typename T, int VPT, QuantMode Q = QuantMode::kNone>
+template <typename T, int VPT, QuantMode Q = QuantMode::kNone, typename Part = WholeRow>
 __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, const ResidualNormArgs& a, int nvec,
-                                           float* scratch, const HeldOperands<T, VPT>* held = nullptr) {
+                                           float* scratch, Part& part, const HeldOperands<T, VPT>* held = nullptr,
+                                           const RowStamps& stamps = RowStamps{}) {
   using Held = HeldOperands<T, VPT>;
   constexpr int E = Pack<T>::kElems;
   const uint4* bias = static_cast<const uint4*>(a.bias);
@@ -148,8 +305,9 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
   float local_sum = 0.f;
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    const int idx = j * blockDim.x + threadIdx.x;
-    if (idx < nvec) {
+    const int local = j * blockDim.x + threadIdx.x;
+    if (local < part.count) {
+      const int idx = part.first + local;
       if (bias) regs.add(j, held ? held->pack[Held::kBias][j] : __ldg(bias + idx));
       if (res) regs.add(j, held ? held->pack[Held::kResidual][j] : __ldg(res + idx));
       const uint4 packed = regs.round(j);
@@ -159,15 +317,16 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
       for (int e = 0; e < E; ++e) local_sum += regs.v[j][e];
     }
   }
+  stamps.at(stamps.summed, local_sum);
   if (a.norm == static_cast<int>(NormKind::kNone)) return;  // uniform branch: no barrier skipped unevenly
 
   const float inv_h = 1.f / static_cast<float>(a.hidden);
   float mean = 0.f, sq = 0.f;
   if (a.norm == static_cast<int>(NormKind::kLayer)) {
-    mean = block_sum(local_sum, scratch) * inv_h;
+    mean = part.sum(local_sum, scratch) * inv_h;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      if (j * blockDim.x + threadIdx.x < nvec) {
+      if (j * blockDim.x + threadIdx.x < part.count) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
           const float d = regs.v[j][e] - mean;
@@ -178,19 +337,21 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
   } else {
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      if (j * blockDim.x + threadIdx.x < nvec) {
+      if (j * blockDim.x + threadIdx.x < part.count) {
 #pragma unroll
         for (int e = 0; e < E; ++e) sq += regs.v[j][e] * regs.v[j][e];
       }
     }
   }
-  const float rstd = rsqrtf(block_sum(sq, scratch) * inv_h + a.eps);
+  const float rstd = rsqrtf(part.sum(sq, scratch) * inv_h + a.eps);
+  stamps.at(stamps.reduced, rstd);
   const uint4* weight = static_cast<const uint4*>(a.weight);
   const uint4* nbias = static_cast<const uint4*>(a.norm_bias);
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    const int idx = j * blockDim.x + threadIdx.x;
-    if (idx < nvec) {
+    const int local = j * blockDim.x + threadIdx.x;
+    if (local < part.count) {
+      const int idx = part.first + local;
       Pack<T> w, b, out;
       if (weight) w.raw = held ? held->pack[Held::kWeight][j] : __ldg(weight + idx);
       if (nbias) b.raw = held ? held->pack[Held::kNormBias][j] : __ldg(nbias + idx);
@@ -205,7 +366,7 @@ __device__ __forceinline__ void finish_row(RowRegs<T, VPT>& regs, int64_t row, c
       if constexpr (Q == QuantMode::kNone) y_out[idx] = out.raw;
     }
   }
-  if constexpr (Q != QuantMode::kNone) quantize_row<T, VPT, Q>(regs, row, a, nvec, scratch);
+  if constexpr (Q != QuantMode::kNone) quantize_row<T, VPT, Q>(regs, row, a, scratch, part);
 }
 
 // The flag-based two-shot's call counter (state[0]) as this call's blocks see it; every thread that uses it reads it
@@ -270,25 +431,6 @@ __device__ __forceinline__ void write_call_slots(void* state, uint32_t next_call
   uint32_t* slots = static_cast<uint32_t*>(state);
   for (int s = blockIdx.x + threadIdx.x * gridDim.x; s < kCallSlots; s += blockDim.x * gridDim.x)
     slots[s] = next_calls;
-}
-
-// --- Phase timeline (tools/allreduce_timeline.py) ---------------------------------------------
-// With PeerRegion::timeline set, thread 0 of every block stores %globaltimer at the kernel's phase
-// boundaries into timeline[((calls % kTimelineCalls) * kCallSlots + block) * kTimelinePhases +
-// phase]; a null timeline (every production launch) costs one uniform branch per phase.
-// (kTimelineCalls, kTimelinePhases: residual_norm.h.)
-
-// The timer read after ``dep`` is available (its load has completed), so a stamp taken after a
-// wait marks the data's arrival, not the load's issue.
-__device__ __forceinline__ uint64_t timer_after(uint32_t dep) {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep) : "memory");
-  return t;
-}
-
-__device__ __forceinline__ void stamp(uint64_t* timeline, uint32_t calls, int phase, uint64_t ns) {
-  if (timeline != nullptr && threadIdx.x == 0)
-    timeline[((calls % kTimelineCalls) * kCallSlots + blockIdx.x) * kTimelinePhases + phase] = ns;
 }
 
 // --- Programmatic dependent launch (PDL) -----------------------------------------------------
@@ -366,28 +508,43 @@ inline const char* launch_status() {
   return err == cudaSuccess ? nullptr : cudaGetErrorString(err);
 }
 
-// Launches ``kernel<<<grid, threads, 0, stream>>>(args...)``, with programmatic stream
-// serialization when ``pdl`` (the kernel must call pdl_wait() before touching memory that earlier
-// work writes). Returns nullptr or the CUDA error.
+// Launches ``kernel<<<grid, threads, 0, stream>>>(args...)`` in clusters of ``cluster`` blocks
+// (1: no clusters; grid a multiple of it), with programmatic stream serialization when ``pdl``
+// (the kernel must call pdl_wait() before touching memory that earlier work writes). Returns
+// nullptr or the CUDA error.
 template <typename... Params, typename... Args>
-const char* launch_kernel(void (*kernel)(Params...), int grid, int threads, cudaStream_t stream, bool pdl,
-                          Args&&... args) {
+const char* launch_cluster_kernel(void (*kernel)(Params...), int grid, int threads, int cluster, cudaStream_t stream,
+                                  bool pdl, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(grid));
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.dynamicSmemBytes = 0;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = pdl ? attribute : nullptr;
-  config.numAttrs = pdl ? 1 : 0;
+  cudaLaunchAttribute attributes[2];
+  unsigned count = 0;
+  if (pdl) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count++].val.clusterDim = {static_cast<unsigned>(cluster), 1u, 1u};
+  }
+  config.attrs = count ? attributes : nullptr;
+  config.numAttrs = count;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear the launch error, as a failed <<<>>> launch would be cleared by launch_status
     return cudaGetErrorString(err);
   }
   return launch_status();
+}
+
+// launch_cluster_kernel without clusters.
+template <typename... Params, typename... Args>
+const char* launch_kernel(void (*kernel)(Params...), int grid, int threads, cudaStream_t stream, bool pdl,
+                          Args&&... args) {
+  return launch_cluster_kernel(kernel, grid, threads, 1, stream, pdl, std::forward<Args>(args)...);
 }
 
 // Calls ``fn.template operator()<T, VPT>()`` for the runtime dtype and the smallest VPT >= vpt.
