@@ -49,6 +49,8 @@ recipe), output head in bf16) and, where ``torchao`` imports, ``torchao fp8`` (t
 torch.compile, tp cases) to the training cases (targets: <= 0.75x compile bf16, <= 0.92x torchao);
 ``--merge-ab`` adds ``opfuse unmerged`` (merge_projections=False) to decode (target: merged <= 0.97x).
 ``--pdl-ab`` adds ``opfuse no PDL`` (the peer kernels launched without programmatic dependent launch).
+``--gqa-ab`` adds ``opfuse repeated kv`` (decode attention reading the key/value heads repeated, as the
+model writes it: ``fold_grouped_queries=False``).
 
 CUDA graphs in training: ``--train-mode reduce-overhead`` compiles every training variant with
 mode="reduce-overhead" (cudagraph trees, ``torch.compiler.cudagraph_mark_step_begin()`` before each
@@ -137,13 +139,13 @@ def _unmerged(device: str):
     return lambda m: opfuse.optimize(m, merge_projections=False, mode="reduce-overhead")
 
 
-def _without_pdl(fn):
-    """--pdl-ab: ``fn`` with every call (the first, the CUDA-graph recording, the timed loop) under
-    ``opfuse.config.pdl = False``."""
+def _with_settings(fn, **settings):
+    """--pdl-ab, --gqa-ab: ``fn`` with every call (the first, which compiles; the CUDA-graph
+    recording; the timed loop) under ``opfuse.config.override(**settings)``."""
     import opfuse
 
     def call(*args):
-        with opfuse.config.override(pdl=False):
+        with opfuse.config.override(**settings):
             return fn(*args)
 
     return call
@@ -341,7 +343,8 @@ def worker(rank, world, opts, out_path):
         steps, start = opts["decode_steps"], opts["decode_start"]
         def decode_case(batch):
             names = ("eager", "compile", "opfuse") + (("opfuse unmerged",) if opts.get("merge_ab") else ()) \
-                + (("opfuse no PDL",) if opts.get("pdl_ab") else ())
+                + (("opfuse no PDL",) if opts.get("pdl_ab") else ()) \
+                + (("opfuse repeated kv",) if opts.get("gqa_ab") else ())
             full = llama_tp.unsharded(cfg, dtype, device)
             models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device, full=full) for v in names}
             full = None
@@ -361,7 +364,10 @@ def worker(rank, world, opts, out_path):
                 if opts.get("merge_ab"):  # issue 27: the same without merged projections
                     compiled["opfuse unmerged"] = _unmerged(device)(models["opfuse unmerged"])
                 if opts.get("pdl_ab"):  # issue 30: the peer kernels launched without PDL (captured so)
-                    compiled["opfuse no PDL"] = _without_pdl(opfuse_fn(models["opfuse no PDL"]))
+                    compiled["opfuse no PDL"] = _with_settings(opfuse_fn(models["opfuse no PDL"]), pdl=False)
+                if opts.get("gqa_ab"):  # the attention reading repeated key/value heads, as the model writes it
+                    compiled["opfuse repeated kv"] = _with_settings(opfuse_fn(models["opfuse repeated kv"]),
+                                                                    fold_grouped_queries=False)
                 errors = {}
                 for name, fn in compiled.items():
                     out, row[f"{name} s"] = _first_call(lambda fn=fn: fn(ids, pos))
@@ -549,6 +555,8 @@ def main() -> int:
                         help="issue 27: also decode with opfuse.optimize(merge_projections=False)")
     parser.add_argument("--pdl-ab", action="store_true",
                         help="issue 30: also decode with opfuse's peer kernels launched without PDL")
+    parser.add_argument("--gqa-ab", action="store_true",
+                        help="issue 26: also decode with the attention reading repeated key/value heads")
     parser.add_argument("--fp8", choices=fp8_variants.RECIPE_NAMES, default=None,
                         help="issue 27: training cases also run opfuse in FP8, and torchao float8 where it imports")
     parser.add_argument("--only", choices=list(ONLY_CHOICES), default=None,
@@ -577,7 +585,7 @@ def main() -> int:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda",
                     profile=args.profile, variants=args.variants, only=args.only, aa=not args.no_aa, fp8=args.fp8,
-                    merge_ab=args.merge_ab, pdl_ab=args.pdl_ab, autocast=args.autocast, train_mode=args.train_mode)
+                    merge_ab=args.merge_ab, pdl_ab=args.pdl_ab, gqa_ab=args.gqa_ab, autocast=args.autocast, train_mode=args.train_mode)
         if args.cases:
             opts["cases"] = args.cases
         if args.layers:

@@ -142,6 +142,7 @@
 #   tools/gpu_session.sh s22-ar-1gpu   # 1 GPU (~2 min; issue 30): the one-shot's protocol tests, both poll depths
 #   tools/gpu_session.sh s22-sim       # 1 GPU (~3 min; issue 30): simulated-rank timings, previous main vs this tree
 #   tools/gpu_session.sh s22-sim-timeline # 1 GPU (~1.5 min; issue 30): simulated-rank one-shot phase timelines
+#   tools/gpu_session.sh s23-gqa       # 1 GPU (~6 min; issue 26): decode attention over the unrepeated cache, world 1
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
 #   tools/gpu_session.sh s23-split     # 1 GPU (~3 min; issue 30): one-shot rows split over clusters vs whole rows
 #   tools/gpu_session.sh s23-sim-stamps # 1 GPU (~1.5 min; issue 30): the one-shot's row epilogue, stamped
@@ -1129,6 +1130,14 @@ case "$stage" in
         echo "=== $name"; grep -E "^(\||simulated)" "$OUT/$name.log" 2>/dev/null
       done
     }
+    ;;
+  s23-gqa)
+    # Issue 26 on one GPU (~6 min): decode attention reading the key/value cache unrepeated
+    # (grouped queries folded): the GPU test, then world-1 decode (the hidden-8192 model unsharded)
+    # against torch.compile and against opfuse with the repeat kept, with kernel tables.
+    tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
+    step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
+    final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
     ;;
   s23-final)
     # Issue 30 on one GPU (~3 min): the final kernels' GPU tests (residual-norm kernels with the

@@ -29,6 +29,7 @@ from .chunked_all_reduce import plan_chunked_all_reduces, split_all_reduces
 from .fp8_lower import JointLowering
 from .direct_calls import use_direct_overloads
 from .group_counts import integer_histogram_counts
+from .grouped_attention import fold_grouped_queries
 from .joins import view_adjacent_concatenations
 from .layout_guard import joined_inputs
 from .lower import lower_fusions
@@ -81,6 +82,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     joined = view_adjacent_concatenations(gm.graph)
     casts = merge_duplicate_casts(gm.graph)
     integer_histogram_counts(gm.graph)
+    attentions, attentions_left = fold_grouped_queries(gm) if config.fold_grouped_queries else (0, [])
     overlaps = plan_overlaps(gm.graph) if config.overlap_collectives == "auto" else []
     chunked = []
     if config.overlap_collectives == "auto" and settings.fp8 is None:
@@ -90,6 +92,10 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
                               | {node for c in chunked for node in c.issues + c.waits})
     if casts:
         op_graph.notes.append(f"{casts} repeated dtype cast(s) of one value merged (torch.autocast casts per op)")
+    if attentions:
+        op_graph.notes.append(f"{attentions} decode attention(s) read the key/value cache without repeating its heads "
+                              f"(each group of query heads folded into query positions of its key/value head)")
+    op_graph.notes.extend(attentions_left)
     if joined:
         op_graph.notes.append(f"{joined} concatenation(s) of parameters stored back to back read as views of "
                               f"their storage (no copy)")

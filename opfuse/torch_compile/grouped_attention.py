@@ -1,0 +1,168 @@
+"""Grouped-query attention at decode without repeated key/value heads.
+
+Models with fewer key/value heads than query heads (GQA) written the usual ways, gpt-fast's
+``k.repeat_interleave(groups, dim=1)`` and Hugging Face's ``repeat_kv`` (``expand`` + ``reshape``),
+both reach the aten graph as ``view(clone(expand(unsqueeze(k, 2), [B, Hk, g, L, D])), [B, Hk*g, L, D])``:
+every decode step copies the whole key/value cache ``g`` times before the attention reads it
+(with a cache of L positions, 2 x g x L x Hk x D elements written and read again per layer).
+
+For a single query position (decode) the repeat is not needed: the ``g`` query heads that share a
+key/value head become ``g`` query *positions* of that head, ``q [B, Hk*g, 1, D] -> [B, Hk, g, D]``,
+which is exact (each query attends to its own key/value head with the same mask), and the
+attention reads the cache as it is. The output ``[B, Hk, g, D]`` is put back in head order
+(one copy of ``B x Hk*g x D`` elements). :func:`fold_grouped_queries` rewrites every such
+attention call; the others are listed with why they were left (training graphs, causal masks,
+masks per head, more than one query position).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from ..machinery.aten import value as fake_value
+
+aten = torch.ops.aten
+
+__all__ = ["fold_grouped_queries"]
+
+#: The attention ops SDPA lowers to, and the name of each one's mask argument (None: takes none).
+_ATTENTION = {
+    aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+    aten._scaled_dot_product_cudnn_attention.default: "attn_bias",
+    aten._scaled_dot_product_flash_attention.default: None,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+}
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _repeated_heads(node) -> tuple[fx.Node, int] | None:
+    """``(source, groups)`` when ``node`` is the head repeat of a ``[B, Hk, L, D]`` source, else None."""
+    if not isinstance(node, fx.Node) or node.target not in _VIEWS:
+        return None
+    clone = node.args[0]
+    if not isinstance(clone, fx.Node) or clone.target != aten.clone.default:
+        return None
+    expand = clone.args[0]
+    if not isinstance(expand, fx.Node) or expand.target != aten.expand.default:
+        return None
+    unsqueeze = expand.args[0]
+    if not isinstance(unsqueeze, fx.Node) or unsqueeze.target != aten.unsqueeze.default or unsqueeze.args[1] != 2:
+        return None
+    source = unsqueeze.args[0]
+    val, out = fake_value(source), fake_value(node)
+    if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or val.dim() != 4 or out.dim() != 4:
+        return None
+    batch, heads, length, dim = val.shape
+    sizes = list(expand.args[1])
+    if len(sizes) != 5 or sizes[:2] != [batch, heads] or sizes[3:] != [length, dim]:
+        return None
+    groups = sizes[2]
+    if list(out.shape) != [batch, heads * groups, length, dim]:
+        return None
+    return source, groups
+
+
+def _why_not(node: fx.Node, kwargs: dict, mask_name: str | None, groups: int) -> str | None:
+    """Why attention ``node`` (kwargs normalised; key and value heads repeated ``groups`` times)
+    cannot read them unrepeated, or None."""
+    query = fake_value(kwargs["query"])
+    if query is None or query.dim() != 4:
+        return "the query is not [batch, heads, positions, dim]"
+    if query.shape[2] != 1:
+        return f"{query.shape[2]} query positions (folded only at decode: one position)"
+    batch, heads, _, dim = query.shape
+    try:
+        query.view(batch, heads // groups, groups, dim)
+    except RuntimeError:
+        return "the query's strides give no [batch, kv heads, groups, dim] view"
+    if kwargs.get("is_causal"):
+        return "a causal mask"
+    if kwargs.get("dropout_p", 0.0):
+        return "dropout"
+    users = list(node.users)
+    if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
+        return "outputs besides the attention's result are used (a training graph)"
+    mask = kwargs.get(mask_name) if mask_name else None
+    if mask is not None:
+        val = fake_value(mask)
+        if val is None or val.dim() != 4 or val.shape[1] != 1 or val.shape[2] != 1:
+            shape = None if val is None else list(val.shape)
+            return f"the mask has shape {shape} (folded: one mask for every head, [batch, 1, 1, keys])"
+    return None
+
+
+def _call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
+    """A new node computing ``target(*args, **kwargs)``, its fake value computed from its inputs'."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    fake = lambda a: fake_value(a) if isinstance(a, fx.Node) else a  # noqa: E731
+    node.meta["val"] = target(*[fake(a) for a in args], **{k: fake(v) for k, v in kwargs.items()})
+    return node
+
+
+def _fold(graph: fx.Graph, node: fx.Node, kwargs: dict, mask_name: str | None, key: fx.Node, value: fx.Node,
+          groups: int) -> None:
+    query = kwargs["query"]
+    batch, heads, _, dim = fake_value(query).shape
+    kv_heads = heads // groups
+    with graph.inserting_before(node):
+        folded = dict(kwargs)
+        folded["query"] = _call(graph, aten.view.default, (query, [batch, kv_heads, groups, dim]))
+        folded["key"], folded["value"] = key, value
+        mask = kwargs.get(mask_name) if mask_name else None
+        if mask is not None:  # [Bm, 1, 1, L] -> [Bm, 1, g, L]: the same row for each folded query (no copy)
+            bm, _, _, keys = fake_value(mask).shape
+            mask = _call(graph, aten.unsqueeze.default, (mask, 2))
+            mask = _call(graph, aten.expand.default, (mask, [bm, 1, groups, 1, keys]))
+            folded[mask_name] = _call(graph, aten.view.default, (mask, [bm, 1, groups, keys]))
+        attention = _call(graph, node.target, (), folded)
+    for user in list(node.users):  # getitem 0 only (_why_not)
+        with graph.inserting_before(user):
+            out = _call(graph, operator.getitem, (attention, 0))
+            # [B, Hk, g, D] in the kernel's query-major memory -> head order h * g + i, as the repeat had them.
+            ordered = _call(graph, aten.clone.default, (out,), {"memory_format": torch.contiguous_format})
+            restored = _call(graph, aten.view.default, (ordered, [batch, heads, 1, fake_value(out).shape[-1]]))
+        user.replace_all_uses_with(restored)
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def fold_grouped_queries(gm: fx.GraphModule) -> tuple[int, list[str]]:
+    """Rewrite every decode attention of ``gm`` that reads repeated key/value heads to read them
+    unrepeated (module docstring). Returns how many were rewritten, and a note per attention over
+    repeated heads that was left as it is (why)."""
+    graph = gm.graph
+    folded, left = 0, []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _ATTENTION:
+            continue
+        mask_name = _ATTENTION[node.target]
+        normalized = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
+        if normalized is None:
+            continue
+        kwargs = dict(normalized.kwargs)
+        key, value = _repeated_heads(kwargs["key"]), _repeated_heads(kwargs["value"])
+        if key is None or value is None:
+            continue
+        if key[1] != value[1]:
+            left.append(f"attention {node.name}: keys and values repeated {key[1]} and {value[1]} times")
+            continue
+        why = _why_not(node, kwargs, mask_name, key[1])
+        if why is not None:
+            left.append(f"attention {node.name} reads key/value heads repeated {key[1]} times: {why}")
+            continue
+        repeats = [kwargs["key"], kwargs["value"]]
+        _fold(graph, node, kwargs, mask_name, key[0], value[0], key[1])
+        for repeat in repeats:  # view <- clone <- expand <- unsqueeze, now read by nothing (unless shared)
+            while isinstance(repeat, fx.Node) and not repeat.users and repeat.op == "call_function":
+                source = repeat.args[0]
+                graph.erase_node(repeat)
+                repeat = source if source is not key[0] and source is not value[0] else None
+        folded += 1
+    if folded:
+        gm.recompile()
+    return folded, left

@@ -1,0 +1,130 @@
+"""Decode attention over repeated key/value heads reads the cache unrepeated
+(``opfuse/torch_compile/grouped_attention.py``): outputs equal eager's, the repeats leave the graph,
+and attentions that cannot be folded are left with their reason in ``explain()``."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import opfuse
+
+EAGER = {"inductor": False}
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+def repeat_heads(t, groups, style):
+    if style == "gpt-fast":
+        return t.repeat_interleave(groups, dim=1)
+    batch, heads, length, dim = t.shape  # Hugging Face's repeat_kv
+    return t[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
+
+
+class CachedAttention(nn.Module):
+    """Attention of ``q [batch, positions, heads, dim]`` over a static key/value cache with fewer heads."""
+
+    def __init__(self, batch=2, kv_heads=2, groups=4, length=24, dim=16, style="gpt-fast", causal=False):
+        super().__init__()
+        self.groups, self.style, self.causal = groups, style, causal
+        self.register_buffer("k", torch.randn(batch, kv_heads, length, dim))
+        self.register_buffer("v", torch.randn(batch, kv_heads, length, dim))
+
+    def forward(self, q, mask=None):
+        batch, positions = q.shape[:2]
+        k, v = repeat_heads(self.k, self.groups, self.style), repeat_heads(self.v, self.groups, self.style)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=self.causal)
+        return out.transpose(1, 2).reshape(batch, positions, -1)
+
+
+def notes(compiled) -> list[str]:
+    return [text for program in opfuse.programs(compiled) for _, text in program.notes]
+
+
+@pytest.mark.parametrize("style", ["gpt-fast", "hf"])
+@pytest.mark.parametrize("mask", ["bool", "float", "none"])
+def test_decode_attention_reads_the_cache_unrepeated(style, mask):
+    torch.manual_seed(0)
+    model = CachedAttention(style=style)
+    q = torch.randn(2, 1, 8, 16)
+    masks = {"bool": torch.rand(2, 1, 1, 24) > 0.3, "float": torch.randn(1, 1, 1, 24), "none": None}
+    compiled = opfuse.optimize(model, options=EAGER)
+    with torch.no_grad():
+        got, want = compiled(q, masks[mask]), model(q, masks[mask])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert any(n.startswith("1 decode attention(s) read the key/value cache without repeating") for n in notes(compiled))
+
+
+def test_the_repeats_leave_the_graph_and_inductor_compiles_it():
+    from opfuse.torch_compile.grouped_attention import fold_grouped_queries
+
+    captured = []
+
+    def backend(gm, inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def forward(graph_module, _):
+            before = sum(n.target == torch.ops.aten.expand.default for n in graph_module.graph.nodes)
+            folded, left = fold_grouped_queries(graph_module)
+            after = sum(n.target == torch.ops.aten.expand.default for n in graph_module.graph.nodes)
+            captured.append((folded, left, before, after))
+            return graph_module
+
+        return aot_module_simplified(gm, inputs, fw_compiler=forward)
+
+    model, q = CachedAttention(groups=3, kv_heads=3), torch.randn(2, 1, 9, 16)
+    mask = torch.rand(1, 1, 1, 24) > 0.5
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(q, mask)
+    (folded, left, before, after) = captured[0]
+    assert (folded, left) == (1, [])
+    assert (before, after) == (2, 1)  # two head repeats out; one expand of the mask over the folded queries in
+    compiled = opfuse.optimize(CachedAttention(groups=3, kv_heads=3))  # Inductor on the CPU
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(q, mask), compiled._orig_mod(q, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("prefill", "3 query positions (folded only at decode: one position)"),
+    ("causal", "a causal mask"),
+    ("mask per head", "the mask has shape [1, 8, 1, 24]"),
+    ("training", "outputs besides the attention's result are used (a training graph)"),
+])
+def test_attentions_that_cannot_be_folded_say_why(case, reason):
+    torch.manual_seed(1)
+    model = CachedAttention(causal=case == "causal")
+    q = torch.randn(2, 3 if case == "prefill" else 1, 8, 16, requires_grad=case == "training")
+    mask = torch.randn(1, 8, 1, 24) if case == "mask per head" else None
+    compiled = opfuse.optimize(model, options=EAGER)
+    with torch.set_grad_enabled(case == "training"):
+        got, want = compiled(q, mask), model(q, mask)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if case == "training":
+        got.sum().backward()
+    found = [n for n in notes(compiled) if "reads key/value heads repeated 4 times" in n]
+    assert found and reason in found[0], notes(compiled)
+    assert not any("read the key/value cache without repeating" in n for n in notes(compiled))
+
+
+def test_llama_decode_with_a_kv_cache_folds_every_layer_and_matches_eager():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    try:
+        import llama_tp
+    finally:
+        sys.path.pop(0)
+    cfg = llama_tp.Config(dim=64, layers=2, heads=8, kv_heads=2, ffn=128, vocab=96, max_seq=32)
+    model = llama_tp.unsharded(cfg)
+    model.setup_caches(batch=2, max_seq=32)
+    tokens, pos = torch.randint(0, cfg.vocab, (2, 1)), torch.tensor([5])
+    for layer in model.layers:
+        for buf in (layer.attention.kv_cache.k, layer.attention.kv_cache.v):
+            buf.copy_(torch.randn(buf.shape))
+    with torch.no_grad():
+        want = model(tokens, pos)  # writes position 5; the compiled call writes the same values again
+    compiled = opfuse.optimize(model, options=EAGER)
+    with torch.no_grad():
+        got = compiled(tokens, pos)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert any(n.startswith("2 decode attention(s) read the key/value cache") for n in notes(compiled)), notes(compiled)
