@@ -38,6 +38,13 @@ _ATTENTION = {
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
+#: Fewest (batch x key/value heads) folded: the attention kernels (cuDNN's, the memory-efficient
+#: one) give each (sequence, head) of the folded call one block streaming the whole cache, so with
+#: few of them the GPU is mostly idle. One H200, cache of 1024 positions, 8 groups: at 1 x 8 the
+#: folded cuDNN attention took 24.8 us per layer against 21.7 for the repeat copies and the
+#: attention over them; at 8 x 8, 25.9 against 157 (docs/PERF_NOTES.model.md, session 23).
+MIN_FOLDED_HEADS = 16
+
 
 def _repeated_heads(node) -> tuple[fx.Node, int] | None:
     """``(source, groups)`` when ``node`` is the head repeat of a ``[B, Hk, L, D]`` source, else None."""
@@ -66,15 +73,30 @@ def _repeated_heads(node) -> tuple[fx.Node, int] | None:
     return source, groups
 
 
+def _mask_source(mask):
+    """``mask`` before the broadcasts SDPA adds over the heads and the query positions (an
+    ``expand`` to ``[B, H, Q, L]`` of a mask with one head and one position), or ``mask``. (A mask
+    broadcast over the heads before it reached the graph, stride 0, is sliced in :func:`_fold`.)"""
+    while isinstance(mask, fx.Node) and mask.target == aten.expand.default:
+        val = fake_value(mask.args[0])
+        if not isinstance(val, torch.Tensor) or val.dim() != 4 or val.shape[1] != 1 or val.shape[2] != 1:
+            break
+        mask = mask.args[0]
+    return mask
+
+
 def _why_not(node: fx.Node, kwargs: dict, mask_name: str | None, groups: int) -> str | None:
     """Why attention ``node`` (kwargs normalised; key and value heads repeated ``groups`` times)
-    cannot read them unrepeated, or None."""
+    cannot, or should not, read them unrepeated; None when it should."""
     query = fake_value(kwargs["query"])
     if query is None or query.dim() != 4:
         return "the query is not [batch, heads, positions, dim]"
     if query.shape[2] != 1:
         return f"{query.shape[2]} query positions (folded only at decode: one position)"
     batch, heads, _, dim = query.shape
+    if batch * (heads // groups) < MIN_FOLDED_HEADS:
+        return (f"batch x key/value heads = {batch} x {heads // groups} < {MIN_FOLDED_HEADS}: folded, the attention "
+                f"would run one block per key/value head, slower than over the repeated heads")
     try:
         query.view(batch, heads // groups, groups, dim)
     except RuntimeError:
@@ -86,10 +108,10 @@ def _why_not(node: fx.Node, kwargs: dict, mask_name: str | None, groups: int) ->
     users = list(node.users)
     if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
         return "outputs besides the attention's result are used (a training graph)"
-    mask = kwargs.get(mask_name) if mask_name else None
+    mask = _mask_source(kwargs.get(mask_name)) if mask_name else None
     if mask is not None:
         val = fake_value(mask)
-        if val is None or val.dim() != 4 or val.shape[1] != 1 or val.shape[2] != 1:
+        if val is None or val.dim() != 4 or (val.shape[1] != 1 and val.stride(1) != 0) or val.shape[2] != 1:
             shape = None if val is None else list(val.shape)
             return f"the mask has shape {shape} (folded: one mask for every head, [batch, 1, 1, keys])"
     return None
@@ -113,9 +135,11 @@ def _fold(graph: fx.Graph, node: fx.Node, kwargs: dict, mask_name: str | None, k
         folded = dict(kwargs)
         folded["query"] = _call(graph, aten.view.default, (query, [batch, kv_heads, groups, dim]))
         folded["key"], folded["value"] = key, value
-        mask = kwargs.get(mask_name) if mask_name else None
+        mask = _mask_source(kwargs.get(mask_name)) if mask_name else None
         if mask is not None:  # [Bm, 1, 1, L] -> [Bm, 1, g, L]: the same row for each folded query (no copy)
-            bm, _, _, keys = fake_value(mask).shape
+            bm, mask_heads, _, keys = fake_value(mask).shape
+            if mask_heads != 1:  # every head's row is the same memory (stride 0): take the first
+                mask = _call(graph, aten.slice.Tensor, (mask, 1, 0, 1))
             mask = _call(graph, aten.unsqueeze.default, (mask, 2))
             mask = _call(graph, aten.expand.default, (mask, [bm, 1, groups, 1, keys]))
             folded[mask_name] = _call(graph, aten.view.default, (mask, [bm, 1, groups, keys]))

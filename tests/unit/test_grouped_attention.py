@@ -26,7 +26,7 @@ def repeat_heads(t, groups, style):
 class CachedAttention(nn.Module):
     """Attention of ``q [batch, positions, heads, dim]`` over a static key/value cache with fewer heads."""
 
-    def __init__(self, batch=2, kv_heads=2, groups=4, length=24, dim=16, style="gpt-fast", causal=False):
+    def __init__(self, batch=4, kv_heads=4, groups=4, length=24, dim=16, style="gpt-fast", causal=False):
         super().__init__()
         self.groups, self.style, self.causal = groups, style, causal
         self.register_buffer("k", torch.randn(batch, kv_heads, length, dim))
@@ -44,12 +44,13 @@ def notes(compiled) -> list[str]:
 
 
 @pytest.mark.parametrize("style", ["gpt-fast", "hf"])
-@pytest.mark.parametrize("mask", ["bool", "float", "none"])
+@pytest.mark.parametrize("mask", ["bool", "float", "none", "broadcast"])
 def test_decode_attention_reads_the_cache_unrepeated(style, mask):
     torch.manual_seed(0)
     model = CachedAttention(style=style)
-    q = torch.randn(2, 1, 8, 16)
-    masks = {"bool": torch.rand(2, 1, 1, 24) > 0.3, "float": torch.randn(1, 1, 1, 24), "none": None}
+    q = torch.randn(4, 1, 16, 16)
+    masks = {"bool": torch.rand(4, 1, 1, 24) > 0.3, "float": torch.randn(1, 1, 1, 24), "none": None,
+             "broadcast": torch.randn(1, 1, 1, 24).expand(4, 16, 1, 24)}
     compiled = opfuse.optimize(model, options=EAGER)
     with torch.no_grad():
         got, want = compiled(q, masks[mask]), model(q, masks[mask])
@@ -74,14 +75,14 @@ def test_the_repeats_leave_the_graph_and_inductor_compiles_it():
 
         return aot_module_simplified(gm, inputs, fw_compiler=forward)
 
-    model, q = CachedAttention(groups=3, kv_heads=3), torch.randn(2, 1, 9, 16)
+    model, q = CachedAttention(groups=3, kv_heads=8), torch.randn(4, 1, 24, 16)
     mask = torch.rand(1, 1, 1, 24) > 0.5
     with torch.no_grad():
         torch.compile(model, backend=backend)(q, mask)
     (folded, left, before, after) = captured[0]
     assert (folded, left) == (1, [])
     assert (before, after) == (2, 1)  # two head repeats out; one expand of the mask over the folded queries in
-    compiled = opfuse.optimize(CachedAttention(groups=3, kv_heads=3))  # Inductor on the CPU
+    compiled = opfuse.optimize(CachedAttention(groups=3, kv_heads=8))  # Inductor on the CPU
     with torch.no_grad():
         torch.testing.assert_close(compiled(q, mask), compiled._orig_mod(q, mask), atol=1e-5, rtol=1e-5)
 
@@ -89,14 +90,16 @@ def test_the_repeats_leave_the_graph_and_inductor_compiles_it():
 @pytest.mark.parametrize("case, reason", [
     ("prefill", "3 query positions (folded only at decode: one position)"),
     ("causal", "a causal mask"),
-    ("mask per head", "the mask has shape [1, 8, 1, 24]"),
+    ("mask per head", "the mask has shape [1, 16, 1, 24]"),
+    ("one sequence", "batch x key/value heads = 1 x 4 < 16"),
     ("training", "outputs besides the attention's result are used (a training graph)"),
 ])
 def test_attentions_that_cannot_be_folded_say_why(case, reason):
     torch.manual_seed(1)
-    model = CachedAttention(causal=case == "causal")
-    q = torch.randn(2, 3 if case == "prefill" else 1, 8, 16, requires_grad=case == "training")
-    mask = torch.randn(1, 8, 1, 24) if case == "mask per head" else None
+    batch = 1 if case == "one sequence" else 4
+    model = CachedAttention(batch=batch, causal=case == "causal")
+    q = torch.randn(batch, 3 if case == "prefill" else 1, 16, 16, requires_grad=case == "training")
+    mask = torch.randn(1, 16, 1, 24) if case == "mask per head" else None
     compiled = opfuse.optimize(model, options=EAGER)
     with torch.set_grad_enabled(case == "training"):
         got, want = compiled(q, mask), model(q, mask)
@@ -114,10 +117,10 @@ def test_llama_decode_with_a_kv_cache_folds_every_layer_and_matches_eager():
         import llama_tp
     finally:
         sys.path.pop(0)
-    cfg = llama_tp.Config(dim=64, layers=2, heads=8, kv_heads=2, ffn=128, vocab=96, max_seq=32)
+    cfg = llama_tp.Config(dim=64, layers=2, heads=16, kv_heads=4, ffn=128, vocab=96, max_seq=32)
     model = llama_tp.unsharded(cfg)
-    model.setup_caches(batch=2, max_seq=32)
-    tokens, pos = torch.randint(0, cfg.vocab, (2, 1)), torch.tensor([5])
+    model.setup_caches(batch=4, max_seq=32)
+    tokens, pos = torch.randint(0, cfg.vocab, (4, 1)), torch.tensor([5])
     for layer in model.layers:
         for buf in (layer.attention.kv_cache.k, layer.attention.kv_cache.v):
             buf.copy_(torch.randn(buf.shape))
