@@ -36,6 +36,9 @@ _ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
 }
 
+#: Attention ops that take their mask at its full size ([B, H, Q, L]; broadcasts as stride 0).
+_FULL_MASK = {aten._scaled_dot_product_efficient_attention.default}
+
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 #: Fewest (batch x key/value heads) folded: the attention kernels (cuDNN's, the memory-efficient
@@ -142,7 +145,10 @@ def _fold(graph: fx.Graph, node: fx.Node, kwargs: dict, mask_name: str | None, k
                 mask = _call(graph, aten.slice.Tensor, (mask, 1, 0, 1))
             mask = _call(graph, aten.unsqueeze.default, (mask, 2))
             mask = _call(graph, aten.expand.default, (mask, [bm, 1, groups, 1, keys]))
-            folded[mask_name] = _call(graph, aten.view.default, (mask, [bm, 1, groups, keys]))
+            mask = _call(graph, aten.view.default, (mask, [bm, 1, groups, keys]))
+            if node.target in _FULL_MASK:
+                mask = _call(graph, aten.expand.default, (mask, [batch, kv_heads, groups, keys]))
+            folded[mask_name] = mask
         attention = _call(graph, node.target, (), folded)
     for user in list(node.users):  # getitem 0 only (_why_not)
         with graph.inserting_before(user):
