@@ -103,11 +103,14 @@ class Config:
     #: GPUs, but in line it is no faster than NCCL's gather (1.02x at 16 MiB per rank on 2x H200;
     #: docs/PERF_NOTES.md, "The backward all-gathers over peer memory").
     p2p_gradient_gathers: bool = False
-    #: Compiled models: a decode attention (one query position) over key/value heads repeated for
-    #: grouped-query attention (``repeat_interleave`` / Hugging Face's ``repeat_kv``) reads the
-    #: cache unrepeated, each group of query heads folded into query positions of its key/value
-    #: head (``OPFUSE_FOLD_GROUPED_QUERIES``; opfuse/torch_compile/grouped_attention.py). Exact.
-    fold_grouped_queries: bool = True
+    #: Compiled models: how a decode attention (one query position) over key/value heads repeated
+    #: for grouped-query attention (``repeat_interleave`` / Hugging Face's ``repeat_kv``) reads the
+    #: cache (``OPFUSE_GROUPED_QUERY_ATTENTION``; opfuse/torch_compile/grouped_attention.py):
+    #: ``auto`` unrepeated, by opfuse's ``decode_attention`` where an implementation other than its
+    #: reference runs (Triton on CUDA), else by folding the query groups into query positions of
+    #: the SDPA call where batch x key/value heads >= 16; ``fold`` always by the fold; ``repeat``
+    #: as the model writes it.
+    grouped_query_attention: str = "auto"
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they
     #: cover (add + norm, all-reduce + add + norm, GEMM + bias + activation): Inductor's own code for
@@ -319,7 +322,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "allreduce_chunks": _integer(0),
     "overlap_sm_carveout": _integer(0),
     "p2p_gradient_gathers": _boolean,
-    "fold_grouped_queries": _boolean,
+    "grouped_query_attention": _choice("auto", "fold", "repeat"),
     "reference_fusions": _choice("auto", "inductor", "keep"),
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
@@ -346,7 +349,7 @@ _ENV_NAMES = {
     "allreduce_chunks": "ALLREDUCE_CHUNKS",
     "overlap_sm_carveout": "OVERLAP_SM_CARVEOUT",
     "p2p_gradient_gathers": "P2P_GRADIENT_GATHERS",
-    "fold_grouped_queries": "FOLD_GROUPED_QUERIES",
+    "grouped_query_attention": "GROUPED_QUERY_ATTENTION",
     "reference_fusions": "REFERENCE_FUSIONS",
     "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",

@@ -143,6 +143,7 @@
 #   tools/gpu_session.sh s22-sim       # 1 GPU (~3 min; issue 30): simulated-rank timings, previous main vs this tree
 #   tools/gpu_session.sh s22-sim-timeline # 1 GPU (~1.5 min; issue 30): simulated-rank one-shot phase timelines
 #   tools/gpu_session.sh s23-gqa       # 1 GPU (~6 min; issue 26): decode attention over the unrepeated cache, world 1
+#   tools/gpu_session.sh s23-decode-attention # 1 GPU (~4 min; issue 26): Triton decode attention vs fold vs repeat
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
 #   tools/gpu_session.sh s23-split     # 1 GPU (~3 min; issue 30): one-shot rows split over clusters vs whole rows
 #   tools/gpu_session.sh s23-sim-stamps # 1 GPU (~1.5 min; issue 30): the one-shot's row epilogue, stamped
@@ -1138,6 +1139,14 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s23-decode-attention)
+    # Issue 26 on one GPU (~4 min): opfuse's decode_attention (Triton, split over the cache's
+    # positions) against the fold and the repeat: the GPU tests, then world-1 decode at batch 1
+    # and 8 (no profile, to fit the session's device time).
+    tests gqa 150 -q tests/gpu/test_grouped_attention_gpu.py
+    step decode_attention 300 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab
+    final_summary() { grep -E "^\||took|relative" "$OUT/decode_attention.log" | tail -30; }
     ;;
   s23-final)
     # Issue 30 on one GPU (~3 min): the final kernels' GPU tests (residual-norm kernels with the

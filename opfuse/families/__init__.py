@@ -12,7 +12,7 @@ family's fused ops lives in its ``fp8/`` folder.
 fused op is one new folder plus one line here (docs/EXTENDING.md).
 """
 
-from . import collective_linear, gated_activation, grouped_linear, horizontal_linear, linear, quantize, residual_norm
+from . import attention, collective_linear, gated_activation, grouped_linear, horizontal_linear, linear, quantize, residual_norm
 
 __all__ = ["FAMILIES"]
 
@@ -24,4 +24,5 @@ FAMILIES = (
     horizontal_linear.FAMILY,   # GEMMs reading one value as one GEMM (made by the horizontal_gemm pass)
     gated_activation.FAMILY,    # act(gate) * up of a packed [gate | up] value (horizontal_gemm pass)
     quantize.FAMILY,            # an activation to FP8 (and the quantizer every FP8 variant calls)
+    attention.FAMILY,           # decode attention over a key/value cache shared by query groups (compile front end)
 )

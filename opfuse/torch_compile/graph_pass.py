@@ -82,7 +82,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
     joined = view_adjacent_concatenations(gm.graph)
     casts = merge_duplicate_casts(gm.graph)
     integer_histogram_counts(gm.graph)
-    attentions, attentions_left = fold_grouped_queries(gm) if config.fold_grouped_queries else (0, [])
+    _, attention_notes = fold_grouped_queries(gm)
     overlaps = plan_overlaps(gm.graph) if config.overlap_collectives == "auto" else []
     chunked = []
     if config.overlap_collectives == "auto" and settings.fp8 is None:
@@ -92,10 +92,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
                               | {node for c in chunked for node in c.issues + c.waits})
     if casts:
         op_graph.notes.append(f"{casts} repeated dtype cast(s) of one value merged (torch.autocast casts per op)")
-    if attentions:
-        op_graph.notes.append(f"{attentions} decode attention(s) read the key/value cache without repeating its heads "
-                              f"(each group of query heads folded into query positions of its key/value head)")
-    op_graph.notes.extend(attentions_left)
+    op_graph.notes.extend(attention_notes)
     if joined:
         op_graph.notes.append(f"{joined} concatenation(s) of parameters stored back to back read as views of "
                               f"their storage (no copy)")

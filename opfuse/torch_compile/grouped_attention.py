@@ -6,27 +6,38 @@ both reach the aten graph as ``view(clone(expand(unsqueeze(k, 2), [B, Hk, g, L, 
 every decode step copies the whole key/value cache ``g`` times before the attention reads it
 (with a cache of L positions, 2 x g x L x Hk x D elements written and read again per layer).
 
-For a single query position (decode) the repeat is not needed: the ``g`` query heads that share a
-key/value head become ``g`` query *positions* of that head, ``q [B, Hk*g, 1, D] -> [B, Hk, g, D]``,
-which is exact (each query attends to its own key/value head with the same mask), and the
-attention reads the cache as it is. The output ``[B, Hk, g, D]`` is put back in head order
-(one copy of ``B x Hk*g x D`` elements). :func:`fold_grouped_queries` rewrites every such
-attention call; the others are listed with why they were left (training graphs, causal masks,
-masks per head, more than one query position).
+For a single query position (decode) the repeat is not needed, and :func:`fold_grouped_queries`
+removes it in one of two ways (``opfuse.config.grouped_query_attention``):
+
+* ``decode_attention`` (opfuse's op, :mod:`opfuse.families.attention`), whose Triton kernels split
+  the cache's positions over the GPU and take the ``g`` query heads of a key/value head as ``g``
+  rows of one tile;
+* the *fold*: the ``g`` query heads that share a key/value head become ``g`` query positions of
+  that head, ``q [B, Hk*g, 1, D] -> [B, Hk, g, D]`` (exact: each query attends to its own key/value
+  head with the same mask), through the SDPA kernel the graph already calls; the output ``[B, Hk,
+  g, D]`` is put back in head order (one copy of ``B x Hk*g x D`` elements). Those kernels run one
+  block per (sequence, key/value head) streaming the whole cache, so the fold is used only with
+  at least :data:`MIN_FOLDED_HEADS` of them.
+
+Training graphs, causal masks, masks per head and more than one query position are left, each
+with its reason in ``explain()``.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 from torch import fx
 
+from ..config import config
+from ..families.attention import op as attention_op
 from ..machinery.aten import value as fake_value
 
 aten = torch.ops.aten
 
-__all__ = ["fold_grouped_queries"]
+__all__ = ["fold_grouped_queries", "MIN_FOLDED_HEADS"]
 
 #: The attention ops SDPA lowers to, and the name of each one's mask argument (None: takes none).
 _ATTENTION = {
@@ -41,11 +52,11 @@ _FULL_MASK = {aten._scaled_dot_product_efficient_attention.default}
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
-#: Fewest (batch x key/value heads) folded: the attention kernels (cuDNN's, the memory-efficient
-#: one) give each (sequence, head) of the folded call one block streaming the whole cache, so with
-#: few of them the GPU is mostly idle. One H200, cache of 1024 positions, 8 groups: at 1 x 8 the
-#: folded cuDNN attention took 24.8 us per layer against 21.7 for the repeat copies and the
-#: attention over them; at 8 x 8, 25.9 against 157 (docs/PERF_NOTES.model.md, session 23).
+#: Fewest (batch x key/value heads) for the fold: the SDPA kernels give each (sequence, head) of
+#: the folded call one block streaming the whole cache, so with few of them the GPU is mostly idle.
+#: One H200, cache of 1024 positions, 8 groups: at 1 x 8 the folded cuDNN attention took 24.8 us
+#: per layer against 21.7 for the repeat copies and the attention over them; at 8 x 8, 25.9
+#: against 157 (docs/PERF_NOTES.model.md, session 23).
 MIN_FOLDED_HEADS = 16
 
 
@@ -79,7 +90,7 @@ def _repeated_heads(node) -> tuple[fx.Node, int] | None:
 def _mask_source(mask):
     """``mask`` before the broadcasts SDPA adds over the heads and the query positions (an
     ``expand`` to ``[B, H, Q, L]`` of a mask with one head and one position), or ``mask``. (A mask
-    broadcast over the heads before it reached the graph, stride 0, is sliced in :func:`_fold`.)"""
+    broadcast over the heads before it reached the graph, stride 0, is sliced in :func:`_one_mask`.)"""
     while isinstance(mask, fx.Node) and mask.target == aten.expand.default:
         val = fake_value(mask.args[0])
         if not isinstance(val, torch.Tensor) or val.dim() != 4 or val.shape[1] != 1 or val.shape[2] != 1:
@@ -90,16 +101,13 @@ def _mask_source(mask):
 
 def _why_not(node: fx.Node, kwargs: dict, mask_name: str | None, groups: int) -> str | None:
     """Why attention ``node`` (kwargs normalised; key and value heads repeated ``groups`` times)
-    cannot, or should not, read them unrepeated; None when it should."""
+    cannot read them unrepeated; None when it can."""
     query = fake_value(kwargs["query"])
     if query is None or query.dim() != 4:
         return "the query is not [batch, heads, positions, dim]"
     if query.shape[2] != 1:
-        return f"{query.shape[2]} query positions (folded only at decode: one position)"
+        return f"{query.shape[2]} query positions (only decode, one position, reads them unrepeated)"
     batch, heads, _, dim = query.shape
-    if batch * (heads // groups) < MIN_FOLDED_HEADS:
-        return (f"batch x key/value heads = {batch} x {heads // groups} < {MIN_FOLDED_HEADS}: folded, the attention "
-                f"would run one block per key/value head, slower than over the repeated heads")
     try:
         query.view(batch, heads // groups, groups, dim)
     except RuntimeError:
@@ -116,7 +124,7 @@ def _why_not(node: fx.Node, kwargs: dict, mask_name: str | None, groups: int) ->
         val = fake_value(mask)
         if val is None or val.dim() != 4 or (val.shape[1] != 1 and val.stride(1) != 0) or val.shape[2] != 1:
             shape = None if val is None else list(val.shape)
-            return f"the mask has shape {shape} (folded: one mask for every head, [batch, 1, 1, keys])"
+            return f"the mask has shape {shape} (one mask for every head is needed, [batch, 1, 1, keys])"
     return None
 
 
@@ -129,6 +137,23 @@ def _call(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> f
     return node
 
 
+def _one_mask(graph: fx.Graph, mask: fx.Node | None) -> fx.Node | None:
+    """``mask`` as ``[Bm, 1, 1, L]`` (a mask broadcast over the heads by stride 0 sliced to one head)."""
+    if mask is not None and fake_value(mask).shape[1] != 1:  # every head's row is the same memory
+        mask = _call(graph, aten.slice.Tensor, (mask, 1, 0, 1))
+    return mask
+
+
+def _replace_result(graph: fx.Graph, node: fx.Node, make) -> None:
+    """Every ``getitem(node, 0)`` (the only outputs used: :func:`_why_not`) replaced by ``make()``'s node."""
+    for user in list(node.users):
+        with graph.inserting_before(user):
+            result = make()
+        user.replace_all_uses_with(result)
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
 def _fold(graph: fx.Graph, node: fx.Node, kwargs: dict, mask_name: str | None, key: fx.Node, value: fx.Node,
           groups: int) -> None:
     query = kwargs["query"]
@@ -138,11 +163,9 @@ def _fold(graph: fx.Graph, node: fx.Node, kwargs: dict, mask_name: str | None, k
         folded = dict(kwargs)
         folded["query"] = _call(graph, aten.view.default, (query, [batch, kv_heads, groups, dim]))
         folded["key"], folded["value"] = key, value
-        mask = _mask_source(kwargs.get(mask_name)) if mask_name else None
+        mask = _one_mask(graph, _mask_source(kwargs.get(mask_name)) if mask_name else None)
         if mask is not None:  # [Bm, 1, 1, L] -> [Bm, 1, g, L]: the same row for each folded query (no copy)
-            bm, mask_heads, _, keys = fake_value(mask).shape
-            if mask_heads != 1:  # every head's row is the same memory (stride 0): take the first
-                mask = _call(graph, aten.slice.Tensor, (mask, 1, 0, 1))
+            bm, _, _, keys = fake_value(mask).shape
             mask = _call(graph, aten.unsqueeze.default, (mask, 2))
             mask = _call(graph, aten.expand.default, (mask, [bm, 1, groups, 1, keys]))
             mask = _call(graph, aten.view.default, (mask, [bm, 1, groups, keys]))
@@ -150,25 +173,37 @@ def _fold(graph: fx.Graph, node: fx.Node, kwargs: dict, mask_name: str | None, k
                 mask = _call(graph, aten.expand.default, (mask, [batch, kv_heads, groups, keys]))
             folded[mask_name] = mask
         attention = _call(graph, node.target, (), folded)
-    for user in list(node.users):  # getitem 0 only (_why_not)
-        with graph.inserting_before(user):
-            out = _call(graph, operator.getitem, (attention, 0))
-            # [B, Hk, g, D] in the kernel's query-major memory -> head order h * g + i, as the repeat had them.
-            ordered = _call(graph, aten.clone.default, (out,), {"memory_format": torch.contiguous_format})
-            restored = _call(graph, aten.view.default, (ordered, [batch, heads, 1, fake_value(out).shape[-1]]))
-        user.replace_all_uses_with(restored)
-        graph.erase_node(user)
-    graph.erase_node(node)
+
+    def result():
+        out = _call(graph, operator.getitem, (attention, 0))
+        # [B, Hk, g, D] in the kernel's query-major memory -> head order h * g + i, as the repeat had them.
+        ordered = _call(graph, aten.clone.default, (out,), {"memory_format": torch.contiguous_format})
+        return _call(graph, aten.view.default, (ordered, [batch, heads, 1, fake_value(out).shape[-1]]))
+
+    _replace_result(graph, node, result)
+
+
+def _decode_attention(graph: fx.Graph, node: fx.Node, kwargs: dict, mask_name: str | None, key: fx.Node,
+                      value: fx.Node, impl: str) -> None:
+    query = kwargs["query"]
+    scale = kwargs.get("scale")
+    if scale is None:
+        scale = 1.0 / math.sqrt(fake_value(query).shape[-1])
+    with graph.inserting_before(node):
+        mask = _one_mask(graph, _mask_source(kwargs.get(mask_name)) if mask_name else None)
+        out = _call(graph, torch.ops.opfuse.decode_attention.default, (query, key, value, mask, float(scale), impl))
+    _replace_result(graph, node, lambda: out)
 
 
 def fold_grouped_queries(gm: fx.GraphModule) -> tuple[int, list[str]]:
     """Rewrite every decode attention of ``gm`` that reads repeated key/value heads to read them
     unrepeated (module docstring). Returns how many were rewritten, and a note per attention over
-    repeated heads that was left as it is (why)."""
+    repeated heads: how it was rewritten, or why it was left."""
+    setting = config.grouped_query_attention
     graph = gm.graph
-    folded, left = 0, []
+    rewritten, notes = 0, []
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _ATTENTION:
+        if node.op != "call_function" or node.target not in _ATTENTION or setting == "repeat":
             continue
         mask_name = _ATTENTION[node.target]
         normalized = node.normalized_arguments(gm, normalize_to_only_use_kwargs=True)
@@ -179,20 +214,36 @@ def fold_grouped_queries(gm: fx.GraphModule) -> tuple[int, list[str]]:
         if key is None or value is None:
             continue
         if key[1] != value[1]:
-            left.append(f"attention {node.name}: keys and values repeated {key[1]} and {value[1]} times")
+            notes.append(f"attention {node.name}: keys and values repeated {key[1]} and {value[1]} times")
             continue
+        what = f"attention {node.name} over key/value heads repeated {key[1]} times"
         why = _why_not(node, kwargs, mask_name, key[1])
         if why is not None:
-            left.append(f"attention {node.name} reads key/value heads repeated {key[1]} times: {why}")
+            notes.append(f"{what}: left repeated: {why}")
             continue
+        query = fake_value(kwargs["query"])
+        batch, kv_heads = query.shape[0], query.shape[1] // key[1]
+        choice = attention_op.choose_decode_attention(query, fake_value(key[0]), fake_value(value[0])) \
+            if setting == "auto" else None
         repeats = [kwargs["key"], kwargs["value"]]
-        _fold(graph, node, kwargs, mask_name, key[0], value[0], key[1])
+        if choice is not None and choice.name != "reference":
+            _decode_attention(graph, node, kwargs, mask_name, key[0], value[0], choice.name)
+            notes.append(f"{what}: decode_attention={choice.name}, the cache read unrepeated")
+        elif setting == "fold" or batch * kv_heads >= MIN_FOLDED_HEADS:
+            _fold(graph, node, kwargs, mask_name, key[0], value[0], key[1])
+            notes.append(f"{what}: query groups folded into query positions, the cache read unrepeated")
+        else:
+            skipped = "; ".join(f"{name}: {reason}" for name, reason in choice.skipped) if choice else ""
+            notes.append(f"{what}: left repeated: batch x key/value heads = {batch} x {kv_heads} < "
+                         f"{MIN_FOLDED_HEADS} (folded, the SDPA kernels would run one block per key/value head, "
+                         f"slower than over the repeated heads){'; ' + skipped if skipped else ''}")
+            continue
         for repeat in repeats:  # view <- clone <- expand <- unsqueeze, now read by nothing (unless shared)
             while isinstance(repeat, fx.Node) and not repeat.users and repeat.op == "call_function":
                 source = repeat.args[0]
                 graph.erase_node(repeat)
                 repeat = source if source is not key[0] and source is not value[0] else None
-        folded += 1
-    if folded:
+        rewritten += 1
+    if rewritten:
         gm.recompile()
-    return folded, left
+    return rewritten, notes
