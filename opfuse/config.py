@@ -106,10 +106,11 @@ class Config:
     #: Compiled models: how a decode attention (one query position) over key/value heads repeated
     #: for grouped-query attention (``repeat_interleave`` / Hugging Face's ``repeat_kv``) reads the
     #: cache (``OPFUSE_GROUPED_QUERY_ATTENTION``; opfuse/torch_compile/grouped_attention.py):
-    #: ``auto`` unrepeated, by opfuse's ``decode_attention`` where an implementation other than its
-    #: reference runs (Triton on CUDA), else by folding the query groups into query positions of
-    #: the SDPA call where batch x key/value heads >= 16; ``fold`` always by the fold; ``repeat``
-    #: as the model writes it.
+    #: ``auto`` unrepeated by folding the query groups into query positions of the SDPA call where
+    #: batch x key/value heads >= 16 (measured), else repeated; ``fold`` always by the fold;
+    #: ``decode_attention`` by opfuse's ``decode_attention`` (Triton kernels split over the cache's
+    #: positions; exact on GPUs, not yet timed in a model) where it runs, else as ``auto``;
+    #: ``repeat`` as the model writes it.
     grouped_query_attention: str = "auto"
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they
@@ -322,7 +323,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "allreduce_chunks": _integer(0),
     "overlap_sm_carveout": _integer(0),
     "p2p_gradient_gathers": _boolean,
-    "grouped_query_attention": _choice("auto", "fold", "repeat"),
+    "grouped_query_attention": _choice("auto", "fold", "decode_attention", "repeat"),
     "reference_fusions": _choice("auto", "inductor", "keep"),
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),

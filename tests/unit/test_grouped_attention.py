@@ -87,6 +87,21 @@ def test_the_repeats_leave_the_graph_and_inductor_compiles_it():
         torch.testing.assert_close(compiled(q, mask), compiled._orig_mod(q, mask), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("inductor", [False, True])
+def test_the_decode_attention_op_in_a_compiled_graph(inductor):
+    """``grouped_query_attention="decode_attention"`` writes opfuse's op into the graph; on the CPU
+    only its reference runs, so it is forced here (on GPUs its Triton kernels: tests/gpu)."""
+    torch.manual_seed(2)
+    model, q = CachedAttention(batch=1, kv_heads=2, groups=4), torch.randn(1, 1, 8, 16)
+    mask = torch.rand(1, 1, 1, 24) > 0.4
+    with opfuse.config.override(grouped_query_attention="decode_attention", force_impl="decode_attention=reference"):
+        compiled = opfuse.optimize(model, options=None if inductor else EAGER)
+        with torch.no_grad():
+            got = compiled(q, mask)
+    torch.testing.assert_close(got, model(q, mask), atol=1e-5, rtol=1e-5)
+    assert any("decode_attention=reference, the cache read unrepeated" in n for n in notes(compiled)), notes(compiled)
+
+
 @pytest.mark.parametrize("case, reason", [
     ("prefill", "3 query positions (only decode, one position, reads them unrepeated)"),
     ("causal", "a causal mask"),
