@@ -101,6 +101,9 @@ EXCEPTIONS = {
         _FP8_LOWERING,
     ("opfuse.torch_compile.fp8_lower", "opfuse.families.residual_norm.op"):
         _FP8_LOWERING,
+    ("opfuse.torch_compile.grouped_attention", "opfuse.families.attention.op"):
+        "the grouped-query decode rewrite (an aten-graph rewrite before the op graph is built) writes the "
+        "attention family's decode_attention and asks it for the implementation",
     ("opfuse.torch_compile.fp8_aten", "opfuse.families.quantize.weight_pow2"):
         "the FP8 linears the lowering writes as aten ops call the quantize family's one-read weight quantizer "
         "(opfuse::quantize_weight_pow2) for power-of-two weight scales, and reserve its hints; " + _FP8_LOWERING,

@@ -38,14 +38,19 @@ namespace {
 constexpr int64_t kStateBytes = kCallStateBytes;
 constexpr int64_t kPushPacksPerBlock = 128;  // 2 KiB per peer per block
 
+// A tuning knob from the environment variable ``name``: ``fallback`` when it is unset or not a
+// positive number, otherwise clamped to [1, most]. Callers keep it in a function-local static
+// (read once per process: a graph captured early and one captured later launch alike).
+int64_t knob(const char* name, int64_t fallback, int64_t most) {
+  const char* text = std::getenv(name);
+  const long long value = text ? std::atoll(text) : 0;
+  return value <= 0 ? fallback : value > most ? most : value;
+}
+
 // kPushPacksPerBlock, or OPFUSE_ONESHOT_PUSH_PACKS when set (read once per process): the tuning
 // knob bench/allreduce_timeline.py --push-packs sweeps.
 int64_t push_packs_per_block() {
-  static const int64_t packs = [] {
-    const char* text = std::getenv("OPFUSE_ONESHOT_PUSH_PACKS");
-    const long long value = text ? std::atoll(text) : 0;
-    return value > 0 ? static_cast<int64_t>(value) : kPushPacksPerBlock;
-  }();
+  static const int64_t packs = knob("OPFUSE_ONESHOT_PUSH_PACKS", kPushPacksPerBlock, int64_t{1} << 30);
   return packs;
 }
 
@@ -80,11 +85,7 @@ enum OneShotPhase : int { kEntry = 0, kStateRead, kPushed, kArrived, kRowDone, k
 constexpr int kMaxPollDepth = 2;
 
 int poll_depth() {
-  static const int depth = [] {
-    const char* text = std::getenv("OPFUSE_ONESHOT_POLL_DEPTH");
-    const int value = text ? std::atoi(text) : 1;
-    return value < 1 ? 1 : value > kMaxPollDepth ? kMaxPollDepth : value;
-  }();
+  static const int depth = static_cast<int>(knob("OPFUSE_ONESHOT_POLL_DEPTH", 1, kMaxPollDepth));
   return depth;
 }
 
@@ -97,14 +98,10 @@ constexpr int kMinPartPacks = 128;
 constexpr int kMaxPartThreads = 512;
 static_assert(kMaxPartThreads <= 32 * kMaxClusterRowWarps, "ClusterRowShared holds a total per warp");
 
-// kMaxClusterRow, or OPFUSE_ONESHOT_ROW_SPLIT when set (1: whole rows; read once per process):
+// kMaxClusterRow, or OPFUSE_ONESHOT_ROW_SPLIT when set (1: whole rows; read once per process, knob()):
 // the largest number of blocks a row may be split over.
 int max_row_split() {
-  static const int limit = [] {
-    const char* text = std::getenv("OPFUSE_ONESHOT_ROW_SPLIT");
-    const int value = text ? std::atoi(text) : kMaxClusterRow;
-    return value < 1 ? 1 : value > kMaxClusterRow ? kMaxClusterRow : value;
-  }();
+  static const int limit = static_cast<int>(knob("OPFUSE_ONESHOT_ROW_SPLIT", kMaxClusterRow, kMaxClusterRow));
   return limit;
 }
 
