@@ -197,3 +197,17 @@ def test_decode_attention_kernels_under_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
     run = subprocess.run([sys.executable, "-c", DECODE_KERNELS], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("programs, length, sms", [(4, 1024, 132), (8, 1024, 132), (64, 512, 132), (512, 1024, 132),
+                                                   (4, 1, 132), (1, 4097, 132), (3, 37, 4)])
+def test_decode_attention_splits_cover_the_cache_once(programs, length, sms):
+    """About two programs per SM, never more splits than 32-position steps, and the splits
+    (whole steps each) cover every position exactly once."""
+    from opfuse.families.attention.triton_impl import BLOCK_N, splits_for
+
+    splits, per_split = splits_for(programs, length, sms)
+    assert per_split % BLOCK_N == 0 and splits >= 1
+    assert (splits - 1) * per_split < length <= splits * per_split
+    assert splits <= -(-length // BLOCK_N)
+    assert programs * splits >= min(2 * sms, programs * -(-length // BLOCK_N)) // 2
