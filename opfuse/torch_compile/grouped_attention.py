@@ -61,6 +61,12 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 MIN_FOLDED_HEADS = 16
 
 
+def _static(*sizes) -> bool:
+    """Whether every size is a plain int: a pass after the guards were made may not compare sizes
+    that vary between calls (that would add guards), so graphs with dynamic shapes are left."""
+    return all(isinstance(size, int) for shape in sizes for size in shape)
+
+
 def _repeated_heads(node) -> tuple[fx.Node, int] | None:
     """``(source, groups)`` when ``node`` is the head repeat of a ``[B, Hk, L, D]`` source, else None."""
     if not isinstance(node, fx.Node) or node.target not in _VIEWS:
@@ -78,8 +84,10 @@ def _repeated_heads(node) -> tuple[fx.Node, int] | None:
     val, out = fake_value(source), fake_value(node)
     if not isinstance(val, torch.Tensor) or not isinstance(out, torch.Tensor) or val.dim() != 4 or out.dim() != 4:
         return None
-    batch, heads, length, dim = val.shape
     sizes = list(expand.args[1])
+    if not _static(val.shape, out.shape, sizes):
+        return None
+    batch, heads, length, dim = val.shape
     if len(sizes) != 5 or sizes[:2] != [batch, heads] or sizes[3:] != [length, dim]:
         return None
     groups = sizes[2]
@@ -106,6 +114,10 @@ def _why_not(node: fx.Node, kwargs: dict, mask_name: str | None, groups: int) ->
     query = fake_value(kwargs["query"])
     if query is None or query.dim() != 4:
         return "the query is not [batch, heads, positions, dim]"
+    mask = _mask_source(kwargs.get(mask_name)) if mask_name else None
+    mask_val = fake_value(mask) if mask is not None else None
+    if not _static(query.shape, mask_val.shape if isinstance(mask_val, torch.Tensor) else ()):
+        return "sizes that vary between calls (dynamic shapes)"
     if query.shape[2] != 1:
         return f"{query.shape[2]} query positions (only decode, one position, reads them unrepeated)"
     batch, heads, _, dim = query.shape
@@ -120,7 +132,6 @@ def _why_not(node: fx.Node, kwargs: dict, mask_name: str | None, groups: int) ->
     users = list(node.users)
     if any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
         return "outputs besides the attention's result are used (a training graph)"
-    mask = _mask_source(kwargs.get(mask_name)) if mask_name else None
     if mask is not None:
         val = fake_value(mask)
         if val is None or val.dim() != 4 or (val.shape[1] != 1 and val.stride(1) != 0) or val.shape[2] != 1:

@@ -87,6 +87,23 @@ def test_the_repeats_leave_the_graph_and_inductor_compiles_it():
         torch.testing.assert_close(compiled(q, mask), compiled._orig_mod(q, mask), atol=1e-5, rtol=1e-5)
 
 
+def test_dynamic_shapes_are_left_as_they_are():
+    """With sizes that vary between calls (``dynamic=True``: the batch and the cache length here)
+    the rewrite compares no sizes (it runs after the guards were made) and the graph keeps its
+    repeat; outputs stay eager's."""
+
+    def attention(q, k, v):
+        k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    compiled = opfuse.optimize(attention, dynamic=True, options=EAGER)
+    for batch, length in ((4, 24), (5, 40)):
+        q, k, v = torch.randn(batch, 16, 1, 16), torch.randn(batch, 4, length, 16), torch.randn(batch, 4, length, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(q, k, v), attention(q, k, v), atol=1e-5, rtol=1e-5)
+    assert not any("the cache read unrepeated" in n for n in notes(compiled))
+
+
 @pytest.mark.parametrize("inductor", [False, True])
 def test_the_decode_attention_op_in_a_compiled_graph(inductor):
     """``grouped_query_attention="decode_attention"`` writes opfuse's op into the graph; on the CPU
