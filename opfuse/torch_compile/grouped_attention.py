@@ -34,6 +34,7 @@ from torch import fx
 
 from ..config import config, parse_force_impl
 from ..families.attention import op as attention_op
+from ..machinery.aten import is_static_size
 from ..machinery.aten import value as fake_value
 
 aten = torch.ops.aten
@@ -61,10 +62,10 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 MIN_FOLDED_HEADS = 16
 
 
-def _static(*sizes) -> bool:
+def _static(*shapes) -> bool:
     """Whether every size is a plain int: a pass after the guards were made may not compare sizes
     that vary between calls (that would add guards), so graphs with dynamic shapes are left."""
-    return all(isinstance(size, int) for shape in sizes for size in shape)
+    return all(is_static_size(size) for shape in shapes for size in shape)
 
 
 def _repeated_heads(node) -> tuple[fx.Node, int] | None:

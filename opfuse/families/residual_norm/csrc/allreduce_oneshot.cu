@@ -111,7 +111,7 @@ int max_row_split() {
 // on every rank (the same sizes and GPU kind), so ranks sum in the same order.
 int row_split(int64_t tokens, int nvec, int max_blocks) {
   for (int split = kMaxClusterRow; split > 1; split /= 2) {
-    const int span = (nvec + split - 1) / split;
+    const int span = part_span(nvec, split);
     if (split <= max_row_split() && tokens * split <= max_blocks && span >= kMinPartPacks && span <= kMaxPartThreads)
       return split;
   }
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kSplitRows ? kMaxPartThreads : kMaxThreads, 1)
   if constexpr (kSplitRows) {
     part.init(&cluster_row);
     split = static_cast<int>(part.blocks);
-    const int span = (nvec + split - 1) / split;
+    const int span = part_span(nvec, split);
     part.first = static_cast<int>(part.rank) * span;
     part.count = max(0, min(span, nvec - part.first));
   } else {
@@ -319,7 +319,7 @@ const char* allreduce_oneshot(const ResidualNormArgs& args, const PeerRegion& re
   want = (want + split - 1) / split * split;
   const int64_t cap = (max_blocks < kCallSlots ? max_blocks : kCallSlots) / split * split;
   const int blocks = static_cast<int>(want < cap ? want : cap);
-  const int span = (layout.nvec + split - 1) / split;
+  const int span = part_span(layout.nvec, split);
   const int threads = split > 1 ? (span + 31) / 32 * 32 : layout.threads;
   OneShotLaunch launch{args,        wait,         region.addresses, region.local,
                        region.timeline, region.rank, region.world,     poll_depth(),

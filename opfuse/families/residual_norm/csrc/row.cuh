@@ -1,7 +1,7 @@
 // Row-level building blocks shared by every residual-norm kernel: the thread layout of one row,
 // the bias + residual + norm epilogue, argument checks and the dtype/VPT dispatch.
 //
-// A block works on one row (or one part of a row, RowPart) at a time. Thread t owns the 16-byte
+// A block works on one row (or one part of a row: WholeRow, ClusterRow) at a time. Thread t owns the 16-byte
 // packs first + t, first + t + blockDim.x, ... (VPT of them), so a row lives in registers between
 // the reduction and the normalisation.
 #pragma once
@@ -107,22 +107,10 @@ struct WholeRow {
 // Blocks a ClusterRow may split a row over (the portable cluster size).
 constexpr int kMaxClusterRow = 8;
 
-// A row split over the blocks of a thread-block cluster (sm_90): block rank r of the cluster
-// handles [r * span, (r + 1) * span). Moving a whole row (the received packs, the operands, h and
-// y: ~6 x the row's bytes) through one SM bounds a small call's epilogue; split k ways, each SM
-// moves 1/k of it.
-//
-// A reduction sends every warp's total into every block's shared memory (st.async, which signals
-// the receiver's mbarrier with its bytes); each block then reduces the blocks x warps totals in one
-// fixed order, so every block gets the same bits. Neither a block nor a cluster barrier per
-// reduction: a cluster barrier's release would wait for every global store the block has issued
-// (its pushes to the peers, h, the sentinels: measured ~1.7 us on simulated ranks), which is what
-// the split is meant to take off the row's path. Reductions alternate between two slots and
-// mbarriers. A block sends reduction n + 2 into a slot only after it completed n + 1, which needed
-// every block's n + 1 totals, sent after that block had read the slot's reduction n; so a slot is
-// never overwritten while unread, and an mbarrier never sees a phase's bytes before its previous
-// phase completed. No block exits before it has received the last reduction's totals, so nothing
-// is sent to a block that has exited.
+// Packs of each part of a row of ``nvec`` packs split over ``split`` blocks (the last part may be
+// shorter); the host's launch and the kernel's parts use this one formula.
+__host__ __device__ __forceinline__ int part_span(int nvec, int split) { return (nvec + split - 1) / split; }
+
 // Warps per block of a split row (512 threads).
 constexpr int kMaxClusterRowWarps = 16;
 
@@ -142,6 +130,22 @@ __device__ __forceinline__ uint32_t cluster_address(uint32_t local, uint32_t ran
   return remote;
 }
 
+// A row split over the blocks of a thread-block cluster (sm_90): block rank r of the cluster
+// handles [r * span, (r + 1) * span) (span: part_span). Moving a whole row (the received packs, the operands, h and
+// y: ~6 x the row's bytes) through one SM bounds a small call's epilogue; split k ways, each SM
+// moves 1/k of it.
+//
+// A reduction sends every warp's total into every block's shared memory (st.async, which signals
+// the receiver's mbarrier with its bytes); each block then reduces the blocks x warps totals in one
+// fixed order, so every block gets the same bits. Neither a block nor a cluster barrier per
+// reduction: a cluster barrier's release would wait for every global store the block has issued
+// (its pushes to the peers, h, the sentinels: measured ~1.7 us on simulated ranks), which is what
+// the split is meant to take off the row's path. Reductions alternate between two slots and
+// mbarriers. A block sends reduction n + 2 into a slot only after it completed n + 1, which needed
+// every block's n + 1 totals, sent after that block had read the slot's reduction n; so a slot is
+// never overwritten while unread, and an mbarrier never sees a phase's bytes before its previous
+// phase completed. No block exits before it has received the last reduction's totals, so nothing
+// is sent to a block that has exited.
 struct ClusterRow {
   int first = 0;
   int count = 0;
