@@ -50,9 +50,9 @@ torch.compile, tp cases) to the training cases (targets: <= 0.75x compile bf16, 
 ``--merge-ab`` adds ``opfuse unmerged`` (merge_projections=False) to decode (target: merged <= 0.97x).
 ``--pdl-ab`` adds ``opfuse no PDL`` (the peer kernels launched without programmatic dependent launch).
 ``--gqa-ab`` adds ``opfuse repeated kv`` (decode attention reading the key/value heads repeated, as the
-model writes it: ``grouped_query_attention="repeat"``), ``opfuse folded sdpa`` (the query groups
-folded into the SDPA call at every batch: ``"fold"``) and ``opfuse decode_attention`` (opfuse's Triton
-decode attention: ``"decode_attention"``).
+model writes it: ``grouped_query_attention="repeat"``) and ``opfuse folded sdpa`` (the query groups
+folded into the SDPA call at every batch: ``"fold"``) beside ``opfuse`` (``"auto"``: opfuse's Triton
+``decode_attention`` on GPUs).
 
 CUDA graphs in training: ``--train-mode reduce-overhead`` compiles every training variant with
 mode="reduce-overhead" (cudagraph trees, ``torch.compiler.cudagraph_mark_step_begin()`` before each
@@ -346,7 +346,7 @@ def worker(rank, world, opts, out_path):
         def decode_case(batch):
             names = ("eager", "compile", "opfuse") + (("opfuse unmerged",) if opts.get("merge_ab") else ()) \
                 + (("opfuse no PDL",) if opts.get("pdl_ab") else ()) \
-                + (("opfuse repeated kv", "opfuse folded sdpa", "opfuse decode_attention") if opts.get("gqa_ab") else ())
+                + (("opfuse repeated kv", "opfuse folded sdpa") if opts.get("gqa_ab") else ())
             full = llama_tp.unsharded(cfg, dtype, device)
             models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device, full=full) for v in names}
             full = None
@@ -368,8 +368,7 @@ def worker(rank, world, opts, out_path):
                 if opts.get("pdl_ab"):  # issue 30: the peer kernels launched without PDL (captured so)
                     compiled["opfuse no PDL"] = _with_settings(opfuse_fn(models["opfuse no PDL"]), pdl=False)
                 if opts.get("gqa_ab"):  # the attention reading repeated key/value heads, as the model writes it
-                    for name, setting in (("opfuse repeated kv", "repeat"), ("opfuse folded sdpa", "fold"),
-                                          ("opfuse decode_attention", "decode_attention")):
+                    for name, setting in (("opfuse repeated kv", "repeat"), ("opfuse folded sdpa", "fold")):
                         compiled[name] = _with_settings(opfuse_fn(models[name]), grouped_query_attention=setting)
                 errors = {}
                 for name, fn in compiled.items():

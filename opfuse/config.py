@@ -106,11 +106,12 @@ class Config:
     #: Compiled models: how a decode attention (one query position) over key/value heads repeated
     #: for grouped-query attention (``repeat_interleave`` / Hugging Face's ``repeat_kv``) reads the
     #: cache (``OPFUSE_GROUPED_QUERY_ATTENTION``; opfuse/torch_compile/grouped_attention.py):
-    #: ``auto`` unrepeated by folding the query groups into query positions of the SDPA call where
-    #: batch x key/value heads >= 16 (measured), else repeated; ``fold`` always by the fold;
-    #: ``decode_attention`` by opfuse's ``decode_attention`` (Triton kernels split over the cache's
-    #: positions; exact on GPUs, not yet timed in a model) where it runs, else as ``auto``;
-    #: ``repeat`` as the model writes it.
+    #: ``auto`` unrepeated: by opfuse's ``decode_attention`` (Triton kernels split over the cache's
+    #: positions) where its kernels take the call, else by folding the query groups into query
+    #: positions of the SDPA call where batch x key/value heads >= 16, else repeated (measured:
+    #: docs/PERF_NOTES.model.md, sessions 23-24); ``fold`` always by the fold; ``decode_attention``
+    #: by ``decode_attention`` where an implementation runs (its reference too where forced), else
+    #: as ``auto``; ``repeat`` as the model writes it.
     grouped_query_attention: str = "auto"
     #: Fusions in graphs Inductor compiles that only their reference implementation could run
     #: (``OPFUSE_REFERENCE_FUSIONS``), for fused ops whose reference runs the very aten ops they

@@ -145,6 +145,8 @@
 #   tools/gpu_session.sh s23-gqa       # 1 GPU (~6 min; issue 26): decode attention over the unrepeated cache, world 1
 #   tools/gpu_session.sh s23-decode-attention # 1 GPU (~4 min; issue 26): Triton decode attention vs fold vs repeat
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
+#   tools/gpu_session.sh s24-gqa-auto  # 1 GPU (~5 min): decode_attention as auto: GQA tests, decode 64 / 1 world 1
+#   tools/gpu_session.sh s24-1gpu      # 1 GPU (~6 min): kernel tests on the final C++, GQA tests, decode 1/8/64 repeat/fold/decode_attention
 #   tools/gpu_session.sh s23-split     # 1 GPU (~3 min; issue 30): one-shot rows split over clusters vs whole rows
 #   tools/gpu_session.sh s23-sim-stamps # 1 GPU (~1.5 min; issue 30): the one-shot's row epilogue, stamped
 #   tools/gpu_session.sh s22-ar-clear  # 2 GPUs (~6.5 min; issue 30): clear-on-read one-shot, poll depth 1 vs 2: NCCL
@@ -1139,6 +1141,27 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s24-gqa-auto)
+    # One GPU (~5 min; issue 26): decode_attention as the default (auto): the grouped-attention GPU
+    # tests, then world-1 decode at batch 64 and 1 (batch 8 measured in s24-1gpu) against the fold,
+    # the repeat and torch.compile.
+    tests gqa 90 -q tests/gpu/test_grouped_attention_gpu.py
+    step decode_auto 420 python3 bench/model.py --world 1 --cases decode --decode 64 1 --gqa-ab
+    final_summary() { grep -E "^\||took|relative" "$OUT/decode_auto.log" | tail -30; }
+    ;;
+  s24-1gpu)
+    # One GPU (~6 min): the residual-norm kernel tests on the final C++ (the tuning-knob helper, the
+    # split row's part_span, the dead peer while a row is split over a cluster), poll depth 2, the
+    # grouped-attention GPU tests, then world-1 decode at batch 1 / 8 / 64 with repeat, fold and
+    # opfuse's Triton decode_attention side by side (issue 26).
+    tests kernels 120 -q tests/gpu/test_residual_norm_kernels.py tests/gpu/test_fp8_allreduce_norm_kernels.py \
+      tests/gpu/test_residual_norm_lamport.py
+    step depth2 60 env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 -m pytest -q tests/gpu/test_residual_norm_kernels.py \
+      -k "oneshot or grid or skips or split"
+    tests gqa 90 -q tests/gpu/test_grouped_attention_gpu.py
+    step decode_attention 300 python3 bench/model.py --world 1 --cases decode --decode 1 8 64 --gqa-ab
+    final_summary() { grep -E "^\||took|relative" "$OUT/decode_attention.log" | tail -30; }
     ;;
   s23-decode-attention)
     # Issue 26 on one GPU (~4 min): opfuse's decode_attention (Triton, split over the cache's

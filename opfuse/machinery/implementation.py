@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .. import log
 from ..ops.base import ImplementationError, TensorMeta
 
-__all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "VaryingSize", "VaryingSizeError",
+__all__ = ["CallSpec", "Implementation", "Choice", "ImplementationError", "forced_for", "VaryingSize", "VaryingSizeError",
            "fixed_sizes", "choose", "always", "ImplementationTable"]
 
 
@@ -162,6 +162,16 @@ class Choice:
     @property
     def name(self) -> str:
         return self.impl.name
+
+
+def forced_for(op: str, impls: Sequence[Implementation], forced: Mapping[str | None, str]) -> str | None:
+    """The implementation of ``op`` that ``forced`` (``config.parse_force_impl``'s result) names: its
+    own entry, else a bare name (key None) where ``op`` has an implementation of that name (a bare
+    name forces every op that has it, and leaves the others to choose)."""
+    if op in forced:
+        return forced[op]
+    want = forced.get(None)
+    return want if want in {impl.name for impl in impls} else None
 
 
 def choose(spec: CallSpec, impls: Sequence[Implementation], forced: str | None = None) -> Choice:

@@ -34,7 +34,7 @@ from ..families.quantize.op import QuantizeActivation
 from ..families.residual_norm.op import _NormQuantize
 from ..fp8.tensor import tag
 from ..machinery.aten import c10d, calls
-from ..machinery.implementation import choose
+from ..machinery.implementation import choose, forced_for
 from ..ops import group as groups
 from ..ops.base import TensorMeta
 from ..ops.collectives import AllGather
@@ -422,8 +422,4 @@ class JointLowering(_Lowering):
                        quantized=tag(module.recipe.forward_dtype, module.recipe.rowwise))
         spec = Fp8Linear(weight=weight, bias=None, recipe=module.recipe).call_spec([x])
         impls = implementations.for_op("fp8_linear", spec)
-        forced = forced_implementations()
-        want = forced.get("fp8_linear", forced.get(None))
-        if want not in {i.name for i in impls}:
-            want = None
-        return choose(spec, impls, want).name
+        return choose(spec, impls, forced_for("fp8_linear", impls, forced_implementations())).name

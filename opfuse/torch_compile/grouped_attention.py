@@ -9,16 +9,17 @@ every decode step copies the whole key/value cache ``g`` times before the attent
 For a single query position (decode) the repeat is not needed, and :func:`fold_grouped_queries`
 removes it in one of two ways (``opfuse.config.grouped_query_attention``):
 
-* the *fold* (``auto``, the default, where it pays; ``fold``: everywhere): the ``g`` query heads that share a key/value head become ``g`` query positions of
-  that head, ``q [B, Hk*g, 1, D] -> [B, Hk, g, D]`` (exact: each query attends to its own key/value
-  head with the same mask), through the SDPA kernel the graph already calls; the output ``[B, Hk,
-  g, D]`` is put back in head order (one copy of ``B x Hk*g x D`` elements). Those kernels run one
-  block per (sequence, key/value head) streaming the whole cache, so the fold is used only with
-  at least :data:`MIN_FOLDED_HEADS` of them;
-* ``decode_attention`` (opfuse's op, :mod:`opfuse.families.attention`; setting
-  ``decode_attention``, opt-in until measured in a model), whose Triton kernels split the cache's
-  positions over the GPU and take the ``g`` query heads of a key/value head as ``g`` rows of one
-  tile, so even one sequence fills the GPU.
+* ``decode_attention`` (opfuse's op, :mod:`opfuse.families.attention`; ``auto``, the default,
+  wherever its Triton kernels take the call; setting ``decode_attention``: also its reference where
+  forced), whose kernels split the cache's positions over the GPU and take the ``g`` query heads of
+  a key/value head as ``g`` rows of one tile, so even one sequence fills the GPU;
+* the *fold* (``auto`` where the kernels above do not run, e.g. on the CPU, with at least
+  :data:`MIN_FOLDED_HEADS` (sequence, key/value head) pairs; ``fold``: everywhere): the ``g`` query
+  heads that share a key/value head become ``g`` query positions of that head, ``q [B, Hk*g, 1, D]
+  -> [B, Hk, g, D]`` (exact: each query attends to its own key/value head with the same mask),
+  through the SDPA kernel the graph already calls; the output ``[B, Hk, g, D]`` is put back in head
+  order (one copy of ``B x Hk*g x D`` elements). Those kernels run one block per (sequence,
+  key/value head) streaming the whole cache.
 
 Training graphs, causal masks, masks per head and more than one query position are left, each
 with its reason in ``explain()``.
@@ -32,7 +33,7 @@ import operator
 import torch
 from torch import fx
 
-from ..config import config, parse_force_impl
+from ..config import config
 from ..families.attention import op as attention_op
 from ..machinery.aten import is_static_size
 from ..machinery.aten import value as fake_value
@@ -208,13 +209,6 @@ def _decode_attention(graph: fx.Graph, node: fx.Node, kwargs: dict, mask_name: s
     _replace_result(graph, node, lambda: out)
 
 
-def _forced() -> bool:
-    """Whether ``OPFUSE_FORCE_IMPL`` names a ``decode_attention`` implementation (then it runs, the
-    reference included: forcing is for tests and measurements)."""
-    forced = parse_force_impl(config.force_impl)
-    return forced.get("decode_attention", forced.get(None)) is not None
-
-
 def fold_grouped_queries(gm: fx.GraphModule) -> tuple[int, list[str]]:
     """Rewrite every decode attention of ``gm`` that reads repeated key/value heads to read them
     unrepeated (module docstring). Returns how many were rewritten, and a note per attention over
@@ -243,10 +237,11 @@ def fold_grouped_queries(gm: fx.GraphModule) -> tuple[int, list[str]]:
             continue
         query = fake_value(kwargs["query"])
         batch, kv_heads = query.shape[0], query.shape[1] // key[1]
-        choice = attention_op.choose_decode_attention(query, fake_value(key[0]), fake_value(value[0])) \
-            if setting == "decode_attention" else None
+        choice, forced = attention_op.choose_decode_attention(query, fake_value(key[0]), fake_value(value[0])) \
+            if setting in ("auto", "decode_attention") else (None, False)
         repeats = [kwargs["key"], kwargs["value"]]
-        if choice is not None and (choice.name != "reference" or _forced()):
+        # The reference (the fold through the op) only where forced: for tests and measurements.
+        if choice is not None and (choice.name != "reference" or forced):
             _decode_attention(graph, node, kwargs, mask_name, key[0], value[0], choice.name)
             notes.append(f"{what}: decode_attention={choice.name}, the cache read unrepeated")
         elif setting == "fold" or batch * kv_heads >= MIN_FOLDED_HEADS:

@@ -55,7 +55,7 @@ from torch import nn
 from ..families.grouped_linear.op import GROUPED_LINEAR, GroupedGemm
 from ..core import dispatch as implementations
 from ..core.passes.select import forced_implementations
-from ..machinery.implementation import choose
+from ..machinery.implementation import choose, forced_for
 from ..ops.base import TensorMeta
 from ..ops.norm import compute_dtype
 from ..ops.packing import join_rows
@@ -178,9 +178,7 @@ def _grouped_impl(key: str) -> str:
         spec = _grouped_spec((int(tokens), int(k)), getattr(torch, dtype), device, int(groups), int(n), int(k),
                              grad == "1")
         impls = implementations.for_op("grouped_linear", spec)
-        forced = forced_implementations()
-        want = forced.get("grouped_linear", forced.get(None))
-        found = _IMPLS[key] = choose(spec, impls, want if want in {i.name for i in impls} else None).name
+        found = _IMPLS[key] = choose(spec, impls, forced_for("grouped_linear", impls, forced_implementations())).name
     return found
 
 

@@ -21,7 +21,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("setting, expect", [("decode_attention", "decode_attention=triton"),
+@pytest.mark.parametrize("setting, expect", [("auto", "decode_attention=triton"),
+                                             ("decode_attention", "decode_attention=triton"),
                                              ("fold", "folded into query positions")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("mask", ["bool", "float", "none"])

@@ -119,6 +119,19 @@ def test_the_decode_attention_op_in_a_compiled_graph(inductor):
     assert any("decode_attention=reference, the cache read unrepeated" in n for n in notes(compiled)), notes(compiled)
 
 
+def test_a_bare_forced_name_of_another_family_leaves_auto_to_its_rule():
+    """``OPFUSE_FORCE_IMPL=cuda`` forces the ops that have a ``cuda`` implementation; ``decode_attention``
+    has none, so ``auto`` chooses as it would (on the CPU: the fold) instead of failing."""
+    torch.manual_seed(4)
+    model, q = CachedAttention(), torch.randn(4, 1, 16, 16)
+    with opfuse.config.override(force_impl="cuda"):
+        compiled = opfuse.optimize(model, options=EAGER)
+        with torch.no_grad():
+            got = compiled(q)
+    torch.testing.assert_close(got, model(q), atol=1e-5, rtol=1e-5)
+    assert any("query groups folded into query positions" in n for n in notes(compiled)), notes(compiled)
+
+
 @pytest.mark.parametrize("case, reason", [
     ("prefill", "3 query positions (only decode, one position, reads them unrepeated)"),
     ("causal", "a causal mask"),

@@ -7,7 +7,7 @@ import torch
 
 from opfuse.core import dispatch as implementations
 from opfuse.machinery import fused_op as registry
-from opfuse.machinery.implementation import CallSpec, Implementation, ImplementationError, choose
+from opfuse.machinery.implementation import CallSpec, Implementation, ImplementationError, choose, forced_for
 from opfuse.families.residual_norm import cuda as norm_cuda
 from opfuse.runtime import symm_pool
 from opfuse.ops.base import TensorMeta
@@ -78,6 +78,15 @@ def test_forcing_is_strict():
     with pytest.raises(ImplementationError, match=r"forced implementation 'z' does not exist; known: \['a', 'b'\]"):
         choose(_spec(), impls, forced="z")
     assert choose(_spec(), impls, forced="b").name == "b"
+
+
+def test_a_bare_forced_name_forces_only_the_ops_that_have_it():
+    impls = [Implementation("a", lambda s: None, lambda *a: None), Implementation("b", lambda s: None, lambda *a: None)]
+    assert forced_for("op", impls, {None: "b"}) == "b"
+    assert forced_for("op", impls, {None: "cuda"}) is None  # another family's name: this op chooses freely
+    assert forced_for("op", impls, {"op": "a", None: "b"}) == "a"  # its own entry wins over the bare name
+    assert forced_for("op", impls, {"op": "z"}) == "z"  # named for this op: checked (and refused) by choose
+    assert forced_for("op", impls, {"other": "a"}) is None
 
 
 class _FakeExtension:

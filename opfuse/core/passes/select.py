@@ -15,7 +15,7 @@ from torch import fx
 
 from .. import dispatch as implementations
 from ...machinery.fused_op import FusedOp
-from ...machinery.implementation import ImplementationError, choose
+from ...machinery.implementation import ImplementationError, choose, forced_for
 from ...runtime import symm_pool
 from ...config import config, parse_force_impl
 from ...ops import group as groups
@@ -63,10 +63,7 @@ def select_implementations(gm: fx.GraphModule, ctx) -> None:
             spec = dataclasses.replace(spec, requires_grad=True)
         _open_peer_memory(spec)
         impls = implementations.for_op(op.name, spec)
-        want = forced.get(op.name, forced.get(None))
-        if want is not None and op.name not in forced and want not in {i.name for i in impls}:
-            want = None  # a bare forced name applies to the ops that have an implementation of that name
-        choice = choose(spec, impls, want)
+        choice = choose(spec, impls, forced_for(op.name, impls, forced))
         op.implementation = choice.impl
         op.skipped = choice.skipped
         node.meta["opfuse_impl"] = choice.name

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ...config import config, parse_force_impl
 from ...machinery.fused_op import FusedOp, define_fused_op
-from ...machinery.implementation import CallSpec, Choice, choose
+from ...machinery.implementation import CallSpec, Choice, choose, forced_for
 from ...ops.base import TensorMeta
 from .implementations import TABLE
 
@@ -53,9 +53,10 @@ class DecodeAttention(FusedOp):
         return DECODE_ATTENTION(q, k, v, mask, float(scale), self._impl())
 
 
-def choose_decode_attention(q: Tensor, k: Tensor, v: Tensor) -> Choice:
+def choose_decode_attention(q: Tensor, k: Tensor, v: Tensor) -> tuple[Choice, bool]:
     """The implementation for these operands (fake tensors will do): the first capable in table
-    order, or the one ``OPFUSE_FORCE_IMPL`` names."""
+    order, or the one ``OPFUSE_FORCE_IMPL`` names; and whether it was forced."""
     spec = _spec(TensorMeta.of(q), TensorMeta.of(k), TensorMeta.of(v))
-    forced = parse_force_impl(config.force_impl)
-    return choose(spec, TABLE.for_op("decode_attention", spec), forced.get("decode_attention", forced.get(None)))
+    impls = TABLE.for_op("decode_attention", spec)
+    forced = forced_for("decode_attention", impls, parse_force_impl(config.force_impl))
+    return choose(spec, impls, forced), forced is not None
