@@ -262,6 +262,7 @@ def worker(rank, world, opts, out_path):
         # passes that move GEMMs (overlap.py) see what they see on a GPU.
         fp8_aten.IMPLEMENTATIONS = {"reference"}
     rows, notes, profiles, timeline_rows, started = [], [], {}, {}, time.perf_counter()
+    built = {}  # seconds the current case took to build its models (guarded's note)
     copy_gbs = None
     if device == "cuda" and "decode" in opts["cases"]:
         from timing import device_copy_gbs
@@ -301,9 +302,14 @@ def worker(rank, world, opts, out_path):
             timeline_rows[f"{row['case']} {row['shape']}"] = timelines
 
     def guarded(label, case, *args):
-        """One case; a failure becomes a note (the same failure on every rank) and the run goes on."""
+        """One case; a failure becomes a note (the same failure on every rank) and the run goes on.
+        Its wall time and the part that built its models go to the notes (the table's own cost)."""
+        start = time.perf_counter()
         try:
             case(*args)
+            if rank == 0:
+                notes.append(f"{label}: {time.perf_counter() - start:.0f} s in all, models built in "
+                             f"{built.pop('s', 0.0):.0f} s")
         except Exception as error:  # noqa: BLE001 - a case that cannot run is reported, not fatal
             notes.append(f"{label}: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
             torch._dynamo.reset()
@@ -347,16 +353,21 @@ def worker(rank, world, opts, out_path):
             names = ("eager", "compile", "opfuse") + (("opfuse unmerged",) if opts.get("merge_ab") else ()) \
                 + (("opfuse no PDL",) if opts.get("pdl_ab") else ()) \
                 + (("opfuse repeated kv", "opfuse folded sdpa") if opts.get("gqa_ab") else ())
+            building = time.perf_counter()
             full = llama_tp.unsharded(cfg, dtype, device)
             models = {v: llama_tp.build("dist", rank, world, cfg, dtype, device, full=full) for v in names}
             full = None
-            gen = torch.Generator().manual_seed(6)
+            built['s'] = time.perf_counter() - building
+            gen, filled = torch.Generator(device=device).manual_seed(6), []
             for model in models.values():
                 model.setup_caches(batch, opts["decode_cache"])
-                for layer in model.layers:  # a filled cache, the same in every variant
-                    for buf in (layer.attention.kv_cache.k, layer.attention.kv_cache.v):
-                        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf))
-                gen.manual_seed(6)
+                caches = [buf for layer in model.layers for buf in (layer.attention.kv_cache.k,
+                                                                     layer.attention.kv_cache.v)]
+                if not filled:  # a filled cache, the same in every variant
+                    filled = [torch.randn(buf.shape, generator=gen, device=device).to(buf) for buf in caches]
+                for buf, values in zip(caches, filled):
+                    buf.copy_(values)
+            filled = None
             row = {"case": "decode", "shape": f"batch {batch}"}
             with torch.no_grad():
                 ids = torch.randint(0, cfg.vocab, (batch, 1), generator=torch.Generator().manual_seed(3)).to(device)
@@ -437,9 +448,11 @@ def worker(rank, world, opts, out_path):
         elif opts.get("aa", True) and "compile:again" not in extra:
             extra.insert(0, "compile:again")  # the A/A control: what two identical models differ by here
         names = ["eager", only] if only else ["eager", "compile", "opfuse", *extra]
+        building = time.perf_counter()
         full = llama_tp.unsharded(cfg, train_dtype, device)
         models = {v: llama_tp.build(tp, rank, world, cfg, train_dtype, device, full=full) for v in names}
         full = None
+        built['s'] = time.perf_counter() - building
         ids = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(4)).to(device)
         grad = torch.randn(batch, seq, cfg.vocab, generator=torch.Generator().manual_seed(5)).to(device, train_dtype)
         row = {"case": f"train-{mode}", "shape": f"{tokens} tok, batch {batch}"}

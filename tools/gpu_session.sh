@@ -145,6 +145,7 @@
 #   tools/gpu_session.sh s23-gqa       # 1 GPU (~6 min; issue 26): decode attention over the unrepeated cache, world 1
 #   tools/gpu_session.sh s23-decode-attention # 1 GPU (~4 min; issue 26): Triton decode attention vs fold vs repeat
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
+#   tools/gpu_session.sh s24-table     # 2 GPUs (~6 min; 1 GPU: world 1): bench/model.py's full default table, timed
 #   tools/gpu_session.sh s24-gqa-auto  # 1 GPU (~5 min): decode_attention as auto: GQA tests, decode 64 / 1 world 1
 #   tools/gpu_session.sh s24-1gpu      # 1 GPU (~6 min): kernel tests on the final C++, GQA tests, decode 1/8/64 repeat/fold/decode_attention
 #   tools/gpu_session.sh s23-split     # 1 GPU (~3 min; issue 30): one-shot rows split over clusters vs whole rows
@@ -1141,6 +1142,14 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s24-table)
+    # Issue 26 item 6 (~6 min on 2 GPUs; 1 GPU: world 1): the full default table of bench/model.py
+    # (decode 1/8/64, train-tp and train-sp at 2048/8192 tokens, batch 1/4) in one call, each case's
+    # wall time and model-build time in the notes.
+    world=$(python3 -c "import torch; print(min(2, torch.cuda.device_count()))")
+    step table 560 python3 bench/model.py --world "$world"
+    final_summary() { grep -E "^\||took|in all|relative" "$OUT/table.log" | tail -60; }
     ;;
   s24-gqa-auto)
     # One GPU (~5 min; issue 26): decode_attention as the default (auto): the grouped-attention GPU
