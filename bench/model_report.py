@@ -55,6 +55,11 @@ def tables(world, result, opts) -> tuple[str, list]:
                             None if floor_ratio is None else floor_ratio <= TARGETS["decode_floor"]))
         summary.append((world, case, "opfuse s / compile s", compile_ratio, f"<= {TARGETS['compile_time']}",
                         None if compile_ratio is None else compile_ratio <= TARGETS["compile_time"]))
+    timed = [r for r in result["rows"] if r.get("opfuse s") and r.get("compile s")]
+    if len(timed) > 1:  # over the run: the two took turns compiling first (bench/model.py)
+        total = ratio(sum(r["opfuse s"] for r in timed), sum(r["compile s"] for r in timed))
+        summary.append((world, f"all {len(timed)} cases", "opfuse s / compile s (summed)", total,
+                        f"<= {TARGETS['compile_time']}", total <= TARGETS["compile_time"]))
     others = EXTRA_COLUMNS
     extra = [(r, name) for r in result["rows"] for name in others if r.get(name) is not None]
     if extra:

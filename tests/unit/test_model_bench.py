@@ -49,6 +49,20 @@ def test_the_summary_shows_the_a_a_control_and_the_ratio_to_both_compiled_copies
     assert "| compile:again | 19600.0 |" in text  # the control's own row in the variants table
 
 
+def test_compile_time_is_also_summed_over_the_run_and_the_first_compile_alternates():
+    import model
+
+    opts = {"model": {"dim": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "layers": 2}, "device": "cuda"}
+    rows = [_row("train-sp", 18800.0, 19100.0), dict(_row("train-tp", 19000.0, 18700.0), **{"opfuse s": 16.0})]
+    _, summary = model_report.tables("2", {"rows": rows, "notes": [], "seconds": 1.0}, opts)
+    found = {(case, what): (value, met) for _, case, what, value, _, met in summary}
+    assert found[("all 2 cases", "opfuse s / compile s (summed)")] == (pytest.approx(22 / 20), False)
+    names = ["compile", "opfuse", "compile:again", "opfuse fp8"]
+    assert model._first_call_order(names, 0) == names
+    assert model._first_call_order(names, 1) == ["opfuse", "compile", "compile:again", "opfuse fp8"]
+    assert model._first_call_order(["compile"], 1) == ["compile"]  # --only: nothing to alternate
+
+
 def test_isolated_runs_combine_into_means_spreads_and_one_ratio():
     def run(variant, us):
         return variant, {"results": {"2": {"rows": [{"case": "train-sp", "shape": "2048 tok, batch 1", variant: us}]}}}
