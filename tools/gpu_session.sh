@@ -145,6 +145,8 @@
 #   tools/gpu_session.sh s23-gqa       # 1 GPU (~6 min; issue 26): decode attention over the unrepeated cache, world 1
 #   tools/gpu_session.sh s23-decode-attention # 1 GPU (~4 min; issue 26): Triton decode attention vs fold vs repeat
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
+#   tools/gpu_session.sh s24-attention # 1 GPU (~3 min): decode_attention's new kernels: GPU tests, decode 1/8/64 profiled
+#   tools/gpu_session.sh s24-decode-profile # 1 GPU (~2 min): decode batch 1 / 8 kernel tables at world 1
 #   tools/gpu_session.sh s24-table     # 2 GPUs (~6 min; 1 GPU: world 1): bench/model.py's full default table, timed
 #   tools/gpu_session.sh s24-gqa-auto  # 1 GPU (~5 min): decode_attention as auto: GQA tests, decode 64 / 1 world 1
 #   tools/gpu_session.sh s24-1gpu      # 1 GPU (~6 min): kernel tests on the final C++, GQA tests, decode 1/8/64 repeat/fold/decode_attention
@@ -1142,6 +1144,20 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s24-attention)
+    # Issue 26 on one GPU (~3 min): decode_attention with a pipelined partial kernel (tiles of 64
+    # positions) and a combine vectorised over the splits: the GPU tests, then world-1 decode at
+    # batch 1 / 8 / 64 with kernel tables.
+    tests gqa 90 -q tests/gpu/test_grouped_attention_gpu.py
+    step decode_profile 300 python3 bench/model.py --world 1 --cases decode --decode 1 8 64 --profile
+    final_summary() { grep -E "^\||took|in all|partial_kernel|combine_kernel" "$OUT/decode_profile.log" | tail -80; }
+    ;;
+  s24-decode-profile)
+    # Issue 26 on one GPU (~2 min): where decode's time goes at world 1 with decode_attention (kernel
+    # table per variant at batch 1 and 8), against the weight-streaming floor.
+    step decode_profile 300 python3 bench/model.py --world 1 --cases decode --decode 1 8 --profile
+    final_summary() { grep -E "^\||took|in all" "$OUT/decode_profile.log" | tail -80; }
     ;;
   s24-table)
     # Issue 26 item 6 (~6 min on 2 GPUs; 1 GPU: world 1): the full default table of bench/model.py

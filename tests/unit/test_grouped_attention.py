@@ -232,7 +232,7 @@ def test_decode_attention_kernels_under_the_triton_interpreter():
 @pytest.mark.parametrize("programs, length, sms", [(4, 1024, 132), (8, 1024, 132), (64, 512, 132), (512, 1024, 132),
                                                    (4, 1, 132), (1, 4097, 132), (3, 37, 4)])
 def test_decode_attention_splits_cover_the_cache_once(programs, length, sms):
-    """About two programs per SM, never more splits than 32-position steps, and the splits
+    """About two programs per SM, never more splits than steps of BLOCK_N positions, and the splits
     (whole steps each) cover every position exactly once."""
     from opfuse.families.attention.triton_impl import BLOCK_N, splits_for
 

@@ -5,6 +5,7 @@ kernels, one block per (sequence, head) streaming the whole cache, do not."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -12,7 +13,9 @@ from ...machinery.implementation import CallSpec
 
 __all__ = ["check", "forward", "splits_for"]
 
-BLOCK_N = 32  # cache positions per step of a program
+BLOCK_N = 64  # cache positions per step of a program
+S_BLOCK = 32  # splits the combine kernel loads at once
+STAGES = 2  # the partial kernel's software pipeline: one tile's loads in flight under another's math
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -48,6 +51,11 @@ def splits_for(programs: int, length: int, sms: int) -> tuple[int, int]:
     splits = max(1, min(steps, -(-2 * sms // max(programs, 1))))
     per_split = -(-steps // splits) * BLOCK_N
     return -(-length // per_split), per_split
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -86,11 +94,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     l_sum = torch.empty_like(m)
     partial_kernel[(batch * kv_heads, splits)](
         q3, k, v, rows, acc, m, l_sum, q3.stride(0), q3.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), stride_mb, stride_ml, kv_heads, length, per_split, splits,
-        float(scale), G=groups, G_PAD=g_pad, D=dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N, MASK=kind,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        v.stride(0), v.stride(1), v.stride(2), stride_mb, stride_ml, kv_heads, length, per_split,
+        per_split // BLOCK_N, splits, float(scale), G=groups, G_PAD=g_pad, D=dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        MASK=kind, IEEE=q.dtype == torch.float32, STAGES=STAGES, PIPELINED=not _interpreted(), num_warps=4)
     out3 = out[:, :, 0, :]
-    combine_kernel[(batch * kv_heads,)](acc, m, l_sum, out3, splits, out3.stride(0), out3.stride(1), kv_heads,
-                                        G=groups, G_PAD=g_pad, D=dim, BLOCK_D=block_d, S_PAD=_pow2(splits),
-                                        num_warps=4)
+    combine_kernel[(batch * kv_heads, groups)](acc, m, l_sum, out3, splits, out3.stride(0), out3.stride(1), kv_heads,
+                                               G=groups, G_PAD=g_pad, D=dim, BLOCK_D=block_d,
+                                               S_BLOCK=min(S_BLOCK, _pow2(splits)), num_warps=4)
     return out
