@@ -51,7 +51,8 @@ def test_decode_attention_kernels_at_odd_sizes(dtype):
     torch.manual_seed(3)
     for batch, kv_heads, groups, length, dim, kind in [(1, 4, 8, 1024, 128, "bool"), (3, 2, 6, 37, 80, "float"),
                                                        (2, 3, 1, 1, 64, None), (1, 1, 16, 4097, 128, "late"),
-                                                       (64, 4, 8, 512, 128, "bool")]:
+                                                       (64, 4, 8, 512, 128, "bool"), (64, 4, 8, 500, 128, "float"),
+                                                       (2, 2, 4, 3000, 64, "bool")]:
         q = torch.randn(batch, 1, kv_heads * groups, dim, device="cuda").to(dtype).transpose(1, 2)
         k, v = (torch.randn(batch, kv_heads, length, dim, device="cuda").to(dtype) for _ in range(2))
         mask = None

@@ -132,6 +132,40 @@ def test_a_bare_forced_name_of_another_family_leaves_auto_to_its_rule():
     assert any("query groups folded into query positions" in n for n in notes(compiled)), notes(compiled)
 
 
+@pytest.mark.parametrize("q, k, v, mask, message", [
+    ((2, 8, 3, 16), (2, 4, 24, 16), (2, 4, 24, 16), None, r"query of shape \[2, 8, 3, 16\]; expected \[batch, heads, 1"),
+    ((2, 8, 1, 16), (2, 3, 24, 16), (2, 3, 24, 16), None, "8 query heads over 3 key/value heads"),
+    ((2, 8, 1, 16), (1, 4, 24, 16), (1, 4, 24, 16), None, r"key of shape \[1, 4, 24, 16\]; expected \[2, kv_heads"),
+    ((2, 8, 1, 16), (2, 4, 24, 16), (2, 4, 20, 16), None, r"value of shape \[2, 4, 20, 16\]"),
+    ((2, 8, 1, 16), (2, 4, 24, 16), (2, 4, 24, 16), (2, 8, 1, 24), r"mask of shape \[2, 8, 1, 24\]"),
+    ((2, 8, 1, 16), (2, 4, 24, 16), (2, 4, 24, 16), (2, 1, 1, 23), r"expected \[2 or 1, 1, 1, 24\]"),
+])
+def test_decode_attention_names_the_operand_it_refuses(q, k, v, mask, message):
+    from opfuse.families.attention import DecodeAttention
+
+    op = DecodeAttention()
+    with pytest.raises(ValueError, match=message):
+        op(torch.randn(q), torch.randn(k), torch.randn(v), None if mask is None else torch.zeros(mask, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key dtype torch.float16; expected the query's, torch.float32"):
+        op(torch.randn(2, 8, 1, 16), torch.randn(2, 4, 24, 16).half(), torch.randn(2, 4, 24, 16))
+    with pytest.raises(ValueError, match="mask dtype torch.int64"):
+        op(torch.randn(2, 8, 1, 16), torch.randn(2, 4, 24, 16), torch.randn(2, 4, 24, 16),
+           torch.zeros(2, 1, 1, 24, dtype=torch.long))
+
+
+def test_decode_attention_with_its_own_value_dim_runs_through_the_reference():
+    """A value head dim unlike the query's (SDPA allows it): the reference takes it, exact."""
+    from opfuse.families.attention.op import DECODE_ATTENTION
+
+    torch.manual_seed(6)
+    q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 4, 24, 16), torch.randn(2, 4, 24, 40)
+    got = DECODE_ATTENTION(q, k, v, None, 0.25, "reference")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            scale=0.25)
+    assert got.shape == (2, 8, 1, 40)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case, reason", [
     ("prefill", "3 query positions (only decode, one position, reads them unrepeated)"),
     ("causal", "a causal mask"),

@@ -15,7 +15,7 @@ from ...machinery.implementation import CallSpec, Choice, choose, forced_for
 from ...ops.base import TensorMeta
 from .implementations import TABLE
 
-__all__ = ["DecodeAttention", "DECODE_ATTENTION", "choose_decode_attention"]
+__all__ = ["DecodeAttention", "DECODE_ATTENTION", "choose_decode_attention", "check_operands"]
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, impl: str) -> Tensor:
@@ -24,7 +24,37 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: flo
     additive), ``[B, H, 1, D]``."""
 
 
+def check_operands(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> None:
+    """Raise ``ValueError`` naming the operand unless ``q [B, H, 1, D]``, ``k [B, Hk, L, D]``,
+    ``v [B, Hk, L, Dv]`` with ``H`` a multiple of ``Hk``, all of one dtype, and ``mask`` None or
+    ``[B or 1, 1, 1, L]`` (boolean or additive)."""
+    if q.dim() != 4 or q.shape[2] != 1:
+        raise ValueError(f"decode_attention: query of shape {list(q.shape)}; expected [batch, heads, 1, head_dim] "
+                         f"(one query position: decode)")
+    batch, heads, _, dim = q.shape
+    if k.dim() != 4 or k.shape[0] != batch or k.shape[3] != dim:
+        raise ValueError(f"decode_attention: key of shape {list(k.shape)}; expected [{batch}, kv_heads, positions, "
+                         f"{dim}] for a query of shape {list(q.shape)}")
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"decode_attention: value of shape {list(v.shape)}; expected [{', '.join(map(str, k.shape[:3]))}"
+                         f", value_dim] for a key of shape {list(k.shape)}")
+    for name, t in (("key", k), ("value", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"decode_attention: {name} dtype {t.dtype}; expected the query's, {q.dtype}")
+    kv_heads, length = k.shape[1], k.shape[2]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"decode_attention: {heads} query heads over {kv_heads} key/value heads; expected a "
+                         f"multiple (grouped-query attention)")
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] not in (1, batch) or mask.shape[1] != 1
+                             or mask.shape[2] != 1 or mask.shape[3] != length):
+        raise ValueError(f"decode_attention: mask of shape {list(mask.shape)}; expected [{batch} or 1, 1, 1, "
+                         f"{length}] (one mask for every head)")
+    if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise ValueError(f"decode_attention: mask dtype {mask.dtype}; expected torch.bool or a floating dtype")
+
+
 def _fake(q, k, v, mask, scale, impl):
+    check_operands(q, k, v, mask)
     batch, heads = q.shape[:2]
     return q.new_empty((batch, heads, 1, v.shape[-1]))
 
@@ -49,6 +79,7 @@ class DecodeAttention(FusedOp):
         return _spec(*metas[:3])
 
     def forward(self, q, k, v, mask=None):
+        check_operands(q, k, v, mask)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         return DECODE_ATTENTION(q, k, v, mask, float(scale), self._impl())
 
