@@ -145,6 +145,7 @@
 #   tools/gpu_session.sh s23-gqa       # 1 GPU (~6 min; issue 26): decode attention over the unrepeated cache, world 1
 #   tools/gpu_session.sh s23-decode-attention # 1 GPU (~4 min; issue 26): Triton decode attention vs fold vs repeat
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
+#   tools/gpu_session.sh s24-fp8-profile # 1 GPU (~3 min): GQA GPU tests, FP8 pow2 train-tp 2048 kernel tables at world 1
 #   tools/gpu_session.sh s24-attention # 1 GPU (~3 min): decode_attention's new kernels: GPU tests, decode 1/8/64 profiled
 #   tools/gpu_session.sh s24-decode-profile # 1 GPU (~2 min): decode batch 1 / 8 kernel tables at world 1
 #   tools/gpu_session.sh s24-table     # 2 GPUs (~6 min; 1 GPU: world 1): bench/model.py's full default table, timed
@@ -1144,6 +1145,14 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s24-fp8-profile)
+    # One GPU (~3 min): the grouped-attention GPU tests (new kernel cases), then where an FP8 (pow2)
+    # training step's time goes at world 1 (issue 27: kernel table per variant, train-tp 2048).
+    tests gqa 90 -q tests/gpu/test_grouped_attention_gpu.py
+    step fp8_profile 200 python3 bench/model.py --world 1 --cases train-tp --train 2048 --train-batch 1 \
+      --fp8 tensor-pow2 --profile --no-aa
+    final_summary() { grep -E "^\||took|in all" "$OUT/fp8_profile.log" | tail -90; }
     ;;
   s24-attention)
     # Issue 26 on one GPU (~3 min): decode_attention with a pipelined partial kernel (tiles of 64
