@@ -212,6 +212,41 @@ def test_llama_decode_with_a_kv_cache_folds_every_layer_and_matches_eager():
     assert sum("the cache read unrepeated" in n for n in notes(compiled)) == 2, notes(compiled)
 
 
+def test_hugging_face_llama_decode_with_a_static_cache_reads_it_unrepeated():
+    """Hugging Face's Llama (SDPA attention, ``repeat_kv``, a 4-d mask) decoding two tokens from a
+    ``StaticCache``: every layer's attention reads the cache unrepeated, the logits and the cache the
+    compiled steps write equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=16,
+                                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    cache = transformers.StaticCache(config=cfg, max_batch_size=4, max_cache_len=32)
+    with torch.no_grad():  # prefill, eager: 6 positions of the cache written
+        token = model(torch.randint(0, 256, (4, 6)), past_key_values=cache, use_cache=True,
+                      cache_position=torch.arange(6)).logits[:, -1:].argmax(-1)
+    compiled_cache = copy.deepcopy(cache)
+    compiled = opfuse.optimize(model, options=EAGER)
+    for position in (6, 7):
+        pos = torch.tensor([position])
+        with torch.no_grad():
+            want = model(token, past_key_values=cache, use_cache=True, cache_position=pos).logits
+            got = compiled(token, past_key_values=compiled_cache, use_cache=True, cache_position=pos).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        token = want[:, -1:].argmax(-1)
+    def tensors(c):  # transformers >= 4.56 keeps a list of layers; older releases key_cache / value_cache
+        layers = getattr(c, "layers", None)
+        return [t for layer in layers for t in (layer.keys, layer.values)] if layers is not None \
+            else [*c.key_cache, *c.value_cache]
+
+    for got_cache, want_cache in zip(tensors(compiled_cache), tensors(cache)):
+        torch.testing.assert_close(got_cache, want_cache)
+    assert sum("the cache read unrepeated" in n for n in notes(compiled)) >= 2, notes(compiled)
+
+
 DECODE_KERNELS = """
 import torch
 from opfuse.families.attention import reference, triton_impl
