@@ -53,8 +53,10 @@ def splits_for(programs: int, length: int, sms: int) -> tuple[int, int]:
     return -(-length // per_split), per_split
 
 
+@functools.lru_cache(maxsize=None)
 def _interpreted() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``; read once, as
+    ``triton.jit`` reads it when the kernels' module is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
