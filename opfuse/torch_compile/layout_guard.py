@@ -89,18 +89,33 @@ def joined_inputs(graph: fx.Graph) -> list[JoinedInputs]:
 
 
 def _inner(tensor, attrs):
+    if not attrs:
+        return tensor
     for attr in attrs:
         tensor = getattr(tensor, attr)
     return tensor
 
 
 def guard_layouts(compiled, groups: list[JoinedInputs], names: list[str | None]):
-    """``compiled`` (a Dynamo backend's result), checking ``groups`` before each call."""
+    """``compiled`` (a Dynamo backend's result), checking ``groups`` before each call.
+
+    The check runs per call, so its common case is cheap: inputs at the addresses they had at the
+    last call that passed the full check (every member in the first's storage at its offset) pass
+    as they are. A member moved or replaced has another address; one re-allocated at its old
+    address lies in a storage of its own, which the address of each group's last member's storage
+    shows (while joined, that storage starts at the group's first member)."""
     if not groups:
         return compiled
     checks = [(g.indices, g.attrs, g.offsets) for g in groups]
+    members = [(index, attr) for g in groups for index, attr in zip(g.indices, g.attrs)]
+    lasts = [(g.indices[-1], g.attrs[-1]) for g in groups]
+    passed = [None]  # where the members were at the last call that passed the full check
 
-    def check(args) -> None:
+    def where(args) -> tuple:
+        return (tuple(_inner(args[i], attr).data_ptr() for i, attr in members),
+                tuple(_inner(args[i], attr).untyped_storage().data_ptr() for i, attr in lasts))
+
+    def full_check(args) -> None:
         for indices, attrs, offsets in checks:
             first = _inner(args[indices[0]], attrs[0])
             storage, start = first.untyped_storage().data_ptr(), first.data_ptr()
@@ -114,6 +129,12 @@ def guard_layouts(compiled, groups: list[JoinedInputs], names: list[str | None])
                         f"moved or replaced after compiling (e.g. model.to(...), load_state_dict(assign=True)). "
                         f"Compile again (torch._dynamo.reset(); opfuse.optimize(model)) after moving the model, "
                         f"or pass merge_projections=False")
+
+    def check(args) -> None:
+        now = where(args)
+        if now != passed[0]:
+            full_check(args)
+            passed[0] = now
 
     def run(*args):
         # Called with the inputs, or (boxed) with one list of them.

@@ -265,3 +265,75 @@ def test_merged_outputs_that_the_model_views_as_if_contiguous(train, tokens, tra
     if train:
         torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
     assert "horizontal_gemm" in rules(opfuse.programs(compiled))
+
+
+def _alias_in_own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A tensor at ``t``'s address with ``t``'s values but a storage of its own (what parameters
+    moved out and back could get from the allocator: their old addresses, separate storages).
+    The caller keeps ``t``'s storage alive."""
+    import ctypes
+
+    import numpy as np
+
+    raw = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    alias = torch.from_numpy(np.ctypeslib.as_array(raw)).view(t.dtype).view(t.shape)
+    assert alias.data_ptr() == t.data_ptr() and alias.untyped_storage().data_ptr() == t.data_ptr()
+    return alias
+
+
+def test_the_per_call_repack_check_is_one_address_pass_and_sees_every_move(monkeypatch):
+    """The optimized model checks its packed groups before every call: with nothing moved it only
+    reads addresses (no adjacency check); a member re-pointed, resized or re-allocated at its old
+    address in a storage of its own is packed again."""
+    from opfuse.torch_compile import merge_projections
+
+    torch.manual_seed(3)
+    model = Attention()
+    packed = merge_projections.merge_projections_(model)  # packs, then notes where each member is
+    full_checks = []
+    real_adjacent = merge_projections.adjacent
+    monkeypatch.setattr(merge_projections, "adjacent", lambda ts: full_checks.append(1) or real_adjacent(ts))
+    for _ in range(3):
+        assert packed.ensure() == 0
+    assert not full_checks  # nothing moved: addresses only
+    qkv = [getattr(module, attr) for module, attr in packed.groups[0]]  # q, k, v and o
+    assert len(qkv) == 4 and qkv[0] is model.q_proj.weight
+    values = [w.detach().clone() for w in qkv]
+
+    # The whole group re-allocated at the same addresses, each member in its own storage (a
+    # member can only get its old address back once every member has left the shared buffer).
+    old = [w.data for w in qkv]
+    for w in qkv:
+        w.data = _alias_in_own_storage(w.data)
+    assert not adjacent(qkv)
+    assert packed.ensure() == 1 and adjacent(qkv) and full_checks
+    del old
+    # Resized in place (same address): the group is checked again.
+    full_checks.clear()
+    model.gate_proj.weight.data = model.gate_proj.weight.data[:32]
+    packed.ensure()
+    assert full_checks
+    for w, v in zip(qkv, values):
+        assert torch.equal(w, v)
+
+
+def test_a_graph_refuses_a_member_reallocated_at_its_old_address():
+    """The compiled graph's own layout check (cheap while nothing moves) also sees a member at its
+    old address in a storage of its own."""
+    torch.manual_seed(4)
+    model = Attention()
+    pack_rows_([model.q_proj.weight, model.k_proj.weight, model.v_proj.weight])
+    compiled = torch.compile(model, backend="opfuse", options=EAGER)
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+        qkv = [model.q_proj.weight, model.k_proj.weight, model.v_proj.weight]
+        old = [w.data for w in qkv]
+        for w in qkv:
+            w.data = _alias_in_own_storage(w.data)
+        with pytest.raises(LayoutChanged, match="were stored back to back"):
+            compiled(x)
+        for w, data in zip(qkv, old):  # back in the shared storage: runs again
+            w.data = data
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
