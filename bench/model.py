@@ -107,6 +107,10 @@ CPU = dict(FULL, model=dict(MODEL, dim=64, layers=2, heads=4, kv_heads=2, ffn=12
            decode=[1, 2], train=[16], train_batch=[1, 2], decode_steps=2, decode_start=8, decode_cache=32,
            calls_train=2, reps=2, reps_train=2)
 CASES = ("decode", "train-tp", "train-sp")
+#: ``--shape``: the model's dimensions. ``small`` is Llama 3.2 1B's decoder (16 layers of hidden 2048):
+#: many layers of small GEMMs, where a compiled model's host time per call, not its GPU time, can
+#: decide a decode loop's speed.
+SHAPES = {"bench": MODEL, "small": dict(MODEL, dim=2048, layers=16, heads=32, kv_heads=8, ffn=8192)}
 
 
 def _compilers(device: str, decode: bool, fp8: str | None = None, train_mode: str = "default"):
@@ -405,6 +409,11 @@ def worker(rank, world, opts, out_path):
                          for name, fn in compiled.items()}
                 for name, loop in loops.items():
                     measured(row, name, lambda loop=loop: model_timing.loop_us(loop, steps, opts["reps"], device))
+                if opts.get("decode_sync"):  # the same compiled models, the host reading each token
+                    for name, fn in compiled.items():
+                        loop = model_timing.decode_loop(fn, batch, start, steps, device, sync=True)
+                        measured(row, f"{name} host-read",
+                                 lambda loop=loop: model_timing.loop_us(loop, steps, opts["reps"], device))
                 if copy_gbs:
                     row["floor"] = model_timing.weight_bytes(models["opfuse"]) / copy_gbs / 1e3
                 profiled(row, loops)
@@ -572,6 +581,13 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="gloo + CPU dry run of the code paths (no timings)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=None, help="default: all")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 2)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                        help="model dimensions: bench (default: hidden 8192, 2 layers) or small (Llama 3.2 1B's "
+                             "decoder: hidden 2048, 16 layers, 32 heads (8 kv), ffn 8192)")
+    parser.add_argument("--decode-sync", action="store_true",
+                        help="decode: also time each variant with the host reading each next token before the next "
+                             "step ('<variant> host-read'), as Hugging Face's generate does for its stopping check: "
+                             "the host's time per token then adds to the GPU's")
     parser.add_argument("--decode", type=int, nargs="*", default=None, metavar="B",
                         help="decode batch sizes (default 1 8 64; each is its own compile)")
     parser.add_argument("--decode-steps", type=int, default=None, help="tokens per timed decode loop (default 32)")
@@ -614,9 +630,12 @@ def main() -> int:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         opts = dict(CPU if args.cpu else QUICK if args.quick else FULL, device="cpu" if args.cpu else "cuda",
                     profile=args.profile, variants=args.variants, only=args.only, aa=not args.no_aa, fp8=args.fp8,
-                    merge_ab=args.merge_ab, pdl_ab=args.pdl_ab, gqa_ab=args.gqa_ab, autocast=args.autocast, train_mode=args.train_mode)
+                    merge_ab=args.merge_ab, pdl_ab=args.pdl_ab, gqa_ab=args.gqa_ab, autocast=args.autocast, train_mode=args.train_mode,
+                    decode_sync=args.decode_sync)
         if args.cases:
             opts["cases"] = args.cases
+        if args.shape:
+            opts["model"] = dict(SHAPES[args.shape], vocab=opts["model"]["vocab"], max_seq=opts["model"]["max_seq"])
         if args.layers:
             opts["model"] = dict(opts["model"], layers=args.layers)
         if args.decode_steps:

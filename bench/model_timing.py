@@ -27,9 +27,10 @@ def weight_bytes(model) -> int:
     return total
 
 
-def decode_loop(fn, batch, start, steps, device):
+def decode_loop(fn, batch, start, steps, device, sync: bool = False):
     """gpt-fast's loop: ``steps`` tokens per call, the next token the argmax, positions on the device,
-    no host sync between tokens. Returns a function that runs the loop."""
+    no host sync between tokens (``sync``: the host reads each next token before the next step, as
+    Hugging Face's ``generate`` does for its stopping check). Returns a function that runs the loop."""
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     first = torch.tensor([start], dtype=torch.long, device=device)
 
@@ -39,6 +40,8 @@ def decode_loop(fn, batch, start, steps, device):
             logits = fn(tok, pos)
             tok = logits[:, -1].argmax(-1, keepdim=True)
             pos = pos + 1
+            if sync:
+                tok.max().item()
         return tok
 
     return loop
