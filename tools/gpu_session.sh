@@ -147,6 +147,8 @@
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
 #   tools/gpu_session.sh s24-fp8-profile # 1 GPU (~3 min): GQA GPU tests, FP8 pow2 train-tp 2048 kernel tables at world 1
 #   tools/gpu_session.sh s24-attention # 1 GPU (~3 min): decode_attention's new kernels: GPU tests, decode 1/8/64 profiled
+#   tools/gpu_session.sh s25-host      # 1 GPU (~8 min): 16-layer small model decode (host read per token or not), vs main before
+#                                      # the cheap packed-parameter check; FP8 train-tp small
 #   tools/gpu_session.sh s24-decode-profile # 1 GPU (~2 min): decode batch 1 / 8 kernel tables at world 1
 #   tools/gpu_session.sh s24-table     # 2 GPUs (~6 min; 1 GPU: world 1): bench/model.py's full default table, timed
 #   tools/gpu_session.sh s24-gqa-auto  # 1 GPU (~5 min): decode_attention as auto: GQA tests, decode 64 / 1 world 1
@@ -1145,6 +1147,20 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s25-host)
+    # One GPU (~8 min; issue 26, "never slower"): host time per call. Llama 3.2 1B's decoder (16 layers
+    # of hidden 2048: small GEMMs, many layers) decoding at batch 1 and 8, the loop without host syncs
+    # and with the host reading each token (--decode-sync), this tree and main before the cheap
+    # packed-parameter check (.thirdparty/old: `git archive 6c9472a opfuse` + this tree's bench/ and
+    # examples/); batch 1 again with host profiles; FP8 train-tp on the same model.
+    step decode_small 200 python3 bench/model.py --world 1 --shape small --cases decode --decode 1 8 --decode-sync
+    step decode_small_old 170 bash -c "cd .thirdparty/old && python3 bench/model.py --world 1 --shape small \
+      --cases decode --decode 1 8 --decode-sync"
+    step fp8_small 120 python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --no-aa
+    step decode_small_profile 100 python3 bench/model.py --world 1 --shape small --cases decode --decode 1 --profile
+    final_summary() { model_lines decode_small decode_small_old fp8_small decode_small_profile | grep -v "^| [0-9]"; }
     ;;
   s24-fp8-profile)
     # One GPU (~3 min): the grouped-attention GPU tests (new kernel cases), then where an FP8 (pow2)
