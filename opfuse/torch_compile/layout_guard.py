@@ -18,6 +18,7 @@ runs on stale values.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch import fx
@@ -88,6 +89,10 @@ def joined_inputs(graph: fx.Graph) -> list[JoinedInputs]:
     return found
 
 
+def _storage_address(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 def _inner(tensor, attrs):
     if not attrs:
         return tensor
@@ -111,9 +116,17 @@ def guard_layouts(compiled, groups: list[JoinedInputs], names: list[str | None])
     lasts = [(g.indices[-1], g.attrs[-1]) for g in groups]
     passed = [None]  # where the members were at the last call that passed the full check
 
-    def where(args) -> tuple:
-        return (tuple(_inner(args[i], attr).data_ptr() for i, attr in members),
-                tuple(_inner(args[i], attr).untyped_storage().data_ptr() for i, attr in lasts))
+    if any(attr for _, attr in members):  # inner tensors of subclass inputs (a DTensor's local shard)
+        def where(args) -> tuple:
+            return (tuple(_inner(args[i], attr).data_ptr() for i, attr in members),
+                    tuple(_inner(args[i], attr).untyped_storage().data_ptr() for i, attr in lasts))
+    else:  # plain tensors: picked and read at C speed (this runs per call, for every joined input)
+        pick_members = operator.itemgetter(*(i for i, _ in members))
+        pick_lasts = operator.itemgetter(*(i for i, _ in lasts), 0)  # >= 2 items: always a tuple
+
+        def where(args) -> tuple:
+            return (tuple(map(torch.Tensor.data_ptr, pick_members(args))),
+                    tuple(map(_storage_address, pick_lasts(args)[:-1])))
 
     def full_check(args) -> None:
         for indices, attrs, offsets in checks:

@@ -142,7 +142,7 @@ class PackedParameters:
         tensors = [module._parameters.get(attr) for module, attr in self._members]
         if set(map(type, tensors)) == {nn.Parameter}:  # the common case, at C speed
             return (tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
-                    tuple(_storage_address(tensors[i]) for i in self._lasts))
+                    tuple(map(_storage_address, map(tensors.__getitem__, self._lasts))))
         # Absent members (bias=None), DTensors, tensors that are not registered parameters.
         tensors = [_local(_member(module, attr)) for module, attr in self._members]
         return (tuple(None if t is None else (t.data_ptr(), t.numel()) for t in tensors),
