@@ -147,6 +147,8 @@
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
 #   tools/gpu_session.sh s24-fp8-profile # 1 GPU (~3 min): GQA GPU tests, FP8 pow2 train-tp 2048 kernel tables at world 1
 #   tools/gpu_session.sh s24-attention # 1 GPU (~3 min): decode_attention's new kernels: GPU tests, decode 1/8/64 profiled
+#   tools/gpu_session.sh s25-host2     # 1 GPU (~5 min): compile-path GPU tests; 16-layer decode (host read, merged or not)
+#   tools/gpu_session.sh s25-fp8-small # 1 GPU (~5 min): FP8 pow2 train-tp on the 16-layer model, profiled
 #   tools/gpu_session.sh s25-host      # 1 GPU (~8 min): 16-layer small model decode (host read per token or not), vs main before
 #                                      # the cheap packed-parameter check; FP8 train-tp small
 #   tools/gpu_session.sh s24-decode-profile # 1 GPU (~2 min): decode batch 1 / 8 kernel tables at world 1
@@ -1147,6 +1149,22 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s25-host2)
+    # One GPU (~5 min): the compile-path GPU tests after the cheap layout guard and packed-parameter
+    # check; then the 16-layer decode again (host read per token or not, merged projections or not).
+    tests compile_gpu 150 -q tests/gpu/test_compile_backend.py tests/gpu/test_fused_single_gpu.py \
+      tests/gpu/test_compile_fp8_moe.py
+    step decode_small 200 python3 bench/model.py --world 1 --shape small --cases decode --decode 1 8 --decode-sync \
+      --merge-ab
+    final_summary() { model_lines decode_small | grep -v "^| [0-9]"; }
+    ;;
+  s25-fp8-small)
+    # One GPU (~5 min; issue 27, "never slower"): FP8 (pow2) train-tp on the 16-layer small model, where
+    # GEMMs are small and host time can decide a step, with a kernel table and host profile per variant.
+    step fp8_small 420 python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --no-aa --profile
+    final_summary() { grep -E "^\||took|in all|relative|total own" "$OUT/fp8_small.log" | tail -60; }
     ;;
   s25-host)
     # One GPU (~8 min; issue 26, "never slower"): host time per call. Llama 3.2 1B's decoder (16 layers
