@@ -2,13 +2,15 @@
 (``OPFUSE_ALLREDUCE_CHUNKS``, opfuse/torch_compile/chunked_all_reduce.py) at world 2 and 4 (gloo):
 outputs and every gradient against the unsharded float64 model, chunk counts that divide the tokens
 and ones that do not, with and without a bias on the row-parallel layer, eager graphs and Inductor's;
-``explain()`` lists the split, and the add + norm after it still fuses. ``auto`` leaves a GEMM of fewer than 2 x 2048 tokens whole and splits one of 4098 in two."""
+``explain()`` lists the split, and the add + norm after it still fuses. ``auto`` leaves a GEMM of fewer than 2 x 2048 tokens whole and splits one of 4098 in two.
+
+Every case runs in one spawn per world (tests/dist/shared_spawn.py; a case that fails there runs alone
+in its test)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from .harness import run
 from .test_compile_collectives import FFN, H, Block
 
 
@@ -53,15 +55,26 @@ def _case(rank, world, chunks, tokens, bias, inductor, expected):
     assert ("add_rmsnorm" if split else "allreduce_add_rmsnorm", "forward") in rules, text
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("chunks, tokens, bias, expected", [
-    (2, 12, False, 2), (5, 12, True, 5), (1, 12, False, 1), (0, 12, False, 1), (0, 4098, True, 2)],
-    ids=["2-even", "5-uneven-bias", "off", "auto-small", "auto-4098"])
-def test_chunked_all_reduce_matches_float64(world, chunks, tokens, bias, expected):
-    run(_case, world, chunks, tokens, bias, False, expected, timeout=600)
+WORLDS = [2, 4]
+SPLITS = [(2, 12, False, 2), (5, 12, True, 5), (1, 12, False, 1), (0, 12, False, 1), (0, 4098, True, 2)]
+INDUCTOR = (3, 12, True, True, 3)  # chunks, tokens, bias, inductor, expected (world 2)
 
 
 @pytest.mark.dist
-def test_chunked_all_reduce_under_inductor_matches_float64():
-    run(_case, 2, 3, 12, True, True, 3, timeout=900)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("chunks, tokens, bias, expected", SPLITS,
+                         ids=["2-even", "5-uneven-bias", "off", "auto-small", "auto-4098"])
+def test_chunked_all_reduce_matches_float64(world, chunks, tokens, bias, expected, shared_spawn):
+    shared_spawn.run(_case, world, chunks, tokens, bias, False, expected, timeout=600)
+
+
+@pytest.mark.dist
+def test_chunked_all_reduce_under_inductor_matches_float64(shared_spawn):
+    shared_spawn.run(_case, 2, *INDUCTOR, timeout=900)
+
+
+#: Every test's case, run in one spawn per world (tests/dist/shared_spawn.py); a case that does not
+#: finish there runs alone in its test.
+SHARED_CASES = ([(_case, world, (chunks, tokens, bias, False, expected))
+                 for world in WORLDS for chunks, tokens, bias, expected in SPLITS]
+                + [(_case, 2, INDUCTOR)])

@@ -8,6 +8,9 @@ gradient against the unsharded float64 model:
   the ``allreduce`` rule takes the add, issue 29.6);
 * a sequence-parallel block whose backward reduce-scatter is left to NCCL under the weight-gradient
   GEMMs (session 15), and the same with ``OPFUSE_OVERLAP_COLLECTIVES=fuse``.
+
+Every case runs in one spawn per world (tests/dist/shared_spawn.py; a case that fails there runs alone
+in its test).
 """
 
 import pytest
@@ -16,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .harness import run
 from ..collectives_compat import all_gather, reduce_scatter
 from ..megatron_tp import CopyToTP, ReduceFromTP
 
@@ -101,12 +103,16 @@ def _case(rank, world, norm, setting):
     assert (("allreduce", "backward") in rules) == (setting == "fuse"), program.explain()
 
 
+WORLDS = [2, 4]
+BLOCKS = [(True, "auto"), (True, "fuse"), (False, "auto")]
+SP_SETTINGS = ["auto", "fuse"]
+
+
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("norm, setting", [(True, "auto"), (True, "fuse"), (False, "auto")],
-                         ids=["norm-overlap", "norm-fuse-all", "add-only"])
-def test_compiled_collectives_match_float64(world, norm, setting):
-    run(_case, world, norm, setting, timeout=600)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("norm, setting", BLOCKS, ids=["norm-overlap", "norm-fuse-all", "add-only"])
+def test_compiled_collectives_match_float64(world, norm, setting, shared_spawn):
+    shared_spawn.run(_case, world, norm, setting, timeout=600)
 
 
 class SequenceParallelBlock(nn.Module):
@@ -160,7 +166,13 @@ def _sequence_parallel_case(rank, world, setting):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("setting", ["auto", "fuse"])
-def test_sequence_parallel_reduce_scatter_left_to_nccl_matches_float64(world, setting):
-    run(_sequence_parallel_case, world, setting, timeout=600)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("setting", SP_SETTINGS)
+def test_sequence_parallel_reduce_scatter_left_to_nccl_matches_float64(world, setting, shared_spawn):
+    shared_spawn.run(_sequence_parallel_case, world, setting, timeout=600)
+
+
+#: Every test's case, run in one spawn per world (tests/dist/shared_spawn.py); a case that does not
+#: finish there runs alone in its test.
+SHARED_CASES = ([(_case, world, (norm, setting)) for world in WORLDS for norm, setting in BLOCKS]
+                + [(_sequence_parallel_case, world, (setting,)) for world in WORLDS for setting in SP_SETTINGS])

@@ -2,7 +2,10 @@
 the torch.compile front end, whose gathered activation the backward's weight gradients read too,
 fuses each all-gather with its largest GEMM (q/k/v merged into one GEMM, or the largest of them
 when their weights are stored apart) and matches the unsharded float64 model, outputs and every
-gradient (issue 26: all-gather + q/k/v GEMMs in training)."""
+gradient (issue 26: all-gather + q/k/v GEMMs in training).
+
+Every case runs in one spawn per world (tests/dist/shared_spawn.py; a case that fails there runs alone
+in its test)."""
 
 import pytest
 import torch
@@ -10,7 +13,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from .harness import run
 
 H, TOKENS, HEADS = 16, 8, 8
 
@@ -126,21 +128,31 @@ def _inference_case(rank, world):
     assert [f.rule for f in program.fusions].count("all_gather_keep") == 1, program.explain()
 
 
-@pytest.mark.dist
-def test_gather_kept_for_other_gemms_in_inference():
-    run(_inference_case, 2, timeout=300)
+WORLDS = [2, 4]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
+def test_gather_kept_for_other_gemms_in_inference(shared_spawn):
+    shared_spawn.run(_inference_case, 2, timeout=300)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "apart"])
-def test_gather_kept_for_the_backward_matches_float64(world, merge):
-    run(_case, world, merge, timeout=600)
+def test_gather_kept_for_the_backward_matches_float64(world, merge, shared_spawn):
+    shared_spawn.run(_case, world, merge, timeout=600)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 4])
-def test_sequence_parallel_batch_of_three_matches_float64(world):
+@pytest.mark.parametrize("world", WORLDS)
+def test_sequence_parallel_batch_of_three_matches_float64(world, shared_spawn):
     """Three sequences sharded along the sequence dim (issue 26.3): the gather's rows are rank-major,
     the fused op returns the GEMM's rows batch-major as the model's code had them."""
-    run(_case, world, True, 3, timeout=600)
+    shared_spawn.run(_case, world, True, 3, timeout=600)
+
+
+#: Every test's case, run in one spawn per world (tests/dist/shared_spawn.py); a case that does not
+#: finish there runs alone in its test.
+SHARED_CASES = ([(_inference_case, 2, ())]
+                + [(_case, world, (merge,)) for world in WORLDS for merge in (True, False)]
+                + [(_case, world, (True, 3)) for world in WORLDS])
