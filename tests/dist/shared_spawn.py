@@ -30,7 +30,7 @@ import torch.distributed as dist
 from opfuse.cli.launch import LaunchError, run
 
 #: How long one world's shared spawn may take before its cases are run alone (a deadlock).
-SHARED_TIMEOUT_S = 600.0
+SHARED_TIMEOUT_S = 900.0
 
 
 def _marker(folder: str, world: int, index: int, rank: int) -> str:

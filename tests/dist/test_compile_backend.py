@@ -6,8 +6,9 @@ backward's input gradients through the fused all-reduce; with DTensor sequence p
 and 2), each row projection with its reduce-scatter, each all-gather with its largest GEMM and each
 residual add with the norm after it.
 
-One spawn runs every case (process start-up and compilation dominate on 2 CPU cores); the fused
-graphs run eagerly (``options={"inductor": False}``) except in one case, compiled by Inductor.
+One spawn per world runs every case (process start-up and compilation dominate on 2 CPU cores;
+tests/dist/shared_spawn.py); the fused graphs run eagerly (``options={"inductor": False}``) except
+in one case, compiled by Inductor.
 """
 
 import os
@@ -16,7 +17,6 @@ import sys
 import pytest
 import torch
 
-from .harness import run
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "examples"))
@@ -109,8 +109,8 @@ def cases(rank, world):
     autocast_case(rank, world)
 
 
-def test_llama_example_fuses_and_matches_eager():
-    run(cases, 2, timeout=900)
+def test_llama_example_fuses_and_matches_eager(shared_spawn):
+    shared_spawn.run(cases, 2, timeout=900)
 
 
 def cases_world4(rank, world):
@@ -121,8 +121,8 @@ def cases_world4(rank, world):
     check_case(rank, world, "dtensor", True, False, torch.float32, F32, cfg=cfg)
 
 
-def test_llama_example_at_world_4():
-    run(cases_world4, 4, timeout=900)
+def test_llama_example_at_world_4(shared_spawn):
+    shared_spawn.run(cases_world4, 4, timeout=900)
 
 
 def hf_case(rank, world):
@@ -135,6 +135,11 @@ def hf_case(rank, world):
     assert forward.count("allreduce_add_rmsnorm") == 2 * 2, [p.explain() for p in programs]
 
 
-def test_transformers_llama_with_its_tp_plan():
+def test_transformers_llama_with_its_tp_plan(shared_spawn):
     pytest.importorskip("transformers")
-    run(hf_case, 2, timeout=900)
+    shared_spawn.run(hf_case, 2, timeout=900)
+
+
+#: The tests' cases in one spawn per world (tests/dist/shared_spawn.py); a case that does not finish
+#: there runs alone in its test.
+SHARED_CASES = [(cases, 2, ()), (cases_world4, 4, ()), (hf_case, 2, ())]

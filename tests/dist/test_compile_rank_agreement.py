@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from .harness import run
 from .test_compile_collectives import H, TOKENS, Block, _copy_shards
 
 KEY = "opfuse/agree-compile/{group}/{number}/{rank}"
@@ -127,10 +126,16 @@ def disagreeing(rank, world):
 
 
 @pytest.mark.dist
-def test_ranks_under_the_same_settings_agree_once_per_group_and_settings():
-    run(agreeing, 2, timeout=300)
+def test_ranks_under_the_same_settings_agree_once_per_group_and_settings(shared_spawn):
+    shared_spawn.run(agreeing, 2, timeout=300)
 
 
 @pytest.mark.dist
-def test_a_setting_differing_on_one_rank_fails_on_every_rank_naming_it():
-    run(disagreeing, 2, timeout=300)
+def test_a_setting_differing_on_one_rank_fails_on_every_rank_naming_it(shared_spawn):
+    shared_spawn.run(disagreeing, 2, timeout=300)
+
+
+#: Both tests' cases in one spawn (tests/dist/shared_spawn.py; a case that does not finish there runs
+#: alone in its test), the agreeing one first: it counts the settings checks on the default group
+#: from the first, which the disagreeing one (on groups of its own) does not touch.
+SHARED_CASES = [(agreeing, 2, ()), (disagreeing, 2, ())]

@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from .harness import run
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+RECIPES = ["tensor", "row"]
 
 
 def _case(rank, world, recipe):
@@ -25,6 +26,11 @@ def _case(rank, world, recipe):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("recipe", ["tensor", "row"])
-def test_fp8_gradients_stay_within_the_recipe_error(recipe):
-    run(_case, 2, recipe, timeout=300)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_gradients_stay_within_the_recipe_error(recipe, shared_spawn):
+    shared_spawn.run(_case, 2, recipe, timeout=300)
+
+
+#: Both recipes' cases in one spawn (tests/dist/shared_spawn.py); a case that does not finish there
+#: runs alone in its test.
+SHARED_CASES = [(_case, 2, (recipe,)) for recipe in RECIPES]

@@ -10,8 +10,6 @@ from opfuse import ops
 from opfuse.sequential.replicated import ReplicatedMismatchError
 from opfuse.ops.base import OpInputError
 
-from .harness import run
-
 
 def replicated_inputs(rank, world):
     h = 4 * world
@@ -73,10 +71,15 @@ def row_widths(rank, world):
 
 
 @pytest.mark.dist
-def test_replicated_inputs_that_differ_between_ranks_are_named():
-    run(replicated_inputs, 2)
+def test_replicated_inputs_that_differ_between_ranks_are_named(shared_spawn):
+    shared_spawn.run(replicated_inputs, 2)
 
 
 @pytest.mark.dist
-def test_a_row_layer_given_a_width_it_cannot_take_names_both_widths_it_accepts():
-    run(row_widths, 2)
+def test_a_row_layer_given_a_width_it_cannot_take_names_both_widths_it_accepts(shared_spawn):
+    shared_spawn.run(row_widths, 2)
+
+
+#: Both tests' cases in one spawn (tests/dist/shared_spawn.py); a case that does not finish there
+#: runs alone in its test.
+SHARED_CASES = [(replicated_inputs, 2, ()), (row_widths, 2, ())]
