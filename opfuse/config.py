@@ -118,7 +118,9 @@ class Config:
     #: cover (add + norm, all-reduce + add + norm, GEMM + bias + activation): Inductor's own code for
     #: those is as good or better, so ``auto`` leaves them to Inductor on CUDA devices (e.g. an add
     #: + norm over a float32 residual and bfloat16 activations, which the kernels refuse),
-    #: ``inductor`` does so on every device, ``keep`` always fuses. ``explain()`` lists them.
+    #: ``inductor`` does so on every device, ``keep`` always fuses. ``explain()`` lists them. The
+    #: same applies to a standalone add + norm (no collective) whatever kernel could run it: Inductor
+    #: fuses those ops into one kernel itself, with no custom op's host time per call.
     reference_fusions: str = "auto"
     #: Launch the all-reduce + norm peer kernels with programmatic dependent launch, so their launch
     #: overlaps the tail of the kernel before them (``OPFUSE_PDL``; outputs are bit-identical either

@@ -56,6 +56,12 @@ class FusedOp(Described, nn.Module):
     #: the graph's ran asynchronously): with Inductor, a fusion only the reference could run is left
     #: unfused on CPUs too (``reference_fusions=auto`` otherwise leaves them on CUDA devices only).
     reference_is_slower: ClassVar[bool] = False
+    #: Inductor fuses the very ops this fusion covers into one generated kernel of its own (an add +
+    #: norm with no collective): the fused kernel saves no memory pass over Inductor's, while a
+    #: custom op costs host time per call that an Inductor kernel launch does not. Where Inductor
+    #: compiles the graph, the fusion is left to it whatever implementation could run it
+    #: (``opfuse.config.reference_fusions``; measured in docs/PERF_NOTES.model.md, session 25).
+    inductor_fuses_alike: ClassVar[bool] = False
 
     def __init__(self):
         super().__init__()

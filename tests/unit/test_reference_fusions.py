@@ -103,3 +103,43 @@ def test_a_forced_reference_runs_as_asked():
     with opfuse.config.override(force_impl="add_rmsnorm=reference"):
         compiled = _check("inductor", False, {})
     assert _rules(compiled).count("add_rmsnorm") == 2
+
+
+@pytest.fixture
+def add_norm_kernel_on_cpu():
+    """``add_rmsnorm``'s ``cuda`` implementation made capable on this CPU host (the reference's
+    functions standing in for the kernels), so that a non-reference implementation is chosen."""
+    import dataclasses
+
+    from opfuse.families.residual_norm.implementations import TABLE
+    from opfuse.machinery.implementation import always
+
+    impls = TABLE._table["add_rmsnorm"]
+    cuda, reference = impls[0], impls[-1]
+    assert cuda.name == "cuda" and reference.name == "reference"
+    impls[0] = dataclasses.replace(cuda, check=always, forward=reference.forward, backward=reference.backward)
+    try:
+        yield
+    finally:
+        impls[0] = cuda
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_an_add_norm_inductor_fuses_alike_is_left_whatever_runs_it(add_norm_kernel_on_cpu, train):
+    """A standalone add + RMSNorm is left to Inductor even where its own kernel could run it: Inductor
+    fuses the same ops into one kernel, and the custom op only adds host time per call."""
+    compiled = _check("inductor", train, {})
+    rules = _rules(compiled)
+    assert "add_rmsnorm" not in rules and "horizontal_gemm" in rules, rules
+    text = "\n".join(p.explain() for p in opfuse.programs(compiled))
+    assert "add_rmsnorm left to Inductor: it fuses these ops into one kernel itself, as fast as the cuda kernel" \
+        in text, text
+    torch._dynamo.reset()
+    kept = _check("keep", train, {})
+    assert [f.impl for p in opfuse.programs(kept) for f in p.fusions if f.rule == "add_rmsnorm"] == ["cuda", "cuda"]
+
+
+def test_a_forced_kernel_runs_as_asked(add_norm_kernel_on_cpu):
+    with opfuse.config.override(force_impl="add_rmsnorm=cuda"):
+        compiled = _check("inductor", False, {})
+    assert _rules(compiled).count("add_rmsnorm") == 2

@@ -242,6 +242,7 @@ class AddRMSNorm(_ResidualNorm):
 
     name = "add_rmsnorm"
     reduces = False
+    inductor_fuses_alike = True  # Inductor's own add + norm kernel is as good (FusedOp)
     custom_op = _define(name, True)
 
 
@@ -250,6 +251,7 @@ class AddLayerNorm(_ResidualNorm):
 
     name = "add_layernorm"
     reduces = False
+    inductor_fuses_alike = True  # Inductor's own add + norm kernel is as good (FusedOp)
     norm = "layer"
     custom_op = _define(name, True)
 
