@@ -147,6 +147,7 @@
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
 #   tools/gpu_session.sh s24-fp8-profile # 1 GPU (~3 min): GQA GPU tests, FP8 pow2 train-tp 2048 kernel tables at world 1
 #   tools/gpu_session.sh s24-attention # 1 GPU (~3 min): decode_attention's new kernels: GPU tests, decode 1/8/64 profiled
+#   tools/gpu_session.sh s25-final     # 1 GPU (~5.5 min): compile GPU tests; 16-layer train-tp; 2-layer decode 1/8
 #   tools/gpu_session.sh s25-small-train # 1 GPU (~9 min): 16-layer train-tp 2048: variants without each fusion; FP8 under graphs
 #   tools/gpu_session.sh s25-host2     # 1 GPU (~5 min): compile-path GPU tests; 16-layer decode (host read, merged or not)
 #   tools/gpu_session.sh s25-fp8-small # 1 GPU (~5 min): FP8 pow2 train-tp on the 16-layer model, profiled
@@ -1150,6 +1151,16 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s25-final)
+    # One GPU (~5.5 min): after "a standalone add + norm is left to Inductor": the compile-backend GPU
+    # tests, the 16-layer train-tp 2048 step (was 1.20x of torch.compile), the 2-layer decode at
+    # batch 1 / 8 (world 1: its 5 add + norms now Inductor's).
+    tests compile_gpu 75 -q tests/gpu/test_compile_backend.py
+    step train_small 150 python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
+      --train-batch 1 --variants opfuse:no-merge
+    step decode 90 python3 bench/model.py --world 1 --cases decode --decode 1 8
+    final_summary() { model_lines train_small decode | grep -v "^| [0-9]"; }
     ;;
   s25-small-train)
     # One GPU (~9 min; "never slower"): the 16-layer small model's train-tp 2048 step, where opfuse bf16
