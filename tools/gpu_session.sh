@@ -1158,7 +1158,7 @@ case "$stage" in
     # batch 1 / 8 (world 1: its 5 add + norms now Inductor's).
     tests compile_gpu 75 -q tests/gpu/test_compile_backend.py
     step train_small 150 python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
-      --train-batch 1 --variants opfuse:no-merge
+      --train-batch 1
     step decode 90 python3 bench/model.py --world 1 --cases decode --decode 1 8
     final_summary() { model_lines train_small decode | grep -v "^| [0-9]"; }
     ;;
