@@ -1,7 +1,13 @@
 """The commands' entry points: ``python -m opfuse demo`` and ``dump`` (2 gloo processes),
-under torchrun too; their output files, ``--version``, one-line errors, and ``bench``."""
+under torchrun too; their output files, ``--version``, one-line errors, and ``bench``.
+
+The quick commands (``--version``, ``--help``, argument errors, ``bench`` on a host without GPUs)
+all run from one interpreter start (tests/dist/opfuse_commands.py: each forked after the import
+that ``python -m opfuse`` begins with, its output and exit status its own); the others each in
+their own ``python -m opfuse``, the demo and dump ones two at a time."""
 
 import concurrent.futures
+import json
 import os
 import shutil
 import subprocess
@@ -22,6 +28,58 @@ def run_cli(*args, timeout=300):
                           timeout=timeout)
 
 
+def gpu_benchmarks() -> list[tuple[str, int]]:
+    """bench/common.py's benchmarks that need GPUs: ``(name, GPUs)``."""
+    sys.path.insert(0, BENCH)
+    try:
+        from common import BENCHMARKS
+    finally:
+        sys.path.remove(BENCH)
+    return [(name, gpus) for name, (gpus, _) in BENCHMARKS.items() if gpus]
+
+
+#: The commands the tests below run through :func:`quick_cli`.
+QUICK_COMMANDS = [("--version",), ("--help",), ("frobnicate",), ("dump", "--world", "0"), ("dump", "--format", "svg"),
+                  ("demo", "--world", "4", "--hidden", "30"), ("demo", "--backend", "nccl"), ("bench",),
+                  ("bench", "timing")] + [("bench", name) for name, _ in gpu_benchmarks()]
+
+
+@pytest.fixture(scope="module")
+def quick_cli(tmp_path_factory):
+    """``quick_cli(*args)``: what ``python -m opfuse ARGS`` returned (a ``CompletedProcess``), for
+    every command of :data:`QUICK_COMMANDS` from one run of tests/dist/opfuse_commands.py; any other
+    command in its own interpreter (:func:`run_cli`)."""
+    folder = tmp_path_factory.mktemp("opfuse_commands")
+    requests, results = folder / "requests.json", folder / "results.json"
+    requests.write_text(json.dumps([list(command) for command in QUICK_COMMANDS]))
+    runner = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "dist", "opfuse_commands.py"), str(requests),
+                             str(results), str(folder)], cwd=ROOT, env=env(), capture_output=True, text=True,
+                            timeout=600)
+    assert runner.returncode == 0, f"tests/dist/opfuse_commands.py failed:\n{runner.stdout}\n{runner.stderr}"
+    found = {command: subprocess.CompletedProcess([sys.executable, "-m", "opfuse", *command], result["returncode"],
+                                                  result["stdout"], result["stderr"])
+             for command, result in zip(QUICK_COMMANDS, json.loads(results.read_text()), strict=True)}
+    return lambda *args: found[args] if args in found else run_cli(*args)
+
+
+@pytest.fixture(scope="module")
+def started_cli(tmp_path_factory):
+    """The demo and dump commands below (each spawns its ranks), started two at a time when a test
+    first asks: ``started_cli(*args)`` waits for one's result (each in its own ``python -m opfuse``,
+    :func:`run_cli`); ``started_cli.html`` is the file ``dump --format html -o`` writes."""
+    html = tmp_path_factory.mktemp("dump") / "demo.html"
+    commands = [("demo", "--world", "2"), ("dump", "--sequence-parallel"), ("dump", "--format", "html"),
+                ("dump", "--format", "dot"), ("dump", "--format", "html", "-o", str(html))]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        started = {command: pool.submit(run_cli, *command) for command in commands}
+
+        def result(*args):
+            return started[args].result() if args in started else run_cli(*args)
+
+        result.html = html
+        yield result
+
+
 def one_line_error(result, code=2):
     assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -30,8 +88,8 @@ def one_line_error(result, code=2):
 
 
 @pytest.mark.dist
-def test_demo_reports_check_passed():
-    result = run_cli("demo", "--world", "2")
+def test_demo_reports_check_passed(started_cli):
+    result = started_cli("demo", "--world", "2")
     assert result.returncode == 0, result.stderr
     assert "result: check PASSED" in result.stdout
     assert "allreduce_add_rmsnorm" in result.stdout and "AllReduce, Bias, AddExtraInput, MakeExtraOutput, RMSNorm" \
@@ -85,8 +143,8 @@ def test_porting_example_under_torchrun():
 
 
 @pytest.mark.dist
-def test_dump_shows_collectives_and_fusions():
-    result = run_cli("dump", "--sequence-parallel")
+def test_dump_shows_collectives_and_fusions(started_cli):
+    result = started_cli("dump", "--sequence-parallel")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "(before fusion)" in out and "(after fusion)" in out
@@ -95,36 +153,36 @@ def test_dump_shows_collectives_and_fusions():
 
 
 @pytest.mark.dist
-def test_dump_html_and_dot_are_clean_documents(tmp_path):
-    page = run_cli("dump", "--format", "html")
+def test_dump_html_and_dot_are_clean_documents(started_cli):
+    page = started_cli("dump", "--format", "html")
     assert page.returncode == 0, page.stderr
     assert page.stdout.startswith("<!doctype html>") and page.stdout.endswith("</html>\n")
     assert "fusions:" in page.stderr  # the explain text goes to stderr, not into the page
-    dot = run_cli("dump", "--format", "dot")
+    dot = started_cli("dump", "--format", "dot")
     assert dot.returncode == 0, dot.stderr
     assert dot.stdout.startswith("digraph opfuse {") and dot.stdout.endswith("}\n")
     assert "output ?" not in dot.stdout and "\\n?" not in dot.stdout
     if shutil.which("dot"):
         svg = subprocess.run(["dot", "-Tsvg"], input=dot.stdout, capture_output=True, text=True, timeout=60)
         assert svg.returncode == 0 and "<svg" in svg.stdout, svg.stderr
-    target = tmp_path / "demo.html"
-    written = run_cli("dump", "--format", "html", "-o", str(target))
+    target = started_cli.html
+    written = started_cli("dump", "--format", "html", "-o", str(target))
     assert written.returncode == 0 and written.stdout == "", written.stdout[:200]
     assert target.read_text() == page.stdout and f"wrote {target}" in written.stderr
 
 
-def test_version_help_and_one_line_errors():
+def test_version_help_and_one_line_errors(quick_cli):
     import opfuse
 
-    version = run_cli("--version")
+    version = quick_cli("--version")
     assert version.returncode == 0 and version.stdout.startswith(f"opfuse {opfuse.__version__} (torch ")
-    assert run_cli("--help").returncode == 0
-    assert "unknown command 'frobnicate'" in one_line_error(run_cli("frobnicate"))
-    assert "--world: 0 is not a positive integer" in one_line_error(run_cli("dump", "--world", "0"))
-    assert "--format: invalid choice: 'svg'" in one_line_error(run_cli("dump", "--format", "svg"))
+    assert quick_cli("--help").returncode == 0
+    assert "unknown command 'frobnicate'" in one_line_error(quick_cli("frobnicate"))
+    assert "--world: 0 is not a positive integer" in one_line_error(quick_cli("dump", "--world", "0"))
+    assert "--format: invalid choice: 'svg'" in one_line_error(quick_cli("dump", "--format", "svg"))
     assert "--hidden=30 must be divisible by --world=4" in one_line_error(
-        run_cli("demo", "--world", "4", "--hidden", "30"))
-    assert "needs 2 GPUs" in one_line_error(run_cli("demo", "--backend", "nccl"))
+        quick_cli("demo", "--world", "4", "--hidden", "30"))
+    assert "needs 2 GPUs" in one_line_error(quick_cli("demo", "--backend", "nccl"))
 
 
 def test_doctor():
@@ -134,21 +192,19 @@ def test_doctor():
     assert "Failed to initialize NumPy" not in result.stderr  # numpy is a declared dependency
 
 
-def test_bench_lists_only_benchmarks_and_skips_without_gpus():
+def test_bench_lists_only_benchmarks_and_skips_without_gpus(quick_cli):
     sys.path.insert(0, BENCH)
     try:
         from common import BENCHMARKS
     finally:
         sys.path.remove(BENCH)
-    listing = run_cli("bench")
+    listing = quick_cli("bench")
     assert listing.returncode == 0
     listed = [line.split()[0] for line in listing.stdout.splitlines()[1:]]
     assert listed == list(BENCHMARKS) and "timing" not in listed and "common" not in listed
-    assert "unknown benchmark 'timing'" in one_line_error(run_cli("bench", "timing"))
+    assert "unknown benchmark 'timing'" in one_line_error(quick_cli("bench", "timing"))
     gpu_benches = [(name, gpus) for name, (gpus, _) in BENCHMARKS.items() if gpus]
-    # One process per benchmark, most of each one's time importing torch: run them side by side.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda item: run_cli("bench", item[0]), gpu_benches))
+    results = [quick_cli("bench", name) for name, _ in gpu_benches]
     for (name, gpus), result in zip(gpu_benches, results):
         assert result.returncode == 0, (name, result.stderr)
         assert result.stdout.strip() == f"no GPU: {name} needs {gpus} CUDA GPU{'s' if gpus > 1 else ''}; skipped"
