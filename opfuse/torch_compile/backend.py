@@ -90,6 +90,7 @@ class OpfuseBackend:
             if options:
                 raise ValueError(f"opfuse backend: Inductor options {sorted(options)} given with "
                                  f"options['inductor']=False")
+            _fp8_without_graphs(settings, graphs=False)
             return _guarded(_aot_eager(gm, example_inputs, fusion), settings)
         from torch._inductor import config as inductor_config
         from torch._inductor import list_mode_options
@@ -98,6 +99,7 @@ class OpfuseBackend:
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(options)
         _no_async_tp_under_graphs(gm, patches, inductor_config, settings, example_inputs)
+        _fp8_without_graphs(settings, graphs=patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
         if "reorder_for_peak_memory" not in patches and _keeps_collective_order(gm, example_inputs):
             # Inductor's peak-memory reordering moves a collective's wait back before the GEMMs
             # that overlap.schedule_overlaps placed under it (measured: they then ran after it).
@@ -113,6 +115,19 @@ def _guarded(compiled, settings):
     from .layout_guard import guard_layouts
 
     return guard_layouts(compiled, settings.joined, [i.name for i in settings.inputs])
+
+
+def _fp8_without_graphs(settings, graphs: bool) -> None:
+    """Say in ``explain()`` that an FP8 graph compiled without CUDA graphs launches its quantizations
+    from the host: each FP8 GEMM adds a weight cast and an activation cast, a few kernels each, so a
+    step of short GEMMs waits on the host (measured, one H200: 16 layers of hidden 2048, train-tp
+    at 2048 tokens, 2.86x of torch.compile bf16's step without CUDA graphs, 0.94x with them;
+    docs/PERF_NOTES.model.md, session 25)."""
+    if settings.fp8 is None or graphs:
+        return
+    settings.notes.append("FP8 without CUDA graphs: every FP8 GEMM adds quantization kernels the host launches one "
+                          "by one; where the GEMMs are short (hidden ~2048) the step waits on the host and can be "
+                          "slower than bf16. Compile with mode='reduce-overhead' (CUDA graphs) there")
 
 
 def _no_async_tp_under_graphs(gm: torch.fx.GraphModule, patches: dict, inductor_config, settings,

@@ -121,6 +121,7 @@ def test_training_matches_the_recipes_emulation_and_fuses_the_quantization(world
     assert found.count("fp8_linear") == 8
     text = programs[0].explain()
     assert "8 projection GEMM(s) in FP8, forward and backward: q, k, v, o, gate, up, down, output" in text
+    assert "FP8 without CUDA graphs: every FP8 GEMM adds quantization kernels the host launches" in text
 
 
 def test_backward_gemms_are_fp8_and_keep_one_byte_inputs(world1, tmp_path):
@@ -471,3 +472,15 @@ def test_every_one_read_quantizer_of_a_compiled_graph_has_its_hint_reserved_on_t
     keys = [int(k) for k in re.findall(r"opfuse\.quantize_weight_pow2\.direct\(\w+, (\d+),", after)]
     assert len(keys) == 8 and len(set(keys)) == 8, after
     assert set(keys) <= {key for key, _ in reserved} and all(d == torch.device("cpu") for _, d in reserved), reserved
+
+
+def test_the_host_note_is_only_for_fp8_graphs_compiled_without_cuda_graphs():
+    import types
+
+    from opfuse.torch_compile.backend import _fp8_without_graphs
+
+    for recipe, graphs, noted in ((fp8.TensorScaling(), False, True), (fp8.TensorScaling(), True, False),
+                                  (None, False, False)):
+        settings = types.SimpleNamespace(fp8=recipe, notes=[])
+        _fp8_without_graphs(settings, graphs=graphs)
+        assert bool(settings.notes) is noted, (recipe, graphs, settings.notes)
