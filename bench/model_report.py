@@ -67,6 +67,22 @@ def tables(world, result, opts) -> tuple[str, list]:
         for r, name in extra:
             out.append(f"| {r['case']} | {r['shape']} | {name} | {fmt(r[name])} | {fmt(ratio(r[name], r.get('compile')), 2)}"
                        f" | {fmt(ratio(r[name], r.get('opfuse')), 2)} | {fmt(r.get(name + ' s'))} |")
+    synced = [r for r in result["rows"] if r.get("compile host-read") is not None]
+    if synced:  # --decode-sync: the host reads each token, so its time per call adds to the GPU's
+        names = [k[:-len(" host-read")] for k in synced[0] if k.endswith(" host-read")]
+        out += ["", "decode with the host reading each token (--decode-sync; us per token):",
+                "| case | shape | variant | host read | without | added by the read | / compile host read |",
+                "|" + "---|" * 7]
+        for r in synced:
+            for name in names:
+                read, free = r.get(f"{name} host-read"), r.get(name)
+                out.append(f"| {r['case']} | {r['shape']} | {name} | {fmt(read)} | {fmt(free)} | "
+                           f"{fmt(None if read is None or free is None else read - free)} | "
+                           f"{fmt(ratio(read, r.get('compile host-read')), 2)} |")
+            read = ratio(r.get("opfuse host-read"), r.get("compile host-read"))
+            if read is not None:
+                summary.append((world, f"{r['case']} {r['shape']}", "opfuse / compile, host reading each token",
+                                read, "<= 1.0", read <= 1.0))
     for r in result["rows"]:  # issue 27: FP8 against bf16 torch.compile and torchao; merged projections
         fp8 = ratio(r.get("opfuse fp8"), r.get("compile"))
         if fp8 is not None:

@@ -49,6 +49,16 @@ def test_the_summary_shows_the_a_a_control_and_the_ratio_to_both_compiled_copies
     assert "| compile:again | 19600.0 |" in text  # the control's own row in the variants table
 
 
+def test_decode_with_the_host_reading_each_token_is_compared_with_compile_read_the_same_way():
+    opts = {"model": {"dim": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192, "layers": 16}, "device": "cuda"}
+    row = {"case": "decode", "shape": "batch 8", "compile": 1960.0, "opfuse": 1225.0, "compile host-read": 2167.0,
+           "opfuse host-read": 1511.0, "err": {}}
+    text, summary = model_report.tables("1", {"rows": [row], "notes": [], "seconds": 1.0}, opts)
+    found = {(case, what): (value, met) for _, case, what, value, _, met in summary}
+    assert found[("decode batch 8", "opfuse / compile, host reading each token")] == (pytest.approx(1511 / 2167), True)
+    assert "| decode | batch 8 | opfuse | 1511.0 | 1225.0 | 286.0 | 0.70 |" in text
+
+
 def test_compile_time_is_also_summed_over_the_run_and_the_first_compile_alternates():
     import model
 
