@@ -17,6 +17,11 @@ again, as at a first compile), torch's default generator re-seeded with its star
 meet in a barrier before each case.
 
 When only some of a module's tests are selected (``-k``, a node id), each of them spawns alone.
+
+The ``session_spawn`` fixture does the same over modules: the ``SESSION_CASES`` of every module whose
+tests use it (Sequential front-end tests, no torch.compile) run in one spawn per world for the
+whole session, in the order of the tests; when only some of those tests are selected, each spawns
+alone.
 """
 
 from __future__ import annotations
@@ -59,10 +64,10 @@ def run_cases(rank, world, folder, cases):
 
 
 class SharedSpawn:
-    """One test module's planned cases (``module.SHARED_CASES``) and the spawns that ran them."""
+    """Planned cases (``(fn, world, args)``, one per test) and the spawns that ran them."""
 
-    def __init__(self, module, selected: int, folder: str):
-        self.planned = [(fn, world, tuple(args)) for fn, world, args in module.SHARED_CASES]
+    def __init__(self, planned: list, selected: int, folder: str):
+        self.planned = [(fn, world, tuple(args)) for fn, world, args in planned]
         # Only when every planned case's test runs in this session (one test per case).
         self.enabled = selected == len(self.planned)
         self.folder = folder

@@ -10,8 +10,6 @@ import torch.distributed as dist
 import opfuse
 from opfuse import ops
 
-from .harness import run
-
 DT = torch.float64
 H, F = 8, 12  # hidden, ffn (F divisible by 2 and 4)
 
@@ -96,10 +94,15 @@ def world4(rank, world):
 
 
 @pytest.mark.dist
-def test_unsharded_state_dict_round_trip_world2():
-    run(world2, 2)
+def test_unsharded_state_dict_round_trip_world2(session_spawn):
+    session_spawn.run(world2, 2)
 
 
 @pytest.mark.dist
-def test_unsharded_state_dict_round_trip_world4():
-    run(world4, 4)
+def test_unsharded_state_dict_round_trip_world4(session_spawn):
+    session_spawn.run(world4, 4)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(world2, 2, ()), (world4, 4, ())]

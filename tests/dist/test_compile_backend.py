@@ -17,7 +17,6 @@ import sys
 import pytest
 import torch
 
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "examples"))
 

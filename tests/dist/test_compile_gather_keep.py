@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-
 H, TOKENS, HEADS = 16, 8, 8
 
 

@@ -13,7 +13,6 @@ import opfuse
 from opfuse import fp8, ops
 
 from ..fp8_reference import grouped_reference, linear_reference
-from .harness import run
 
 DT = torch.float32
 RECIPES = (fp8.TensorScaling(), fp8.RowwiseScaling())
@@ -179,5 +178,10 @@ def all_cases(rank, world):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_fp8_parallel_layouts(world):
-    run(all_cases, world)
+def test_fp8_parallel_layouts(world, session_spawn):
+    session_spawn.run(all_cases, world)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(all_cases, 2, ()), (all_cases, 4, ())]

@@ -14,7 +14,6 @@ from opfuse.families.residual_norm.op import AllReduceAddRMSNormQuantize
 from opfuse.ops.base import TensorMeta
 
 from ..fp8_reference import E4M3, E5M2, fq, fused_and_unfused
-from .harness import run
 
 RECIPES = (fp8.TensorScaling(), fp8.RowwiseScaling())
 
@@ -94,5 +93,10 @@ def all_cases(rank, world):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_allreduce_add_rmsnorm_quantize(world):
-    run(all_cases, world)
+def test_allreduce_add_rmsnorm_quantize(world, session_spawn):
+    session_spawn.run(all_cases, world)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(all_cases, 2, ()), (all_cases, 4, ())]

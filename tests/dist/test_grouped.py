@@ -9,8 +9,6 @@ import torch.distributed as dist
 
 from opfuse import ops
 
-from .harness import run
-
 DT = torch.float64
 GROUPS, K, N = 4, 6, 5
 
@@ -146,10 +144,15 @@ def world4(rank, world):
 
 
 @pytest.mark.dist
-def test_grouped_linear_world2():
-    run(world2, 2)
+def test_grouped_linear_world2(session_spawn):
+    session_spawn.run(world2, 2)
 
 
 @pytest.mark.dist
-def test_grouped_linear_expert_x_fsdp_world4():
-    run(world4, 4)
+def test_grouped_linear_expert_x_fsdp_world4(session_spawn):
+    session_spawn.run(world4, 4)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(world2, 2, ()), (world4, 4, ())]

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 import opfuse
 from opfuse import ops
 
-from .harness import run
 from .test_tensor_parallel import DT, check, cols, rows
 
 
@@ -100,5 +99,10 @@ def all_cases(rank, world):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_gated_mlp_horizontal_fusion(world):
-    run(all_cases, world)
+def test_gated_mlp_horizontal_fusion(world, session_spawn):
+    session_spawn.run(all_cases, world)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(all_cases, 2, ()), (all_cases, 4, ())]

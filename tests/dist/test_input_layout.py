@@ -15,7 +15,6 @@ from opfuse import ops
 from opfuse.ops.base import OpInputError, PartitionError
 
 from ..sequential_blocks import Case, Op, run_case
-from .harness import run
 
 
 def cases(world):
@@ -70,5 +69,10 @@ def layouts_follow_widths(rank, world):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_the_block_input_layout_follows_the_widths_before_the_first_parallel_layer(world):
-    run(layouts_follow_widths, world)
+def test_the_block_input_layout_follows_the_widths_before_the_first_parallel_layer(world, session_spawn):
+    session_spawn.run(layouts_follow_widths, world)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(layouts_follow_widths, 2, ()), (layouts_follow_widths, 4, ())]

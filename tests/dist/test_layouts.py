@@ -20,8 +20,6 @@ import opfuse
 from opfuse import ops
 from opfuse.ops.base import PartitionError
 
-from .harness import run
-
 DT = torch.float64
 TOL = dict(atol=1e-10, rtol=1e-9)
 
@@ -168,5 +166,10 @@ def all_layouts(rank, world):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_accepted_layout_has_exact_gradients(world):
-    run(all_layouts, world)
+def test_every_accepted_layout_has_exact_gradients(world, session_spawn):
+    session_spawn.run(all_layouts, world)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(all_layouts, 2, ()), (all_layouts, 4, ())]

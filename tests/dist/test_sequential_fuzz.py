@@ -7,7 +7,6 @@ and every gradient, or the error naming the op placed where it cannot take its i
 import pytest
 
 from ..sequential_blocks import generate, run_case
-from .harness import run
 
 SEEDS = range(150)
 
@@ -18,5 +17,10 @@ def fuzz(rank, world):
 
 
 @pytest.mark.dist
-def test_random_tensor_parallel_blocks_match_the_unsharded_math_or_name_the_op():
-    run(fuzz, 2)
+def test_random_tensor_parallel_blocks_match_the_unsharded_math_or_name_the_op(session_spawn):
+    session_spawn.run(fuzz, 2)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(fuzz, 2, ())]

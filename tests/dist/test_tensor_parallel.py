@@ -14,8 +14,6 @@ import torch.nn.functional as F
 import opfuse
 from opfuse import ops
 
-from .harness import run
-
 DT = torch.float64
 TOL = dict(atol=1e-10, rtol=1e-9)
 
@@ -189,5 +187,10 @@ def all_cases(rank, world):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_tensor_parallel_ops_and_blocks(world):
-    run(all_cases, world)
+def test_tensor_parallel_ops_and_blocks(world, session_spawn):
+    session_spawn.run(all_cases, world)
+
+
+#: Run with other modules' Sequential cases in one spawn per world for the session
+#: (tests/dist/shared_spawn.py); a case that does not finish there runs alone in its test.
+SESSION_CASES = [(all_cases, 2, ()), (all_cases, 4, ())]
