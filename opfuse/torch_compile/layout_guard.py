@@ -89,6 +89,13 @@ def joined_inputs(graph: fx.Graph) -> list[JoinedInputs]:
     return found
 
 
+def _innermost(fn):
+    """``fn`` without its ``torch._dynamo.disable`` wrappers (``fn`` itself if it has none)."""
+    while getattr(fn, "_torchdynamo_disable", False) and getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+        fn = fn._torchdynamo_orig_callable
+    return fn
+
+
 def _storage_address(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -149,10 +156,15 @@ def guard_layouts(compiled, groups: list[JoinedInputs], names: list[str | None])
             full_check(args)
             passed[0] = now
 
+    # Dynamo runs what a backend returns under torch._dynamo.disable, unwrapping a callable that is
+    # already disabled (Inductor's) first; ``run`` is wrapped instead, so it calls the callable
+    # inside that wrapper: one disable context per call, not two.
+    inner = _innermost(compiled)
+
     def run(*args):
         # Called with the inputs, or (boxed) with one list of them.
         check(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
-        return compiled(*args)
+        return inner(*args)
 
     if hasattr(compiled, "_boxed_call"):
         run._boxed_call = compiled._boxed_call
