@@ -147,6 +147,7 @@
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
 #   tools/gpu_session.sh s24-fp8-profile # 1 GPU (~3 min): GQA GPU tests, FP8 pow2 train-tp 2048 kernel tables at world 1
 #   tools/gpu_session.sh s24-attention # 1 GPU (~3 min): decode_attention's new kernels: GPU tests, decode 1/8/64 profiled
+#   tools/gpu_session.sh s26-small2    # 2 GPUs (~4 min): 16-layer model at world 2: decode (host read or not), train-tp/sp 2048
 #   tools/gpu_session.sh s25-final     # 1 GPU (~5.5 min): compile GPU tests; 16-layer train-tp; 2-layer decode 1/8
 #   tools/gpu_session.sh s25-small-train # 1 GPU (~9 min): 16-layer train-tp 2048: variants without each fusion; FP8 under graphs
 #   tools/gpu_session.sh s25-host2     # 1 GPU (~5 min): compile-path GPU tests; 16-layer decode (host read, merged or not)
@@ -1151,6 +1152,14 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s26-small2)
+    # 2 GPUs (~4 min; issue 26 "never slower" at world 2): the 16-layer small model (hidden 2048) where
+    # host time decides: decode at batch 1 / 8 with and without the host reading each token, train-tp and
+    # train-sp at 2048 tokens with the A/A control. Run after s24-table (the default table at world 2).
+    step small2 500 python3 bench/model.py --world 2 --shape small --cases decode train-tp train-sp --decode 1 8 \
+      --decode-sync --train 2048 --train-batch 1
+    final_summary() { model_lines small2 | grep -v "^| [0-9]"; sed -n '/^summary/,$p' "$OUT/small2.log"; }
     ;;
   s25-final)
     # One GPU (~5.5 min): after "a standalone add + norm is left to Inductor": the compile-backend GPU
