@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["adjacent", "join_rows", "pack_rows_", "span_key"]
+__all__ = ["adjacent", "join_rows", "pack_rows_", "span_key", "storage_address"]
 
 
 def adjacent(tensors: Sequence[torch.Tensor]) -> bool:
@@ -58,6 +58,17 @@ def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
+
+
+def storage_address(t: torch.Tensor | None) -> int | None:
+    """The address of ``t``'s storage (``None`` for ``None`` or a tensor without memory): tensors
+    stored back to back share it, so it tells one buffer from another at the same addresses."""
+    if t is None:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def span_key(t: torch.Tensor):

@@ -24,6 +24,7 @@ import torch
 from torch import fx
 
 from ..machinery.aten import aten, calls, value
+from ..ops.packing import storage_address
 from .inputs import input_key
 
 __all__ = ["LayoutChanged", "JoinedInputs", "joined_inputs", "guard_layouts"]
@@ -96,10 +97,6 @@ def _innermost(fn):
     return fn
 
 
-def _storage_address(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 def _inner(tensor, attrs):
     if not attrs:
         return tensor
@@ -133,7 +130,7 @@ def guard_layouts(compiled, groups: list[JoinedInputs], names: list[str | None])
 
         def where(args) -> tuple:
             return (tuple(map(torch.Tensor.data_ptr, pick_members(args))),
-                    tuple(map(_storage_address, pick_lasts(args)[:-1])))
+                    tuple(map(storage_address, pick_lasts(args)[:-1])))
 
     def full_check(args) -> None:
         for indices, attrs, offsets in checks:

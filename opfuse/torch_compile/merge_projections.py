@@ -39,7 +39,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..ops.packing import adjacent, pack_rows_
+from ..ops.packing import adjacent, pack_rows_, storage_address
 
 __all__ = ["ProjectionGroup", "PackedParameters", "find_projection_groups", "merge_projections_"]
 
@@ -142,11 +142,11 @@ class PackedParameters:
         tensors = [module._parameters.get(attr) for module, attr in self._members]
         if set(map(type, tensors)) == {nn.Parameter}:  # the common case, at C speed
             return (tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
-                    tuple(map(_storage_address, map(tensors.__getitem__, self._lasts))))
+                    tuple(map(storage_address, map(tensors.__getitem__, self._lasts))))
         # Absent members (bias=None), DTensors, tensors that are not registered parameters.
         tensors = [_local(_member(module, attr)) for module, attr in self._members]
         return (tuple(None if t is None else (t.data_ptr(), t.numel()) for t in tensors),
-                tuple(_storage_address(tensors[i]) for i in self._lasts))
+                tuple(storage_address(tensors[i]) for i in self._lasts))
 
     def ensure(self) -> int:
         """Pack every group that is not (or no longer) stored back to back; returns how many
@@ -177,15 +177,6 @@ def _member(module: nn.Module, attr: str):
     (``nn.Module.__getattr__`` is ten times slower, and this runs per member per call)."""
     found = module._parameters.get(attr)
     return found if found is not None else getattr(module, attr, None)
-
-
-def _storage_address(t) -> int | None:
-    if t is None:
-        return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def merge_projections_(model: nn.Module, packed: PackedParameters | None = None,

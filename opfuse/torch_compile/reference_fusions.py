@@ -80,8 +80,8 @@ def left_to_inductor(gm: fx.GraphModule, aten: dict) -> dict[str, str]:
         module = gm.get_submodule(node.target)
         if not isinstance(module, FusedOp) or not module.reference_is_unfused:
             continue
-        alike = module.impl != "reference" and module.inductor_fuses_alike
-        if module.impl != "reference" and not alike:
+        alike = module.impl != "reference"  # a kernel could run it: left only where Inductor fuses alike
+        if alike and not module.inductor_fuses_alike:
             continue
         if forced.get(module.name, forced.get(None)) == module.impl:
             continue  # the implementation OPFUSE_FORCE_IMPL asked for runs as asked
