@@ -241,6 +241,8 @@ EXTRA_VARIANTS = {
     "opfuse:no-fuse-no-overlap": {"fuse": False, "overlap_collectives": "fuse"},
     "opfuse:no-norm": {"disabled_rules": ("add_rmsnorm",)},
     "opfuse:no-merge": {},
+    # FP8 (needs --fp8): each weight cast launched alone, as before the batched casts (issue 27).
+    "opfuse fp8:unbatched": {"fp8_weight_batch_mb": 0},
     # A/A control: a second torch.compile model, timed like the others (the noise and any bias
     # of the timing between two identical variants).
     "compile:again": {},
@@ -482,7 +484,8 @@ def worker(rank, world, opts, out_path):
         builders = {"compile": compile_fn, "opfuse": opfuse_fn, "compile:again": compile_fn, "opfuse fp8": fp8_fn,
                     "torchao fp8": torchao_fn}
         builders.update({name: (_optimized_with(device, VARIANT_OPTIMIZE_KWARGS[name])
-                                if name in VARIANT_OPTIMIZE_KWARGS else opfuse_fn)
+                                if name in VARIANT_OPTIMIZE_KWARGS else fp8_fn if name.startswith("opfuse fp8")
+                                else opfuse_fn)
                          for name in EXTRA_VARIANTS if name != "compile:again"})
         steps_ = {"eager": models["eager"]}
         steps_.update({name: builders[name](models[name]) for name in names[1:] if builders.get(name) is not None})
@@ -619,6 +622,8 @@ def main() -> int:
     parser.add_argument("--variants", nargs="*", choices=sorted(EXTRA_VARIANTS), default=[],
                         help="extra opfuse variants in the training cases (settings in EXTRA_VARIANTS)")
     args = parser.parse_args()
+    if not args.fp8 and any(v.startswith("opfuse fp8") for v in args.variants):
+        parser.error(f"--variants {' '.join(v for v in args.variants if v.startswith('opfuse fp8'))}: needs --fp8")
     results, summary, started = {}, [], time.perf_counter()
     if args.from_json:
         saved = common.load_json(args.from_json)

@@ -122,6 +122,12 @@ class Config:
     #: same applies to a standalone add + norm (no collective) whatever kernel could run it: Inductor
     #: fuses those ops into one kernel itself, with no custom op's host time per call.
     reference_fusions: str = "auto"
+    #: Compiled FP8 graphs with power-of-two weight scales: the weight casts of one shape between two
+    #: collectives run as one launch, in batches of at most this many MiB of FP8 output
+    #: (``OPFUSE_FP8_WEIGHT_BATCH_MB``; 0 = each cast alone). Per cast, the host time of two
+    #: launches and four allocations is paid once per batch; the cap bounds the peak memory a cast
+    #: moved ahead of its layer adds (opfuse/torch_compile/batch_weight_casts.py).
+    fp8_weight_batch_mb: int = 256
     #: Launch the all-reduce + norm peer kernels with programmatic dependent launch, so their launch
     #: overlaps the tail of the kernel before them (``OPFUSE_PDL``; outputs are bit-identical either
     #: way). On: 0.4-0.9 us faster per call at 1-64 tokens on 2x H200 (docs/PERF_NOTES.md, issue 30).
@@ -328,6 +334,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "p2p_gradient_gathers": _boolean,
     "grouped_query_attention": _choice("auto", "fold", "decode_attention", "repeat"),
     "reference_fusions": _choice("auto", "inductor", "keep"),
+    "fp8_weight_batch_mb": _integer(0),
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
     "log": _choice("warning", "info", "debug"),
@@ -355,6 +362,7 @@ _ENV_NAMES = {
     "p2p_gradient_gathers": "P2P_GRADIENT_GATHERS",
     "grouped_query_attention": "GROUPED_QUERY_ATTENTION",
     "reference_fusions": "REFERENCE_FUSIONS",
+    "fp8_weight_batch_mb": "FP8_WEIGHT_BATCH_MB",
     "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",

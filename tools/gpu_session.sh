@@ -147,6 +147,8 @@
 #   tools/gpu_session.sh s23-final     # 1 GPU (~3 min; issue 30): final kernels' tests, split vs whole rows, PDL off/on
 #   tools/gpu_session.sh s24-fp8-profile # 1 GPU (~3 min): GQA GPU tests, FP8 pow2 train-tp 2048 kernel tables at world 1
 #   tools/gpu_session.sh s24-attention # 1 GPU (~3 min): decode_attention's new kernels: GPU tests, decode 1/8/64 profiled
+#   tools/gpu_session.sh s26-fp8-batch # 1 GPU (~6 min): FP8 quantizer GPU tests; 16-layer FP8 train-tp, casts batched or not
+#   tools/gpu_session.sh s26-fp8-graphs # 1 GPU (~7 min): the same under CUDA graphs; 2-layer hidden-8192 FP8 train-tp
 #   tools/gpu_session.sh s26-small2    # 2 GPUs (~4 min): 16-layer model at world 2: decode (host read or not), train-tp/sp 2048
 #   tools/gpu_session.sh s25-final     # 1 GPU (~5.5 min): compile GPU tests; 16-layer train-tp; 2-layer decode 1/8
 #   tools/gpu_session.sh s25-small-train # 1 GPU (~9 min): 16-layer train-tp 2048: variants without each fusion; FP8 under graphs
@@ -1160,6 +1162,25 @@ case "$stage" in
     step small2 500 python3 bench/model.py --world 2 --shape small --cases decode train-tp train-sp --decode 1 8 \
       --decode-sync --train 2048 --train-batch 1
     final_summary() { model_lines small2 | grep -v "^| [0-9]"; sed -n '/^summary/,$p' "$OUT/small2.log"; }
+    ;;
+  s26-fp8-batch)
+    # One GPU (~6 min; issue 27): the FP8 quantizer and compile GPU tests (the address-table launch of
+    # same-shape weights: bytes, hints, CUDA graphs with and without a table made before the capture);
+    # then the 16-layer FP8 (pow2) train-tp 2048 step without CUDA graphs, where 112 weight casts a
+    # step made it host-bound (2.86x of torch.compile bf16): casts batched per shape or each alone.
+    tests fp8_gpu 200 -q tests/gpu/test_fp8.py tests/gpu/test_compile_fp8_moe.py tests/gpu/test_graph_pool.py
+    step fp8_small 300 python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --variants "opfuse fp8:unbatched" --no-aa
+    final_summary() { model_lines fp8_small | grep -v "^| [0-9]"; }
+    ;;
+  s26-fp8-graphs)
+    # One GPU (~7 min; issue 27): the same 16-layer FP8 step under CUDA graphs (batched casts must not
+    # cost there: same bytes, fewer launches); the 2-layer hidden-8192 FP8 train-tp 2048 (default mode).
+    step fp8_small_graphs 240 python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --variants "opfuse fp8:unbatched" --train-mode reduce-overhead --no-aa
+    step fp8_large 200 python3 bench/model.py --world 1 --cases train-tp --train 2048 --train-batch 1 \
+      --fp8 tensor-pow2 --variants "opfuse fp8:unbatched" --no-aa
+    final_summary() { model_lines fp8_small_graphs fp8_large | grep -v "^| [0-9]"; }
     ;;
   s25-final)
     # One GPU (~5.5 min): after "a standalone add + norm is left to Inductor": the compile-backend GPU

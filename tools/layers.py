@@ -107,6 +107,10 @@ EXCEPTIONS = {
     ("opfuse.torch_compile.fp8_aten", "opfuse.families.quantize.weight_pow2"):
         "the FP8 linears the lowering writes as aten ops call the quantize family's one-read weight quantizer "
         "(opfuse::quantize_weight_pow2) for power-of-two weight scales, and reserve its hints; " + _FP8_LOWERING,
+    ("opfuse.torch_compile.batch_weight_casts", "opfuse.families.quantize.weight_pow2"):
+        "the pass that batches a compiled FP8 graph's same-shape weight casts writes the quantize family's "
+        "opfuse::quantize_weights_pow2 in place of its per-weight calls and reserves the batch's hints; "
+        + _FP8_LOWERING,
 }
 
 

@@ -119,10 +119,10 @@ def _guarded(compiled, settings):
 
 def _fp8_without_graphs(settings, graphs: bool) -> None:
     """Say in ``explain()`` that an FP8 graph compiled without CUDA graphs launches its quantizations
-    from the host: each FP8 GEMM adds a weight cast and an activation cast, a few kernels each, so a
-    step of short GEMMs waits on the host (measured, one H200: 16 layers of hidden 2048, train-tp
-    at 2048 tokens, 2.86x of torch.compile bf16's step without CUDA graphs, 0.94x with them;
-    docs/PERF_NOTES.model.md, session 25)."""
+    from the host: each FP8 GEMM adds an activation cast and a scaled GEMM (the weight casts of one
+    shape share a launch), so a step of short GEMMs waits on the host (measured, one H200: 16 layers
+    of hidden 2048, train-tp at 2048 tokens, 2.32x of torch.compile bf16's step without CUDA
+    graphs, 0.93x with them; docs/PERF_NOTES.model.md, session 26)."""
     if settings.fp8 is None or graphs:
         return
     settings.notes.append("FP8 without CUDA graphs: every FP8 GEMM adds quantization kernels the host launches one "

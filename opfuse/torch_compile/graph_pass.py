@@ -23,6 +23,7 @@ from ..config import config
 from ..core.pipeline import PassContext, run_pipeline
 from ..core.recorder import PassRecorder, new_dump_dir
 from .agree import check_ranks_agree
+from .batch_weight_casts import batch_weight_casts
 from .fp8 import CompileSettings, plan_fp8, unfused_fp8
 from .casts import merge_duplicate_casts
 from .chunked_all_reduce import plan_chunked_all_reduces, split_all_reduces
@@ -120,6 +121,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         + defer_weight_gradients(gm.graph) if config.overlap_collectives == "auto" else []
     carved = carve_sms_under_collectives(gm.graph, config.overlap_sm_carveout) \
         if config.overlap_collectives == "auto" else []
+    batched = batch_weight_casts(gm.graph, config.fp8_weight_batch_mb) if settings.fp8 is not None else []
     use_direct_overloads(gm.graph)
     gm.recompile()
     settings.joined.extend(joined_inputs(gm.graph))
@@ -132,7 +134,7 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
                            fused_phases, [("torch_compile", note) for note in op_graph.notes + settings.notes]
                            + ctx.notes
                            + [("overlap", o.describe()) for o in overlaps] + [("overlap", c.describe()) for c in chunked]
-                           + [("overlap", note) for note in filled + carved],
+                           + [("overlap", note) for note in filled + carved] + [("fp8", note) for note in batched],
                            len(gm.graph.nodes))
     program.overlap_decisions = [(o.wait.name, o.describe()) for o in overlaps]
     program.seconds = time.perf_counter() - started

@@ -26,14 +26,15 @@ from .op_graph import OpGraph, param_source
 from .reference_fusions import fused_values
 from .view_layouts import refresh_layouts, same_layout
 
-__all__ = ["LoweringError", "lower_fusions"]
+__all__ = ["LoweringError", "lower_fusions", "trace_into", "graph_fake_mode"]
 
 
 class LoweringError(RuntimeError):
     """A fused op could not replace the aten nodes it covers (a bug in a rule or in opfuse)."""
 
 
-def _fake_mode(graph: fx.Graph):
+def graph_fake_mode(graph: fx.Graph):
+    """The fake mode of ``graph``'s values (``node.meta['val']``)."""
     for node in graph.nodes:
         val = fake_value(node)
         if isinstance(val, torch.Tensor) and hasattr(val, "fake_mode"):
@@ -53,6 +54,28 @@ def _decompositions() -> dict:
     return select_decomp_table()
 
 
+def trace_into(graph: fx.Graph, fn, inputs: list[fx.Node], before: fx.Node, fake_mode, where: str):
+    """Trace ``fn`` on the fake values of ``inputs`` and insert its aten nodes before ``before``
+    (tagged ``opfuse_fused=where``); returns its outputs as nodes, in ``fn``'s structure."""
+    # Traced with Inductor's decompositions: the graph around it went through them, and Inductor
+    # refuses an op it has both a decomposition and a fallback for (``aten.t`` of an addmm).
+    with torch.no_grad(), fake_mode:
+        traced = make_fx(fn, decomposition_table=_decompositions())(*[fake_value(n) for n in inputs])
+    env = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], inputs))
+    result = None
+    with graph.inserting_before(before):
+        for node in traced.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                result = fx.node.map_arg(node.args[0], env.__getitem__)
+                break
+            copy = graph.node_copy(node, env.__getitem__)
+            copy.meta["opfuse_fused"] = where
+            env[node] = copy
+    return result
+
+
 class _Lowering:
     def __init__(self, op_graph: OpGraph, aten_gm: fx.GraphModule):
         self.op_graph = op_graph
@@ -67,7 +90,7 @@ class _Lowering:
         """The graph's fake mode, looked up when a fused op is first emitted: a graph with nothing
         to lower may carry no tensors at all (a dynamic-shape graph computing only sizes)."""
         if self._fake_mode is None:
-            self._fake_mode = _fake_mode(self.graph)
+            self._fake_mode = graph_fake_mode(self.graph)
         return self._fake_mode
 
     # Values ----------------------------------------------------------------------------------
@@ -112,25 +135,9 @@ class _Lowering:
             bound = dict(zip(names, tensors[len(tensor_args):]))
             return torch.func.functional_call(module, bound, tuple(call_args))
 
-        # Traced with Inductor's decompositions: the graph around it went through them, and Inductor
-        # refuses an op it has both a decomposition and a fallback for (``aten.t`` of an addmm).
-        with torch.no_grad(), self.fake_mode:
-            traced = make_fx(run, decomposition_table=_decompositions())(*[fake_value(n) for n in inputs])
         order = {n: i for i, n in enumerate(self.graph.nodes)}
         anchor = max(inputs, key=order.__getitem__)
-        env = dict(zip([n for n in traced.graph.nodes if n.op == "placeholder"], inputs))
-        result = None
-        with self.graph.inserting_before(anchor.next):
-            for node in traced.graph.nodes:
-                if node.op == "placeholder":
-                    continue
-                if node.op == "output":
-                    result = fx.node.map_arg(node.args[0], env.__getitem__)
-                    break
-                copy = self.graph.node_copy(node, env.__getitem__)
-                copy.meta["opfuse_fused"] = where
-                env[node] = copy
-        return result
+        return trace_into(self.graph, run, inputs, anchor.next, self.fake_mode, where)
 
     def replace(self, op_name: str, new: fx.Node, rule: str, inputs=()) -> None:
         old = self.op_graph.aten.get(op_name)

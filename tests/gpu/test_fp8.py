@@ -218,6 +218,66 @@ def test_one_read_weight_quantizer_in_a_cuda_graph_follows_the_weight_across_exp
         assert torch.equal(q.scale_inv, want.scale_inv), factor
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(16, 16), (33, 257), (2048, 8192)])
+def test_separate_weights_in_one_launch_match_each_weight_quantized_alone(dtype, shape):
+    """``weight_pow2.quantize_weights`` (separate same-shape weights found through an address
+    table, one launch) against each weight's two-pass power-of-two quantization, bit for bit
+    (dirty memory), while the amaxes move apart (hints right and wrong, one weight zero, one
+    strided); the table follows new weights at new addresses."""
+    from opfuse.families.quantize import weight_pow2
+
+    key = ("gpu-test-weights", shape, str(dtype))
+    bases = [randn(*shape, dtype=torch.float32, seed=s, scale=3.0) for s in range(4)]
+    for step, factors in enumerate([(1, 1, 1, 1), (1, 1, 1, 1), (0.5, 2.0, 4.0, 1.0), (4.0, 0.01, 0.0, 1.0)]):
+        ws = [(b * f).to(dtype) for b, f in zip(bases, factors)]
+        ws[3] = torch.cat([ws[3], ws[3]], 1)[:, :shape[1]]  # strided
+        _dirty_allocator(8 * ws[0].numel() + (1 << 20))
+        data, data_t, scale_inv = weight_pow2.quantize_weights(ws, E4M3, True, key)
+        for g, w in enumerate(ws):
+            want = numerics.quantize(w, E4M3, False, pow2=True)
+            _same_bytes(data[g], want.data, (step, g, "data"))
+            _same_bytes(data_t[g], want.data.t().contiguous(), (step, g, "data_t"))
+            assert torch.equal(scale_inv[g].reshape(1, 1), want.scale_inv), (step, g)
+        amaxes = torch.stack([w.float().abs().amax() for w in ws])
+        assert torch.equal(weight_pow2._hint(key, ws[0].device, 4), numerics.pow2_exponent(amaxes, E4M3)), step
+
+
+@needs_triton
+@pytest.mark.parametrize("table_before_capture", [True, False], ids=["table-kept", "capture-without-table"])
+def test_separate_weights_in_one_launch_in_a_cuda_graph_follow_the_weights(table_before_capture, monkeypatch):
+    """Captured once, replayed while the weights are rescaled in place: every replay gives each
+    weight's two-pass bytes and scale, whether the capture found the address table made (a warm-up
+    call) or had to launch each weight alone (no table can be copied inside a capture)."""
+    from opfuse.families.quantize import weight_pow2
+
+    ws = [randn(256, 512, dtype=torch.bfloat16, seed=s) for s in range(3)]
+    bases = [w.clone() for w in ws]
+    key = ("gpu-graph-weights", table_before_capture)
+    # warm-up outside the capture (Triton compiles the kernels the capture launches): the table of
+    # these weights, or the per-weight launches of other weights (no table at these addresses)
+    with monkeypatch.context() as patch:
+        if not table_before_capture:
+            patch.setattr(weight_pow2, "is_capturing", lambda: True)
+        weight_pow2.quantize_weights(ws if table_before_capture else [w.clone() for w in ws], E4M3, True, key)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        data, data_t, scale_inv = weight_pow2.quantize_weights(ws, E4M3, True, key)
+    torch.cuda.current_stream().wait_stream(stream)
+    for factors in ((1, 1, 1), (3, 0.01, 1), (3.1, 0.01, 0), (0.5, 1, 1)):
+        for w, base, f in zip(ws, bases, factors):
+            w.copy_(base.float().mul(f).to(w.dtype))
+        graph.replay()
+        for g, w in enumerate(ws):
+            want = numerics.quantize(w, E4M3, False, pow2=True)
+            _same_bytes(data[g], want.data, (factors, g))
+            _same_bytes(data_t[g], want.data.t().contiguous(), (factors, g))
+            assert torch.equal(scale_inv[g].reshape(1, 1), want.scale_inv), (factors, g)
+
+
 # fp8_linear -------------------------------------------------------------------------------------------
 
 

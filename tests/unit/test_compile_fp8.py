@@ -440,7 +440,10 @@ def test_power_of_two_weight_scales_reach_compiled_graphs_through_the_one_read_q
     assert relative(want, exact) > 1e-4  # the power-of-two scales are not a no-op
     (folder,) = os.listdir(tmp_path)
     after = (tmp_path / folder / "aten_after.py").read_text()
-    assert after.count("opfuse.quantize_weight_pow2.direct(") == 8
+    # q, k, v, o (one shape) and gate, up (another) cast in one launch each; down and the head alone
+    assert after.count("opfuse.quantize_weight_pow2.direct(") == 2
+    assert re.findall(r"opfuse\.quantize_weights_pow2\.direct\(\[([^\]]*)\]", after) and sorted(
+        len(w.split(",")) for w in re.findall(r"opfuse\.quantize_weights_pow2\.direct\(\[([^\]]*)\]", after)) == [2, 4]
     assert after.count("aten.amax") == 2 + 8  # o's and down's inputs, and the output gradients
     assert "pow2 weight scales" in programs[0].explain()
 
@@ -464,14 +467,18 @@ def test_every_one_read_quantizer_of_a_compiled_graph_has_its_hint_reserved_on_t
 
     monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
     reserved = []
-    monkeypatch.setattr(weight_pow2, "reserve_hint", lambda key, device: reserved.append((key, torch.device(device))))
+    monkeypatch.setattr(weight_pow2, "reserve_hint",
+                        lambda key, device, size=1: reserved.append((key, torch.device(device), size)))
     with opfuse.config.override(dump_dir=str(tmp_path)):
         run_both(Block, fp8.TensorScaling(pow2_weight_scales=True), torch.randn(2, 8, 32), merge_projections=False)
     (folder,) = os.listdir(tmp_path)
     after = (tmp_path / folder / "aten_after.py").read_text()
-    keys = [int(k) for k in re.findall(r"opfuse\.quantize_weight_pow2\.direct\(\w+, (\d+),", after)]
-    assert len(keys) == 8 and len(set(keys)) == 8, after
-    assert set(keys) <= {key for key, _ in reserved} and all(d == torch.device("cpu") for _, d in reserved), reserved
+    calls = [(int(k), 1) for k in re.findall(r"opfuse\.quantize_weight_pow2\.direct\(\w+, (\d+),", after)]
+    calls += [(int(k), len(w.split(","))) for w, k in
+              re.findall(r"opfuse\.quantize_weights_pow2\.direct\(\[([^\]]*)\], (\d+),", after)]
+    assert sum(size for _, size in calls) == 8 and len({k for k, _ in calls}) == len(calls), after
+    assert set(calls) <= {(key, size) for key, _, size in reserved}, (calls, reserved)
+    assert all(d == torch.device("cpu") for _, d, _ in reserved), reserved
 
 
 def test_the_host_note_is_only_for_fp8_graphs_compiled_without_cuda_graphs():

@@ -232,3 +232,9 @@ def test_isolated_runner_records_a_run_past_its_time_limit_and_goes_on(monkeypat
     assert data["failed"] == ["warm-up run (compile): still running after --run-timeout 7.0 s"]
     (row,) = data["rows"]
     assert row["compile"] == [102.0, 105.0] and row["opfuse"] == [103.0, 104.0]
+
+
+def test_every_extra_variant_of_the_bench_has_a_column_in_its_report():
+    import model
+
+    assert set(model.EXTRA_VARIANTS) <= set(model_report.EXTRA_COLUMNS)

@@ -22,11 +22,13 @@ CASES = {
                      "stride": "i32", "group_stride": "i32"}, {"HAS_VALID": True, "BM": 32, "BN": 256}),
     "cast_kernel": ({**PTR, "amax_ptr": "*fp32", "scale_inv_ptr": "*fp32", "rows": "i32", "cols": "i32",
                      "stride": "i32", "group_stride": "i32"}, CAST),
-    "pow2_hinted_cast_kernel": ({**PTR, "hint_ptr": "*i32", "scratch_ptr": "*fp32", "rows": "i32", "cols": "i32",
-                                 "stride": "i32", "group_stride": "i32"}, CAST),
-    "pow2_fixup_kernel": ({**PTR, "hint_ptr": "*i32", "scratch_ptr": "*fp32", "scale_inv_ptr": "*fp32", "rows": "i32",
-                           "cols": "i32", "stride": "i32", "group_stride": "i32", "tiles_n": "i32", "tiles": "i32",
-                           "programs": "i32"}, CAST),
+    **{f"{kernel}{suffix}": (types, {**CAST, "TABLE": table}) for suffix, table in (("", False), ("_table", True))
+       for kernel, types in (
+        ("pow2_hinted_cast_kernel", {**PTR, "table_ptr": "*i64", "hint_ptr": "*i32", "scratch_ptr": "*fp32",
+                                     "rows": "i32", "cols": "i32", "stride": "i32", "group_stride": "i32"}),
+        ("pow2_fixup_kernel", {**PTR, "table_ptr": "*i64", "hint_ptr": "*i32", "scratch_ptr": "*fp32",
+                               "scale_inv_ptr": "*fp32", "rows": "i32", "cols": "i32", "stride": "i32",
+                               "group_stride": "i32", "tiles_n": "i32", "tiles": "i32", "programs": "i32"}))},
     "rowwise_kernel": ({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_inv_ptr": "*fp32", "amax_ptr": "*fp32",
                         "cols": "i32", "stride": "i32"},
                        {"FMAX": 448.0, "GIVEN_AMAX": False, "BN": 16384, "ONE_READ": True}),
@@ -44,7 +46,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_quantizer_kernel_compiles_for_sm90(name):
-    fn = getattr(kernels, name.removesuffix("_two_reads"))
+    fn = getattr(kernels, name.removesuffix("_two_reads").removesuffix("_table"))
     types, constexprs = CASES[name]
     params = fn.arg_names
     signature = {p: types[p] if p in types else "constexpr" for p in params}

@@ -85,6 +85,35 @@ POW2_STACK = CLOSE + textwrap.dedent("""
 """)
 
 
+POW2_TABLE = CLOSE + textwrap.dedent("""
+    from opfuse.families.quantize import kernels, weight_pow2
+    from opfuse.fp8 import numerics
+
+    weight_pow2.fast_path_reason = lambda x: None          # the Triton path on CPU tensors (interpreter)
+    torch.manual_seed(0)
+    base = [torch.randn(40, 300) * s for s in (1.0, 100.0, 0.01)]
+    for step, factor in enumerate([1.0, 1.0, 3.0, 0.2, 0.0]):
+        ws = [(b * factor).to(torch.bfloat16) for b in base]
+        if step == 3:
+            ws[2].zero_()
+        ws[1] = torch.cat([ws[1], ws[1]], 1)[:, :300]        # a strided weight: copied, then in the table
+        want = numerics.quantize_stack(torch.stack(ws), torch.float8_e4m3fn, pow2=True)
+        capturing = step == 2                                # a new table cannot be copied in a capture
+        weight_pow2.is_capturing = lambda: capturing
+        data, data_t, scale_inv = weight_pow2.quantize_weights(ws, torch.float8_e4m3fn, True, "table")
+        assert torch.equal(want[2], scale_inv), step
+        assert close(want[0], data) and torch.equal(data_t, data.transpose(1, 2)), step
+        exponents = numerics.pow2_exponent(torch.stack(ws).float().reshape(3, -1).abs().amax(1), torch.float8_e4m3fn)
+        assert torch.equal(weight_pow2._hints[("table", ws[0].device, 3)], exponents.int()), step
+        addresses, table = weight_pow2._tables[("table", ws[0].device)]
+        assert table.tolist() == list(addresses), step
+        # the table follows the weights, except in the capture (each weight launched alone there)
+        assert (addresses[0], addresses[2]) != (ws[0].data_ptr(), ws[2].data_ptr()) if capturing \
+            else (addresses[0], addresses[2]) == (ws[0].data_ptr(), ws[2].data_ptr()), step
+    print("ok")
+""")
+
+
 ROWWISE = CLOSE + textwrap.dedent("""
     from opfuse.families.quantize import kernels
     from opfuse.fp8 import numerics
@@ -118,6 +147,13 @@ def test_group_column_quantizer_under_the_interpreter():
 def test_one_read_pow2_quantizer_of_a_stack_under_the_interpreter():
     """Scales and hints exact through right and wrong hints (one exponent per matrix)."""
     _run(POW2_STACK)
+
+
+def test_one_read_pow2_quantizer_of_separate_weights_through_an_address_table_under_the_interpreter():
+    """``quantize_weights``: weights found through the table (a strided one copied first), hints
+    and scales exact through right and wrong hints; inside a capture (no new table) each weight
+    alone, same results."""
+    _run(POW2_TABLE)
 
 
 def test_rowwise_quantizer_one_read_and_two_reads_under_the_interpreter():

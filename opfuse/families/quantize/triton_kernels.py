@@ -14,7 +14,8 @@ bit: float32 products, round-to-nearest-even casts, IEEE divisions for the scale
   power-of-two scale (``opfuse.fp8.numerics.pow2_scales_from_amax``) of one matrix or of each
   matrix of a stack: the cast uses the exponent a hint holds (the previous call's) while it
   reduces the amax; the fixup derives the true exponent, writes ``scale_inv`` and the hint, and
-  casts again only if the hint was wrong.
+  casts again only if the hint was wrong. The matrices of a stack may also be separate tensors of
+  one shape, found through a table of their addresses (one launch for many weights).
 
 * :func:`group_column_amax_kernel` + :func:`group_column_cast_kernel`: an operand of the grouped
   weight gradient (:func:`opfuse.fp8.grouped.group_columns_operand`): each group's amax per column,
@@ -143,13 +144,27 @@ def _pow2_cast_tile(x_ptr, q_ptr, qt_ptr, pid_m, pid_n, e, rows, cols, stride, F
 
 
 @triton.jit
-def pow2_hinted_cast_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, rows, cols, stride, group_stride,
-                            FMAX: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _matrix(x_ptr, table_ptr, group, group_stride, TABLE: tl.constexpr):
+    """Where matrix ``group`` of a stack starts: ``group_stride`` elements apart, or with ``TABLE``
+    the address ``table_ptr[group]`` holds (an int64 per matrix)."""
+    if TABLE:
+        start = tl.load(table_ptr + group).to(tl.pointer_type(x_ptr.dtype.element_ty))
+    else:
+        start = x_ptr + group * group_stride
+    return start
+
+
+@triton.jit
+def pow2_hinted_cast_kernel(x_ptr, table_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, rows, cols, stride,
+                            group_stride, FMAX: tl.constexpr, WRITE_T: tl.constexpr, TABLE: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr):
     """Cast with the hint's exponent (any int32: clamped, and checked by the fixup) and reduce
     ``max |x|`` into ``scratch[0]`` (zero on entry); program 0 records the exponent used in
-    ``scratch[1]``. Grid axis 2: matrix ``g`` of a stack, with hint ``g`` and ``scratch[2g:2g+2]``."""
+    ``scratch[1]``. Grid axis 2: matrix ``g`` of a stack, with hint ``g`` and ``scratch[2g:2g+2]``;
+    the matrix is read ``group_stride`` elements past ``x_ptr``, or with ``TABLE`` at the address
+    ``table_ptr[g]`` holds (separate tensors of one shape and dtype; ``x_ptr`` gives the type)."""
     pid_m, pid_n, group = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    x_ptr += group * group_stride
+    x_ptr = _matrix(x_ptr, table_ptr, group, group_stride, TABLE)
     hint_ptr += group
     scratch_ptr += 2 * group
     q_ptr += group * rows * cols
@@ -162,16 +177,16 @@ def pow2_hinted_cast_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, rows, c
 
 
 @triton.jit
-def pow2_fixup_kernel(x_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, stride, group_stride,
-                      tiles_n, tiles, programs, FMAX: tl.constexpr, WRITE_T: tl.constexpr, BM: tl.constexpr,
-                      BN: tl.constexpr):
+def pow2_fixup_kernel(x_ptr, table_ptr, hint_ptr, scratch_ptr, q_ptr, qt_ptr, scale_inv_ptr, rows, cols, stride,
+                      group_stride, tiles_n, tiles, programs, FMAX: tl.constexpr, WRITE_T: tl.constexpr,
+                      TABLE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """The true exponent from the amax; program 0 writes ``scale_inv`` and the hint (the other
     programs read the exponent the cast used from ``scratch[1]``, never the hint, so no program
     sees the new hint); where the exponent differs from the one used, the programs cast every
     tile again, grid-stride (``programs``: the grid's size along axis 0). Grid axis 1: matrix ``g``
-    of a stack, as in :func:`pow2_hinted_cast_kernel` (``scale_inv[g]``)."""
+    of a stack, as in :func:`pow2_hinted_cast_kernel` (``scale_inv[g]``; ``TABLE`` likewise)."""
     pid, group = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    x_ptr += group * group_stride
+    x_ptr = _matrix(x_ptr, table_ptr, group, group_stride, TABLE)
     hint_ptr += group
     scratch_ptr += 2 * group
     q_ptr += group * rows * cols

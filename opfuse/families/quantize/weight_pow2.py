@@ -16,7 +16,9 @@ CUDA graphs capture the two kernels as they are). A stale hint (a checkpoint loa
 weight, another weight behind the same key) costs one extra pass, never a wrong byte.
 
 :func:`quantize_weight` is the function; ``opfuse::quantize_weight_pow2`` the custom op that
-compiled graphs call (its int key is the graph's: :func:`new_key`).
+compiled graphs call (its int key is the graph's: :func:`new_key`). :func:`quantize_weights` (op
+``opfuse::quantize_weights_pow2``) does the same for several same-shape weights in one launch: per
+call the host cost of a cast (two Triton launches, four allocations) is paid once for all of them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -34,7 +37,8 @@ from ...machinery.fused_op import graph_op
 from ...runtime.device import allocating_to_graph_pool, is_capturing, outside_graph_pool
 from .kernels import fast_path_reason
 
-__all__ = ["quantize_weight", "quantize_stack", "quantize_weight_pow2", "new_key", "reserve_hint", "forget_hints",
+__all__ = ["quantize_weight", "quantize_stack", "quantize_weights", "quantize_weight_pow2", "quantize_weights_pow2",
+           "new_key", "reserve_hint", "forget_hints",
            "dtype_name"]
 
 #: Tile of the cast (rows x columns of the weight); 16-bit tiles are written transposed too.
@@ -44,6 +48,7 @@ _UNSET = 1 << 20
 
 _log = logging.getLogger("opfuse.dispatch")
 _hints: dict = {}
+_tables: dict = {}  # (key, device) -> (the weights' addresses, their int64 table on the device)
 _unreserved: set = set()
 _lock = threading.Lock()
 _keys = itertools.count()
@@ -63,14 +68,15 @@ def new_key() -> int:
     return next(_keys)
 
 
-def reserve_hint(key, device: torch.device) -> None:
+def reserve_hint(key, device: torch.device, size: int = 1) -> None:
     """Make ``key``'s hint on ``device`` now, outside any CUDA-graph memory pool: compiled graphs
     reserve theirs when they are built, because under cudagraph trees even the warm-up runs
-    allocate from the graph's pool, which must hold nothing but tracked outputs."""
+    allocate from the graph's pool, which must hold nothing but tracked outputs. ``size``: one
+    exponent per matrix of a stack (:func:`quantize_stack`, :func:`quantize_weights`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # graphs are built under a fake mode: the hint must be real memory
-        _hint(key, torch.device(device))
+        _hint(key, torch.device(device), size)
 
 
 def forget_hints() -> None:
@@ -79,11 +85,15 @@ def forget_hints() -> None:
         _hints.clear()
 
 
+def _slot(key, device: torch.device, size: int) -> tuple:
+    return (key, device) if size == 1 else (key, device, size)  # a stack: one exponent per matrix
+
+
 def _hint(key, device: torch.device, size: int = 1) -> Tensor:
     # Made on a key's first call unless reserved (reserve_hint). A first call inside a CUDA-graph
     # capture would capture the fill too, and every replay would reset the hint (correct bytes, two
     # casts each time); one inside a cudagraph tree's pool would leave an untracked tensor there.
-    slot = (key, device) if size == 1 else (key, device, size)  # a stack: one exponent per matrix
+    slot = _slot(key, device, size)
     found = _hints.get(slot)
     if found is None:
         def make():
@@ -163,27 +173,106 @@ def _one_read(w: Tensor, dtype: torch.dtype, write_t: bool, key, create: bool, d
               scale_inv: Tensor) -> None:
     """The hinted cast and its fixup over a stack ``w [G, R, C]`` (last dim contiguous), writing
     ``data [G, R, C]``, with ``write_t`` ``data_t [G, C, R]`` (else ignored), and ``scale_inv [G]``."""
-    from .triton_kernels import pow2_fixup_kernel, pow2_hinted_cast_kernel
-
     groups, rows, cols = w.shape
-    device = w.device
-    limit = numerics.fp8_max(dtype)
-    hint = None if key is None else _hint(key, device, groups) if create else _hints.get(
-        (key, device) if groups == 1 else (key, device, groups))
+    hint = _resolve_hint(key, w.device, groups, create)
+    _launch(w, None, groups, rows, cols, w.stride(1), w.stride(0), dtype, write_t, hint, data, data_t, scale_inv)
+
+
+def _resolve_hint(key, device: torch.device, groups: int, create: bool) -> Tensor:
+    """``key``'s ``[groups]`` hint on ``device`` (made if ``create``), else a temporary unset one."""
+    hint = None if key is None else _hint(key, device, groups) if create else _hints.get(_slot(key, device, groups))
     if hint is None:
         if key is not None and (key, device) not in _unreserved:
             _unreserved.add((key, device))
             _log.info("quantize_weight_pow2: no hint reserved for key %r on %s: two casts per call", key, device)
         hint = torch.full((groups,), _UNSET, dtype=torch.int32, device=device)
-    scratch = torch.zeros(groups, 2, dtype=torch.float32, device=device)  # [amax, exponent the cast used]
+    return hint
+
+
+def _launch(w: Tensor, table: Tensor | None, groups: int, rows: int, cols: int, stride: int, group_stride: int,
+            dtype: torch.dtype, write_t: bool, hint: Tensor, data: Tensor, data_t: Tensor, scale_inv: Tensor) -> None:
+    """The two kernels over ``groups`` matrices of ``[rows, cols]`` (row stride ``stride``): the
+    matrices ``group_stride`` elements apart from ``w``'s start, or at the addresses ``table``
+    holds (``w``: the first of them, for its dtype)."""
+    from .triton_kernels import pow2_fixup_kernel, pow2_hinted_cast_kernel
+
+    limit = numerics.fp8_max(dtype)
+    scratch = torch.zeros(groups, 2, dtype=torch.float32, device=w.device)  # [amax, exponent the cast used]
     tiles_m, tiles_n = -(-rows // _TILE_M), -(-cols // _TILE_N)
-    pow2_hinted_cast_kernel[(tiles_m, tiles_n, groups)](w, hint, scratch, data, data_t, rows, cols, w.stride(1),
-                                                        w.stride(0), FMAX=limit, WRITE_T=write_t, BM=_TILE_M,
-                                                        BN=_TILE_N, num_warps=4)
-    programs = _programs(device, tiles_m * tiles_n)
-    pow2_fixup_kernel[(programs, groups)](w, hint, scratch, data, data_t, scale_inv, rows, cols, w.stride(1),
-                                          w.stride(0), tiles_n, tiles_m * tiles_n, programs, FMAX=limit,
-                                          WRITE_T=write_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    by_table = table is not None
+    table = table if by_table else hint  # an unread stand-in
+    pow2_hinted_cast_kernel[(tiles_m, tiles_n, groups)](w, table, hint, scratch, data, data_t, rows, cols, stride,
+                                                        group_stride, FMAX=limit, WRITE_T=write_t, TABLE=by_table,
+                                                        BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    programs = _programs(w.device, tiles_m * tiles_n)
+    pow2_fixup_kernel[(programs, groups)](w, table, hint, scratch, data, data_t, scale_inv, rows, cols, stride,
+                                          group_stride, tiles_n, tiles_m * tiles_n, programs, FMAX=limit,
+                                          WRITE_T=write_t, TABLE=by_table, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+
+
+def quantize_weights(weights: Sequence[Tensor], dtype: torch.dtype, transpose: bool, key=None,
+                     create: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
+    """Several 2-D weights of one shape and dtype, each with its own power-of-two scale, in one
+    launch of each kernel: ``(data [G, R, C], data_t [G, C, R] or None, scale_inv [G])``, matrix
+    ``g`` the bytes of :func:`quantize_weight` of ``weights[g]`` (``data_t`` with ``transpose``).
+    The weights stay where they are: the kernels find them through a device table of their
+    addresses, kept per ``key`` (one hint per weight, as in :func:`quantize_weight`) and rebuilt
+    when an address changes. A rebuild cannot happen inside a CUDA-graph capture (a host-to-device
+    copy); there each weight is launched alone, same bytes."""
+    weights = list(weights)
+    if not weights:
+        raise ValueError("opfuse.fp8: quantize_weights needs at least one weight")
+    first = weights[0]
+    for w in weights:
+        if w.dim() != 2 or w.shape != first.shape or w.dtype != first.dtype or w.device != first.device:
+            raise ValueError(f"opfuse.fp8: quantize_weights takes 2-D weights of one shape, dtype and device; got "
+                             f"{[(list(w.shape), str(w.dtype), str(w.device)) for w in weights]}")
+    _check_dtype(dtype)
+    groups, (rows, cols) = len(weights), first.shape
+    if first.numel() == 0 or fast_path_reason(first):
+        quantized = [numerics.quantize(w, dtype, False, pow2=True) for w in weights]
+        data = torch.stack([q.data for q in quantized])
+        return (data, data.transpose(1, 2).contiguous() if transpose else None,
+                torch.cat([q.scale_inv.reshape(1) for q in quantized]))
+    weights = [w if w.stride() == (cols, 1) else w.contiguous() for w in weights]
+    fused_t = _fused_transpose(first, transpose)
+    device = first.device
+    data = torch.empty((groups, rows, cols), dtype=dtype, device=device)
+    data_t = torch.empty((groups, cols, rows), dtype=dtype, device=device) if fused_t else data
+    scale_inv = torch.empty(groups, dtype=torch.float32, device=device)
+    hint = _resolve_hint(key, device, groups, create)
+    table = _address_table(key, weights)
+    if table is None:
+        for g, w in enumerate(weights):
+            _launch(w, None, 1, rows, cols, cols, 0, dtype, fused_t, hint[g:g + 1], data[g:g + 1], data_t[g:g + 1],
+                    scale_inv[g:g + 1])
+    else:
+        _launch(weights[0], table, groups, rows, cols, cols, 0, dtype, fused_t, hint, data, data_t, scale_inv)
+    if not transpose:
+        return data, None, scale_inv
+    return data, data_t if fused_t else data.transpose(1, 2).contiguous(), scale_inv
+
+
+def _address_table(key, weights: list[Tensor]) -> Tensor | None:
+    """int64 ``[G]``: the weights' addresses on their device, the one kept for ``key`` while they
+    stay put; ``None`` when a new one would have to be copied inside a CUDA-graph capture."""
+    device = weights[0].device
+    addresses = tuple(w.data_ptr() for w in weights)
+    kept = None if key is None else _tables.get((key, device))
+    if kept is not None and kept[0] == addresses:
+        return kept[1]
+    if is_capturing():
+        return None
+
+    def make():
+        return torch.tensor(addresses, dtype=torch.int64).to(device)
+
+    # In a cudagraph tree's warm-up the table would land in the graph's pool, untracked (as hints).
+    table = outside_graph_pool(make) if allocating_to_graph_pool() else make()
+    if key is not None:
+        with _lock:
+            _tables[(key, device)] = (addresses, table)
+    return table
 
 
 def _quantize_weight_pow2_fake(weight, key, dtype, transpose):
@@ -204,3 +293,27 @@ def quantize_weight_pow2(weight: Tensor, key: int, dtype: str, transpose: bool) 
         q, qt = out
         return q.data, q.scale_inv, qt.data
     return out.data, out.scale_inv, out.data.new_empty(0)
+
+
+def _quantize_weights_pow2_fake(weights, key, dtype, transpose):
+    first = weights[0]
+    rows, cols = first.shape
+    fp8 = _FP8[dtype]
+    data_t = first.new_empty((len(weights), cols, rows), dtype=fp8) if transpose else first.new_empty(0, dtype=fp8)
+    return (first.new_empty((len(weights), rows, cols), dtype=fp8), data_t,
+            [first.new_empty((1, 1), dtype=torch.float32) for _ in weights])
+
+
+@graph_op("opfuse::quantize_weights_pow2", _quantize_weights_pow2_fake)
+def quantize_weights_pow2(weights: list[Tensor], key: int, dtype: str,
+                          transpose: bool) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """``(data [G, R, C], data_t [G, C, R], scale_inv of each weight [1, 1])`` of
+    :func:`quantize_weights` (``data_t`` empty without ``transpose``): what
+    :func:`quantize_weight_pow2` gives each weight, in one launch for all. Its ``[G]`` hint is
+    reserved when the graph is built, as there. Each scale is a tensor of its own (one copy launch
+    for all): Inductor's scaled-GEMM lowering views a scalar scale's whole storage, so a scale
+    sliced from a ``[G]`` tensor fails to compile (torch 2.11, ``tuned_scaled_mm``)."""
+    data, data_t, scale_inv = quantize_weights(weights, _FP8[dtype], transpose, key, create=False)
+    scales = [scale_inv.new_empty((1, 1)) for _ in weights]
+    torch._foreach_copy_(scales, list(scale_inv.view(-1, 1, 1).unbind(0)))
+    return data, data_t if transpose else data.new_empty(0), scales
