@@ -149,6 +149,7 @@
 #   tools/gpu_session.sh s24-attention # 1 GPU (~3 min): decode_attention's new kernels: GPU tests, decode 1/8/64 profiled
 #   tools/gpu_session.sh s26-fp8-batch # 1 GPU (~6 min): FP8 quantizer GPU tests; 16-layer FP8 train-tp, casts batched or not
 #   tools/gpu_session.sh s26-fp8-graphs # 1 GPU (~7 min): the same under CUDA graphs; 2-layer hidden-8192 FP8 train-tp
+#   tools/gpu_session.sh s26-host-cost # 1 GPU (~1 min): host us per call of mm vs _scaled_mm, one vs batched weight casts
 #   tools/gpu_session.sh s26-small2    # 2 GPUs (~4 min): 16-layer model at world 2: decode (host read or not), train-tp/sp 2048
 #   tools/gpu_session.sh s25-final     # 1 GPU (~5.5 min): compile GPU tests; 16-layer train-tp; 2-layer decode 1/8
 #   tools/gpu_session.sh s25-small-train # 1 GPU (~9 min): 16-layer train-tp 2048: variants without each fusion; FP8 under graphs
@@ -1172,6 +1173,12 @@ case "$stage" in
     step fp8_small 300 python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
       --train-batch 1 --fp8 tensor-pow2 --variants "opfuse fp8:unbatched" --no-aa
     final_summary() { model_lines fp8_small | grep -v "^| [0-9]"; }
+    ;;
+  s26-host-cost)
+    # One GPU (~1 min; issue 27): what is left of FP8's host time per step: torch._scaled_mm's host cost
+    # per call against torch.mm's, and a weight cast alone against 16 in one call.
+    step host_cost 90 python3 bench/host_cost.py
+    final_summary() { cat "$OUT/host_cost.log"; }
     ;;
   s26-fp8-graphs)
     # One GPU (~7 min; issue 27): the same 16-layer FP8 step under CUDA graphs (batched casts must not

@@ -1,0 +1,78 @@
+"""Host time per call of the ops an FP8 training step issues, next to their GPU time (issue 27).
+
+An FP8 step of small layers is host-bound without CUDA graphs (docs/PERF_NOTES.model.md, sessions
+25-26). This times, per call: ``torch.mm`` (bf16, what torch.compile's bf16 step calls) against
+``torch._scaled_mm`` (FP8, one scale per tensor) on the 16-layer small model's GEMM shapes, and the
+power-of-two weight cast alone (``quantize_weight``) against the batched cast of 16 weights
+(``quantize_weights``). Host time: the wall time of issuing ``--calls`` calls back to back without
+a synchronisation, divided by the calls (the GPU queue never fills at these counts); GPU time: CUDA
+events around the same calls after a synchronisation (where the host is slower than the kernels it
+launches, the GPU waits and this reads as the host time).
+
+    python3 bench/host_cost.py [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def _timed(fn, calls: int) -> tuple[float, float]:
+    """``(host us per call, GPU us per call)`` of ``fn``."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return host, begin.elapsed_time(end) / calls * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("host_cost: needs a GPU; skipped")
+        return
+    from opfuse.families.quantize import weight_pow2
+
+    dev = "cuda"
+    rows = []
+    # (tokens, in features, out features) of the small model's GEMMs: q/o, k/v, gate/up, down
+    for m, k, n in [(2048, 2048, 2048), (2048, 2048, 512), (2048, 2048, 8192), (2048, 8192, 2048)]:
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device=dev)
+        rows.append((f"mm bf16 {m}x{k}x{n}", *_timed(lambda: torch.mm(a, b.t()), args.calls)))
+        rows.append((f"_scaled_mm fp8 {m}x{k}x{n}", *_timed(
+            lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16), args.calls)))
+    weights = [torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16) for _ in range(16)]
+    weight_pow2.reserve_hint("host-cost-one", torch.device(dev))
+    weight_pow2.reserve_hint("host-cost-batch", torch.device(dev), len(weights))
+    rows.append(("quantize_weight 2048x2048 (one)", *_timed(
+        lambda: weight_pow2.quantize_weight(weights[0], torch.float8_e4m3fn, True, "host-cost-one"), args.calls)))
+    rows.append(("quantize_weights 16 x 2048x2048 (one call)", *_timed(
+        lambda: weight_pow2.quantize_weights(weights, torch.float8_e4m3fn, True, "host-cost-batch"),
+        max(1, args.calls // 4))))
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.calls} calls each")
+    print("| op | host us / call | GPU us / call |")
+    print("|---|---|---|")
+    for name, host, gpu in rows:
+        print(f"| {name} | {host:.1f} | {gpu:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
