@@ -26,7 +26,7 @@ from torch import fx
 
 from ..families.quantize import weight_pow2
 from .lower import graph_fake_mode, trace_into
-from .overlap import is_collective
+from .overlap import backward_nodes, is_collective
 
 __all__ = ["batch_weight_casts"]
 
@@ -57,15 +57,18 @@ def _outputs(cast: fx.Node) -> dict[int, fx.Node] | None:
     return found
 
 
-def _batchable(cast: fx.Node, movable: set[fx.Node]) -> tuple | None:
-    """The batch key of ``cast`` (window excluded), or ``None`` where it stays as it is."""
+def _batchable(cast: fx.Node, movable: set[fx.Node], backward: set[fx.Node]) -> tuple | None:
+    """The batch key of ``cast`` (window excluded), or ``None`` where it stays as it is. A cast
+    only the backward reads joins only others like it: batched with the forward's, its bytes would
+    be kept from the forward to the backward."""
     weight, _, dtype, transpose = cast.args
     val = weight.meta.get("val")
     outputs = _outputs(cast)
     if (not isinstance(val, torch.Tensor) or val.dim() != 2 or not all(isinstance(d, int) for d in val.shape)
             or outputs is None or (not transpose and 2 in outputs) or weight not in movable):
         return None
-    return tuple(val.shape), val.dtype, val.device, dtype, transpose
+    for_backward = all(user in backward for getitems in outputs.values() for g in getitems for user in g.users)
+    return tuple(val.shape), val.dtype, val.device, dtype, transpose, for_backward
 
 
 def _hoist(graph: fx.Graph, weight: fx.Node, before: fx.Node) -> None:
@@ -124,14 +127,14 @@ def batch_weight_casts(graph: fx.Graph, max_mb: int) -> list[str]:
     module docstring); returns a line for ``explain()`` (none when nothing was batched)."""
     if max_mb <= 0:
         return []
-    movable = _from_inputs(graph)
+    movable, backward = _from_inputs(graph), backward_nodes(graph)
     batches: dict[tuple, list[list[fx.Node]]] = {}
     window = 0
     for node in graph.nodes:
         if is_collective(node):
             window += 1
         elif node.op == "call_function" and node.target is _CAST:
-            key = _batchable(node, movable)
+            key = _batchable(node, movable, backward)
             if key is None:
                 continue
             (rows, cols), transpose = key[0], key[4]

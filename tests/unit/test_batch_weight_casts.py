@@ -193,3 +193,17 @@ def test_a_compiled_fp8_model_gives_the_same_bytes_with_its_casts_batched(world1
         == [3, 3, 6]
     assert "quantize_weight_pow2.direct(" not in after
     assert "12 FP8 weight casts quantized in 3 launch(es)" in programs[0].explain()
+
+
+def test_casts_only_the_backward_reads_do_not_join_the_forwards():
+    def fn(a, b, c, tangents_1):
+        forward = [cast(w)[0] for w in (a, b)]
+        late = cast(c)[2]                      # read only with the incoming gradient
+        return forward + [tangents_1 @ late.float()]
+
+    gm = traced(fn, (64, 32), (64, 32), (64, 32), (8, 32), names=["primals_1", "primals_2", "primals_3",
+                                                                  "tangents_1"])
+    batch_weight_casts(gm.graph, 256)
+    assert batches(gm.graph) == [2] and singles(gm.graph) == 1
+    (batch,) = [n for n in gm.graph.nodes if n.target is BATCH]
+    assert [w.name for w in batch.args[0]] == ["primals_1", "primals_2"]
