@@ -83,6 +83,8 @@ def llama_case(rank, world, tp, recipe, seq=8):
         assert forward.count("allreduce_add_rmsnorm_quantize") == row_parallel, program.explain()
         assert forward.count("fp8_linear") == 7 * cfg.layers + 1, program.explain()
     assert "projection GEMM(s) in FP8, forward and backward" in program.explain()
+    if recipe.pow2_weight_scales and tp == "dist":  # the layers' same-shape weights: one cast call each
+        assert "FP8 weight casts quantized in" in program.explain(), program.explain()
 
 
 def moe_case(rank, world, block):
