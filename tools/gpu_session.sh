@@ -150,6 +150,7 @@
 #   tools/gpu_session.sh s26-fp8-batch # 1 GPU (~6 min): FP8 quantizer GPU tests; 16-layer FP8 train-tp, casts batched or not
 #   tools/gpu_session.sh s26-fp8-graphs # 1 GPU (~7 min): the same under CUDA graphs; 2-layer hidden-8192 FP8 train-tp
 #   tools/gpu_session.sh s26-host-cost # 1 GPU (~1 min): host us per call of mm vs _scaled_mm, one vs batched weight casts
+#   tools/gpu_session.sh s26-fp8-profile # 1 GPU (~3 min): 16-layer FP8 train-tp alone, host profile (cProfile + aten ops)
 #   tools/gpu_session.sh s26-small2    # 2 GPUs (~4 min): 16-layer model at world 2: decode (host read or not), train-tp/sp 2048
 #   tools/gpu_session.sh s25-final     # 1 GPU (~5.5 min): compile GPU tests; 16-layer train-tp; 2-layer decode 1/8
 #   tools/gpu_session.sh s25-small-train # 1 GPU (~9 min): 16-layer train-tp 2048: variants without each fusion; FP8 under graphs
@@ -1173,6 +1174,15 @@ case "$stage" in
     step fp8_small 300 python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
       --train-batch 1 --fp8 tensor-pow2 --variants "opfuse fp8:unbatched" --no-aa
     final_summary() { model_lines fp8_small | grep -v "^| [0-9]"; }
+    ;;
+  s26-fp8-profile)
+    # One GPU (~3 min; issue 27): where the 16-layer FP8 step's host time goes now that its weight
+    # casts are batched (2.32x of torch.compile bf16 without CUDA graphs): opfuse fp8 alone, with the
+    # host profile's top functions and the aten ops' own CPU time.
+    export OPFUSE_HOST_PROFILE_TOP=30 OPFUSE_HOST_PROFILE_OPS=1
+    step fp8_profile 200 python3 bench/model.py --world 1 \
+      --shape small --cases train-tp --train 2048 --train-batch 1 --fp8 tensor-pow2 --only "opfuse fp8" --profile
+    final_summary() { grep -vE "^\[|^ *$" "$OUT/fp8_profile.log" | grep -A200 "host profile" | head -150; }
     ;;
   s26-host-cost)
     # One GPU (~1 min; issue 27): what is left of FP8's host time per step: torch._scaled_mm's host cost
