@@ -47,7 +47,7 @@ def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
-def _outputs(cast: fx.Node) -> dict[int, fx.Node] | None:
+def _outputs(cast: fx.Node) -> dict[int, list[fx.Node]] | None:
     """The cast's ``getitem`` users by index, or ``None`` when it is read another way."""
     found = {}
     for user in cast.users:
