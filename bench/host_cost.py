@@ -19,6 +19,8 @@ import time
 
 import torch
 
+import timing  # bench/timing.py (this script's folder is on the path)
+
 
 def _timed(fn, calls: int) -> tuple[float, float]:
     """``(host us per call, GPU us per call)`` of ``fn``."""
@@ -30,13 +32,7 @@ def _timed(fn, calls: int) -> tuple[float, float]:
         fn()
     host = (time.perf_counter() - start) / calls * 1e6
     torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return host, begin.elapsed_time(end) / calls * 1e3
+    return host, timing.interleaved_us({"fn": lambda i: fn()}, reps=1, calls=calls, warmup=0)["fn"]
 
 
 def main() -> None:

@@ -26,25 +26,15 @@ from torch import fx
 
 from ..families.quantize import weight_pow2
 from .lower import graph_fake_mode, trace_into
-from .overlap import backward_nodes, is_collective
+from .overlap import backward_nodes, is_collective, weight_only
 
 __all__ = ["batch_weight_casts"]
 
 _CAST = torch.ops.opfuse.quantize_weight_pow2.default
 
 
-def _from_inputs(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes computed from graph inputs other than gradients alone (no collective, no side
-    effect on the way): they can move anywhere after the placeholders."""
-    found: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            if not node.name.startswith("tangents"):
-                found.add(node)
-        elif (node.op == "call_function" and not node.is_impure() and not is_collective(node)
-              and all(n in found for n in node.all_input_nodes)):
-            found.add(node)
-    return found
+def _not_a_gradient(placeholder: fx.Node) -> bool:
+    return not placeholder.name.startswith("tangents")
 
 
 def _outputs(cast: fx.Node) -> dict[int, list[fx.Node]] | None:
@@ -57,22 +47,25 @@ def _outputs(cast: fx.Node) -> dict[int, list[fx.Node]] | None:
     return found
 
 
-def _batchable(cast: fx.Node, movable: set[fx.Node], backward: set[fx.Node]) -> tuple | None:
+def _batchable(cast: fx.Node, computed: set[fx.Node], backward: set[fx.Node]) -> tuple | None:
     """The batch key of ``cast`` (window excluded), or ``None`` where it stays as it is. A cast
     only the backward reads joins only others like it: batched with the forward's, its bytes would
-    be kept from the forward to the backward."""
+    be kept from the forward to the backward. ``computed``: the nodes computed from graph inputs
+    other than gradients alone (no collective, no side effect on the way), which can move anywhere
+    after the placeholders."""
     weight, _, dtype, transpose = cast.args
     val = weight.meta.get("val")
     outputs = _outputs(cast)
     if (not isinstance(val, torch.Tensor) or val.dim() != 2 or not all(isinstance(d, int) for d in val.shape)
-            or outputs is None or (not transpose and 2 in outputs) or weight not in movable):
+            or outputs is None or (not transpose and 2 in outputs)
+            or not (weight in computed or weight.op == "placeholder" and _not_a_gradient(weight))):
         return None
     for_backward = all(user in backward for getitems in outputs.values() for g in getitems for user in g.users)
     return tuple(val.shape), val.dtype, val.device, dtype, transpose, for_backward
 
 
 def _hoist(graph: fx.Graph, weight: fx.Node, before: fx.Node) -> None:
-    """Move ``weight``'s computation (inputs only: :func:`_from_inputs`) that follows ``before``
+    """Move ``weight``'s computation (graph inputs only: :func:`_batchable`) that follows ``before``
     to just ahead of it, in graph order."""
     if weight.op == "placeholder":
         return
@@ -127,14 +120,14 @@ def batch_weight_casts(graph: fx.Graph, max_mb: int) -> list[str]:
     module docstring); returns a line for ``explain()`` (none when nothing was batched)."""
     if max_mb <= 0:
         return []
-    movable, backward = _from_inputs(graph), backward_nodes(graph)
+    computed, backward = weight_only(graph, _not_a_gradient), backward_nodes(graph)
     batches: dict[tuple, list[list[fx.Node]]] = {}
     window = 0
     for node in graph.nodes:
         if is_collective(node):
             window += 1
         elif node.op == "call_function" and node.target is _CAST:
-            key = _batchable(node, movable, backward)
+            key = _batchable(node, computed, backward)
             if key is None:
                 continue
             (rows, cols), transpose = key[0], key[4]

@@ -47,7 +47,8 @@ from torch import fx
 from ..machinery.aten import aten, c10d, calls, shape, value
 
 __all__ = ["Overlap", "plan_overlaps", "schedule_overlaps", "fill_with_weight_work", "defer_weight_gradients",
-           "backward_nodes", "summing_reductions", "issued_collectives", "is_collective", "FLOPS_PER_BYTE",
+           "backward_nodes", "summing_reductions", "issued_collectives", "is_collective", "weight_only",
+           "FLOPS_PER_BYTE",
            "LATENCY_BYTES", "HIDE_FRACTION"]
 
 FLOPS_PER_BYTE = 5000
@@ -197,7 +198,7 @@ def issued_collectives(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
             and len(node.args[0].users) == 1]
 
 
-def _weight_only(graph: fx.Graph, is_weight) -> set[fx.Node]:
+def weight_only(graph: fx.Graph, is_weight) -> set[fx.Node]:
     """The computations that read nothing but weights (``is_weight(placeholder)``), directly or
     through other such computations; side-effecting nodes, nodes without inputs and collectives
     (an FSDP parameter all-gather reads only weights too, but its place in the collective order is
@@ -218,7 +219,7 @@ def fill_with_weight_work(graph: fx.Graph, is_weight) -> list[str]:
     which graph inputs are parameters. Returns a line per collective that got work, for
     ``explain()``."""
     backward = backward_nodes(graph)
-    weight_only = _weight_only(graph, is_weight)
+    weight_work = weight_only(graph, is_weight)
     pairs = [(issue, wait) for issue, wait in issued_collectives(graph) if issue not in backward]
     notes = []
     for issue, wait in pairs:
@@ -226,7 +227,7 @@ def fill_with_weight_work(graph: fx.Graph, is_weight) -> list[str]:
         node = wait.next
         while node.op != "output" and not calls(node, *_ISSUES) and node not in backward:
             following = node.next
-            if node in weight_only:
+            if node in weight_work:
                 wait.prepend(node)
                 moved.append(node)
             node = following

@@ -288,7 +288,7 @@ def test_weight_only_work_moves_under_the_forward_collective(world1):
     want = gm(x, w1, w2, w3)
     weights = {"w1", "w2", "w3"}
     before = [n.name for n in gm.graph.nodes]
-    found = overlap._weight_only(gm.graph, lambda p: p.name in weights)
+    found = overlap.weight_only(gm.graph, lambda p: p.name in weights)
     assert not any("all_gather" in n.name or "wait" in n.name for n in found), found
     notes = overlap.fill_with_weight_work(gm.graph, lambda p: p.name in weights)
     gm.recompile()

@@ -152,11 +152,23 @@ def quantize_stack(w: Tensor, dtype: torch.dtype, key=None, create: bool = True)
     w = w.contiguous()
     groups, rows, cols = w.shape
     fused_t = _fused_transpose(w, True)
-    data = torch.empty((groups, rows, cols), dtype=dtype, device=w.device)
-    data_t = torch.empty((groups, cols, rows), dtype=dtype, device=w.device) if fused_t else data
-    scale_inv = torch.empty(groups, dtype=torch.float32, device=w.device)
+    data, data_t, scale_inv = _stack_outputs(groups, rows, cols, dtype, w.device, fused_t)
     _one_read(w, dtype, fused_t, key, create, data, data_t, scale_inv)
-    return data, data_t if fused_t else data.transpose(1, 2).contiguous(), scale_inv
+    return data, _transposed(data, data_t, fused_t), scale_inv
+
+
+def _stack_outputs(groups: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+                   fused_t: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(data [G, R, C], data_t [G, C, R] (``data`` itself unless ``fused_t``), scale_inv [G])``,
+    uninitialised."""
+    data = torch.empty((groups, rows, cols), dtype=dtype, device=device)
+    data_t = torch.empty((groups, cols, rows), dtype=dtype, device=device) if fused_t else data
+    return data, data_t, torch.empty(groups, dtype=torch.float32, device=device)
+
+
+def _transposed(data: Tensor, data_t: Tensor, fused_t: bool) -> Tensor:
+    """A stack's transposed bytes: the kernels' where they wrote them, else transposed here."""
+    return data_t if fused_t else data.transpose(1, 2).contiguous()
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
@@ -230,16 +242,12 @@ def quantize_weights(weights: Sequence[Tensor], dtype: torch.dtype, transpose: b
     _check_dtype(dtype)
     groups, (rows, cols) = len(weights), first.shape
     if first.numel() == 0 or fast_path_reason(first):
-        quantized = [numerics.quantize(w, dtype, False, pow2=True) for w in weights]
-        data = torch.stack([q.data for q in quantized])
-        return (data, data.transpose(1, 2).contiguous() if transpose else None,
-                torch.cat([q.scale_inv.reshape(1) for q in quantized]))
+        data, data_t, scale_inv = numerics.quantize_stack(torch.stack(weights), dtype, pow2=True)
+        return data, data_t if transpose else None, scale_inv
     weights = [w if w.stride() == (cols, 1) else w.contiguous() for w in weights]
     fused_t = _fused_transpose(first, transpose)
     device = first.device
-    data = torch.empty((groups, rows, cols), dtype=dtype, device=device)
-    data_t = torch.empty((groups, cols, rows), dtype=dtype, device=device) if fused_t else data
-    scale_inv = torch.empty(groups, dtype=torch.float32, device=device)
+    data, data_t, scale_inv = _stack_outputs(groups, rows, cols, dtype, device, fused_t)
     hint = _resolve_hint(key, device, groups, create)
     table = _address_table(key, weights)
     if table is None:
@@ -248,9 +256,7 @@ def quantize_weights(weights: Sequence[Tensor], dtype: torch.dtype, transpose: b
                     scale_inv[g:g + 1])
     else:
         _launch(weights[0], table, groups, rows, cols, cols, 0, dtype, fused_t, hint, data, data_t, scale_inv)
-    if not transpose:
-        return data, None, scale_inv
-    return data, data_t if fused_t else data.transpose(1, 2).contiguous(), scale_inv
+    return data, _transposed(data, data_t, fused_t) if transpose else None, scale_inv
 
 
 def _address_table(key, weights: list[Tensor]) -> Tensor | None:
