@@ -141,9 +141,11 @@ def aten_cases(rank, world):
     try:
         llama_case(rank, world, "dist", fp8.TensorScaling())
         llama_case(rank, world, "dtensor-sp", fp8.TensorScaling(), seq=16 * world)
-        if world == 2:  # power-of-two weight scales: the one-read weight quantizer in the aten forward and
-            # backward, and the collective FP8 GEMMs' forwards (their implementations' weight operands)
-            llama_case(rank, world, "dist", fp8.TensorScaling(pow2_weight_scales=True))
+        # power-of-two weight scales: the one-read weight quantizer in the aten forward and backward
+        # (the layers' same-shape weights cast in one call), and the collective FP8 GEMMs' forwards
+        # (their implementations' weight operands)
+        llama_case(rank, world, "dist", fp8.TensorScaling(pow2_weight_scales=True))
+        if world == 2:
             llama_case(rank, world, "dtensor-sp", fp8.TensorScaling(pow2_weight_scales=True), seq=16 * world)
     finally:
         fp8_aten.IMPLEMENTATIONS = saved

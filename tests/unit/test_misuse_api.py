@@ -113,6 +113,7 @@ def test_config_override_checks_names_and_values_and_restores():
     ("OPFUSE_ALLREDUCE_CHUNKS", "-1", r"OPFUSE_ALLREDUCE_CHUNKS='-1': expected an integer >= 0"),
     ("OPFUSE_ALLREDUCE_CHUNKS", "abc", r"OPFUSE_ALLREDUCE_CHUNKS='abc': expected an integer >= 0"),
     ("OPFUSE_PEER_TIMEOUT_MS", "-5", r"OPFUSE_PEER_TIMEOUT_MS='-5': expected an integer >= 0"),
+    ("OPFUSE_FP8_WEIGHT_BATCH_MB", "-1", r"OPFUSE_FP8_WEIGHT_BATCH_MB='-1': expected an integer >= 0"),
     ("OPFUSE_FUSE", "maybe", r"OPFUSE_FUSE='maybe': expected True or False \(as text: 1/true/yes/on/0/false/no/off\)"),
     ("OPFUSE_FORCE_IMPL", "a=b=c", r"OPFUSE_FORCE_IMPL='a=b=c': 'b=c' is not an implementation name"),
 ])
