@@ -128,6 +128,10 @@ class Config:
     #: launches and four allocations is paid once per batch; the cap bounds the peak memory a cast
     #: moved ahead of its layer adds (opfuse/torch_compile/batch_weight_casts.py).
     fp8_weight_batch_mb: int = 256
+    #: opfuse's own Triton kernels launch through a dict of compiled kernels keyed by what Triton
+    #: specializes on, skipping Triton's per-call argument binding (``OPFUSE_TRITON_LAUNCH_CACHE``;
+    #: opfuse/runtime/triton_launch.py); off launches every one through ``kernel[grid](...)``.
+    triton_launch_cache: bool = True
     #: Launch the all-reduce + norm peer kernels with programmatic dependent launch, so their launch
     #: overlaps the tail of the kernel before them (``OPFUSE_PDL``; outputs are bit-identical either
     #: way). On: 0.4-0.9 us faster per call at 1-64 tokens on 2x H200 (docs/PERF_NOTES.md, issue 30).
@@ -335,6 +339,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "grouped_query_attention": _choice("auto", "fold", "decode_attention", "repeat"),
     "reference_fusions": _choice("auto", "inductor", "keep"),
     "fp8_weight_batch_mb": _integer(0),
+    "triton_launch_cache": _boolean,
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
     "log": _choice("warning", "info", "debug"),
@@ -363,6 +368,7 @@ _ENV_NAMES = {
     "grouped_query_attention": "GROUPED_QUERY_ATTENTION",
     "reference_fusions": "REFERENCE_FUSIONS",
     "fp8_weight_batch_mb": "FP8_WEIGHT_BATCH_MB",
+    "triton_launch_cache": "TRITON_LAUNCH_CACHE",
     "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",
     "log": "LOG",

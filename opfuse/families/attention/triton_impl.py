@@ -10,6 +10,7 @@ import os
 import torch
 
 from ...machinery.implementation import CallSpec
+from ...runtime.triton_launch import launch
 
 __all__ = ["check", "forward", "splits_for"]
 
@@ -94,13 +95,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     acc = torch.empty(batch * kv_heads * splits * g_pad, block_d, dtype=torch.float32, device=q.device)
     m = torch.empty(batch * kv_heads * splits * g_pad, dtype=torch.float32, device=q.device)
     l_sum = torch.empty_like(m)
-    partial_kernel[(batch * kv_heads, splits)](
-        q3, k, v, rows, acc, m, l_sum, q3.stride(0), q3.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), stride_mb, stride_ml, kv_heads, length, per_split,
-        per_split // BLOCK_N, splits, float(scale), G=groups, G_PAD=g_pad, D=dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        MASK=kind, IEEE=q.dtype == torch.float32, STAGES=STAGES, PIPELINED=not _interpreted(), num_warps=4)
+    launch(partial_kernel, (batch * kv_heads, splits), q3, k, v, rows, acc, m, l_sum, q3.stride(0), q3.stride(1),
+           k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), stride_mb, stride_ml,
+           kv_heads, length, per_split, per_split // BLOCK_N, splits, float(scale), G=groups, G_PAD=g_pad, D=dim,
+           BLOCK_D=block_d, BLOCK_N=BLOCK_N, MASK=kind, IEEE=q.dtype == torch.float32, STAGES=STAGES,
+           PIPELINED=not _interpreted(), num_warps=4)
     out3 = out[:, :, 0, :]
-    combine_kernel[(batch * kv_heads, groups)](acc, m, l_sum, out3, splits, out3.stride(0), out3.stride(1), kv_heads,
-                                               G=groups, G_PAD=g_pad, D=dim, BLOCK_D=block_d,
-                                               S_BLOCK=min(S_BLOCK, _pow2(splits)), num_warps=4)
+    launch(combine_kernel, (batch * kv_heads, groups), acc, m, l_sum, out3, splits, out3.stride(0), out3.stride(1),
+           kv_heads, G=groups, G_PAD=g_pad, D=dim, BLOCK_D=block_d, S_BLOCK=min(S_BLOCK, _pow2(splits)), num_warps=4)
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime.device import triton_gpu_reason
+from ...runtime.triton_launch import launch
 
 __all__ = ["check", "forward", "backward"]
 
@@ -40,7 +41,8 @@ def forward(y, activation):
     out = y.new_empty(tuple(y.shape[:-1]) + (n,))
     if y2.shape[0] and n:
         grid, block = _grid(y2.shape[0], n)
-        kernels.gated_forward_kernel[grid](y2, out, n, y2.stride(0), n, ACT=_ACTIVATIONS[activation], BLOCK=block)
+        launch(kernels.gated_forward_kernel, grid, y2, out, n, y2.stride(0), n, ACT=_ACTIVATIONS[activation],
+               BLOCK=block)
     return out
 
 
@@ -52,6 +54,6 @@ def backward(dout, y, activation):
     dy = torch.empty_like(y, memory_format=torch.contiguous_format)
     if y2.shape[0] and n:
         grid, block = _grid(y2.shape[0], n)
-        kernels.gated_backward_kernel[grid](d2, y2, dy, n, d2.stride(0), y2.stride(0), 2 * n,
-                                            ACT=_ACTIVATIONS[activation], BLOCK=block)
+        launch(kernels.gated_backward_kernel, grid, d2, y2, dy, n, d2.stride(0), y2.stride(0), 2 * n,
+               ACT=_ACTIVATIONS[activation], BLOCK=block)
     return dy

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ...ops.base import dtype_name
+from ...runtime.triton_launch import launch
 from .triton_impl import triton_status
 
 __all__ = ["check", "forward", "backward", "device_offsets", "zero_tail_rows", "zero_empty_groups"]
@@ -70,8 +71,8 @@ def zero_tail_rows(out: Tensor, group_sizes: Tensor) -> None:
 
     tokens, n = out.shape
     groups = group_sizes.shape[0]
-    zero_tail_rows_kernel[(triton.cdiv(tokens, 64),)](
-        out, group_sizes, groups, tokens, n, out.stride(0), BM=64, BN=128, GP=_next_pow2(groups + 1), num_warps=4)
+    launch(zero_tail_rows_kernel, (triton.cdiv(tokens, 64),), out, group_sizes, groups, tokens, n, out.stride(0),
+           BM=64, BN=128, GP=_next_pow2(groups + 1), num_warps=4)
 
 
 def zero_empty_groups(dw: Tensor, group_sizes: Tensor, tokens: int) -> None:
@@ -82,8 +83,8 @@ def zero_empty_groups(dw: Tensor, group_sizes: Tensor, tokens: int) -> None:
 
     groups = dw.shape[0]
     per_group = dw[0].numel()
-    zero_empty_groups_kernel[(groups, 64)](
-        dw, group_sizes, groups, tokens, per_group, BLOCK=2048, GP=_next_pow2(groups + 1), num_warps=4)
+    launch(zero_empty_groups_kernel, (groups, 64), dw, group_sizes, groups, tokens, per_group, BLOCK=2048,
+           GP=_next_pow2(groups + 1), num_warps=4)
 
 
 def forward(x, group_sizes, weight, bias):

@@ -10,6 +10,7 @@ from ...fp8 import grouped as fp8_grouped
 from ...fp8 import numerics
 from ...fp8.numerics import Quantized
 from ...runtime.device import triton_status
+from ...runtime.triton_launch import launch
 
 __all__ = ["quantize", "quantize_stack", "quantize_group_columns", "fast_path_reason", "amax"]
 
@@ -43,8 +44,8 @@ def amax(x: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tenso
 
     out = torch.zeros((1, 1), dtype=torch.float32, device=x.device)
     rows, cols = x.shape
-    amax_kernel[_grid(rows, cols)](x, out, valid_rows if valid_rows is not None else out, rows, cols, x.stride(0), 0,
-                                   HAS_VALID=valid_rows is not None, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    launch(amax_kernel, _grid(rows, cols), x, out, valid_rows if valid_rows is not None else out, rows, cols,
+           x.stride(0), 0, HAS_VALID=valid_rows is not None, BM=_TILE_M, BN=_TILE_N, num_warps=4)
     return out
 
 
@@ -77,8 +78,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, *, amax_value: 
     # wrong with triton 3.6, so those are transposed by torch.
     fused_t = transpose and x.element_size() == 2
     data_t = torch.empty((cols, rows), dtype=dtype, device=x.device) if fused_t else data
-    cast_kernel[_grid(rows, cols)](x, a, data, data_t, scale_inv, rows, cols, x.stride(0), 0, FMAX=limit,
-                                   WRITE_T=fused_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    launch(cast_kernel, _grid(rows, cols), x, a, data, data_t, scale_inv, rows, cols, x.stride(0), 0, FMAX=limit,
+           WRITE_T=fused_t, BM=_TILE_M, BN=_TILE_N, num_warps=4)
     q = Quantized(data, scale_inv)
     if transpose and not fused_t:
         data_t = data.t().contiguous()
@@ -97,9 +98,9 @@ def _rowwise_triton(x: torch.Tensor, dtype: torch.dtype, amax_value: torch.Tenso
     one_read = cols <= ROW_ONE_READ if one_read is None else one_read
     block = max(16, 1 << (cols - 1).bit_length()) if one_read else _ROW_BLOCK
     given = amax_value is not None
-    rowwise_kernel[(rows,)](x, data, scale_inv, amax_value.contiguous() if given else scale_inv, cols, x.stride(0),
-                            FMAX=numerics.fp8_max(dtype), GIVEN_AMAX=given, BN=block, ONE_READ=one_read,
-                            num_warps=min(16, max(4, block // 1024)))
+    launch(rowwise_kernel, (rows,), x, data, scale_inv, amax_value.contiguous() if given else scale_inv, cols,
+           x.stride(0), FMAX=numerics.fp8_max(dtype), GIVEN_AMAX=given, BN=block, ONE_READ=one_read,
+           num_warps=min(16, max(4, block // 1024)))
     return Quantized(data, scale_inv)
 
 
@@ -119,13 +120,13 @@ def quantize_stack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
     tiles = (*_grid(rows, cols), groups)
     amaxes = torch.zeros(groups, dtype=torch.float32, device=w.device)
-    amax_kernel[tiles](w, amaxes, amaxes, rows, cols, cols, rows * cols, HAS_VALID=False, BM=_TILE_M, BN=_TILE_N,
-                       num_warps=4)
+    launch(amax_kernel, tiles, w, amaxes, amaxes, rows, cols, cols, rows * cols, HAS_VALID=False, BM=_TILE_M,
+           BN=_TILE_N, num_warps=4)
     data = torch.empty((groups, rows, cols), dtype=dtype, device=w.device)
     data_t = torch.empty((groups, cols, rows), dtype=dtype, device=w.device)
     scale_inv = torch.empty(groups, dtype=torch.float32, device=w.device)
-    cast_kernel[tiles](w, amaxes, data, data_t, scale_inv, rows, cols, cols, rows * cols, FMAX=numerics.fp8_max(dtype),
-                       WRITE_T=True, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    launch(cast_kernel, tiles, w, amaxes, data, data_t, scale_inv, rows, cols, cols, rows * cols,
+           FMAX=numerics.fp8_max(dtype), WRITE_T=True, BM=_TILE_M, BN=_TILE_N, num_warps=4)
     return data, data_t, scale_inv
 
 
@@ -154,12 +155,11 @@ def _group_columns_triton(t: torch.Tensor, group_sizes: torch.Tensor, layout) ->
     groups = group_sizes.shape[0]
     column_blocks = triton_cdiv(cols, _GROUP_TILE_C)
     amaxes = torch.zeros(groups, cols, dtype=torch.float32, device=t.device)
-    group_column_amax_kernel[(column_blocks, groups, _GROUP_SLICES)](
-        t, ends, amaxes, cols, t.stride(0), SLICES=_GROUP_SLICES, BT=_GROUP_TILE_T, BC=_GROUP_TILE_C, num_warps=4)
+    launch(group_column_amax_kernel, (column_blocks, groups, _GROUP_SLICES), t, ends, amaxes, cols, t.stride(0),
+           SLICES=_GROUP_SLICES, BT=_GROUP_TILE_T, BC=_GROUP_TILE_C, num_warps=4)
     scale, scale_inv = numerics.scales_from_amax(amaxes, torch.float8_e4m3fn)
     data = torch.empty(cols, padded_tokens, dtype=torch.float8_e4m3fn, device=t.device)
-    group_column_cast_kernel[(triton_cdiv(padded_tokens, _GROUP_TILE_T), column_blocks)](
-        t, ends, padded_ends, scale, data, groups, cols, t.stride(0), padded_tokens,
-        FMAX=numerics.fp8_max(torch.float8_e4m3fn), BT=_GROUP_TILE_T, BC=_GROUP_TILE_C,
-        GP=max(16, 1 << (groups - 1).bit_length()), num_warps=4)
+    launch(group_column_cast_kernel, (triton_cdiv(padded_tokens, _GROUP_TILE_T), column_blocks), t, ends, padded_ends,
+           scale, data, groups, cols, t.stride(0), padded_tokens, FMAX=numerics.fp8_max(torch.float8_e4m3fn),
+           BT=_GROUP_TILE_T, BC=_GROUP_TILE_C, GP=max(16, 1 << (groups - 1).bit_length()), num_warps=4)
     return Quantized(data, scale_inv)

@@ -4,11 +4,11 @@ the shared amax all-reduced with ``torch.distributed``."""
 from __future__ import annotations
 
 import torch
+from torch.distributed import distributed_c10d as c10d
 
 from ...fp8 import numerics
 from ...fp8.recipe import E4M3, E5M2
 from ...fp8.tensor import Float8Activation
-from ...ops import group as groups
 
 __all__ = ["DTYPES", "forward", "quantize_with", "share_amax", "tensor_amax"]
 
@@ -19,10 +19,12 @@ DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 def share_amax(amax: torch.Tensor, amax_group: str) -> torch.Tensor:
     """``amax`` all-reduced (max, in place) over the ranks of ``amax_group`` (a group name; empty:
     none), so that the shards those ranks gather next share one scale."""
-    if amax_group:
-        pg = groups.from_name(amax_group)
-        if torch.distributed.get_world_size(pg) > 1:
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=pg)
+    if amax_group and c10d._get_group_size_by_name(amax_group) > 1:
+        # The functional collective is one C++ call: torch.distributed.all_reduce's Python layers
+        # cost far more host time than this 4-byte all-reduce takes on the GPU (docs/PERF_NOTES.md,
+        # "Triton launches"), once per FP8 activation gathered under sequence parallelism.
+        torch.ops._c10d_functional.all_reduce_(amax, "max", amax_group)
+        torch.ops._c10d_functional.wait_tensor(amax)
     return amax
 
 

@@ -35,6 +35,7 @@ from ...fp8 import numerics
 from ...fp8.numerics import Quantized
 from ...machinery.fused_op import graph_op
 from ...runtime.device import allocating_to_graph_pool, is_capturing, outside_graph_pool
+from ...runtime.triton_launch import launch
 from .kernels import fast_path_reason
 
 __all__ = ["quantize_weight", "quantize_stack", "quantize_weights", "quantize_weight_pow2", "quantize_weights_pow2",
@@ -213,13 +214,12 @@ def _launch(w: Tensor, table: Tensor | None, groups: int, rows: int, cols: int, 
     tiles_m, tiles_n = -(-rows // _TILE_M), -(-cols // _TILE_N)
     by_table = table is not None
     table = table if by_table else hint  # an unread stand-in
-    pow2_hinted_cast_kernel[(tiles_m, tiles_n, groups)](w, table, hint, scratch, data, data_t, rows, cols, stride,
-                                                        group_stride, FMAX=limit, WRITE_T=write_t, TABLE=by_table,
-                                                        BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    launch(pow2_hinted_cast_kernel, (tiles_m, tiles_n, groups), w, table, hint, scratch, data, data_t, rows, cols,
+           stride, group_stride, FMAX=limit, WRITE_T=write_t, TABLE=by_table, BM=_TILE_M, BN=_TILE_N, num_warps=4)
     programs = _programs(w.device, tiles_m * tiles_n)
-    pow2_fixup_kernel[(programs, groups)](w, table, hint, scratch, data, data_t, scale_inv, rows, cols, stride,
-                                          group_stride, tiles_n, tiles_m * tiles_n, programs, FMAX=limit,
-                                          WRITE_T=write_t, TABLE=by_table, BM=_TILE_M, BN=_TILE_N, num_warps=4)
+    launch(pow2_fixup_kernel, (programs, groups), w, table, hint, scratch, data, data_t, scale_inv, rows, cols,
+           stride, group_stride, tiles_n, tiles_m * tiles_n, programs, FMAX=limit, WRITE_T=write_t, TABLE=by_table,
+           BM=_TILE_M, BN=_TILE_N, num_warps=4)
 
 
 def quantize_weights(weights: Sequence[Tensor], dtype: torch.dtype, transpose: bool, key=None,

@@ -18,6 +18,7 @@ from ....fp8.tensor import Float8Activation
 from ...quantize.reference import DTYPES, tensor_amax
 from ....runtime import extension
 from ....runtime.device import triton_status
+from ....runtime.triton_launch import launch
 from .. import cuda as norm_cuda
 from .. import reference
 
@@ -37,7 +38,7 @@ def _launch(kernel, rows, *args, **meta):
     block = 1 << max(0, meta["cols"] - 1).bit_length()
     warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     cols = meta.pop("cols")
-    kernel[(rows,)](*args, cols, **meta, BN=block, num_warps=warps)
+    launch(kernel, (rows,), *args, cols, **meta, BN=block, num_warps=warps)
 
 
 def forward(x, bias, residual, weight, norm_bias, eps, write_residual, dtype, rowwise, amax_group, *, norm):
