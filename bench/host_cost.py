@@ -4,7 +4,9 @@ An FP8 step of small layers is host-bound without CUDA graphs (docs/PERF_NOTES.m
 25-26). This times, per call: ``torch.mm`` (bf16, what torch.compile's bf16 step calls) against
 ``torch._scaled_mm`` (FP8, one scale per tensor) on the 16-layer small model's GEMM shapes, and the
 power-of-two weight cast alone (``quantize_weight``) against the batched cast of 16 weights
-(``quantize_weights``). Host time: the wall time of issuing ``--calls`` calls back to back without
+(``quantize_weights``); the weight cast, the activation cast and the add + RMSNorm + quantize with
+opfuse's cached Triton launches and through Triton's own launch path
+(``OPFUSE_TRITON_LAUNCH_CACHE``, opfuse/runtime/triton_launch.py). Host time: the wall time of issuing ``--calls`` calls back to back without
 a synchronisation, divided by the calls (the GPU queue never fills at these counts); GPU time: CUDA
 events around the same calls after a synchronisation (where the host is slower than the kernels it
 launches, the GPU waits and this reads as the host time).
@@ -42,7 +44,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("host_cost: needs a GPU; skipped")
         return
+    import opfuse
+    from opfuse.families.quantize import kernels as quantize_kernels
     from opfuse.families.quantize import weight_pow2
+    from opfuse.families.residual_norm.fp8 import triton_impl as norm_quantize
 
     dev = "cuda"
     rows = []
@@ -58,11 +63,21 @@ def main() -> None:
     weights = [torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16) for _ in range(16)]
     weight_pow2.reserve_hint("host-cost-one", torch.device(dev))
     weight_pow2.reserve_hint("host-cost-batch", torch.device(dev), len(weights))
-    rows.append(("quantize_weight 2048x2048 (one)", *_timed(
-        lambda: weight_pow2.quantize_weight(weights[0], torch.float8_e4m3fn, True, "host-cost-one"), args.calls)))
-    rows.append(("quantize_weights 16 x 2048x2048 (one call)", *_timed(
-        lambda: weight_pow2.quantize_weights(weights, torch.float8_e4m3fn, True, "host-cost-batch"),
-        max(1, args.calls // 4))))
+    x = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    res, w = torch.randn_like(x), torch.ones(2048, device=dev, dtype=torch.bfloat16)
+    for launches, cached in (("cached launches", True), ("Triton's launch path", False)):
+        with opfuse.config.override(triton_launch_cache=cached):
+            rows.append((f"quantize_weight 2048x2048 (one), {launches}", *_timed(
+                lambda: weight_pow2.quantize_weight(weights[0], torch.float8_e4m3fn, True, "host-cost-one"),
+                args.calls)))
+            rows.append((f"quantize_weights 16 x 2048x2048 (one call), {launches}", *_timed(
+                lambda: weight_pow2.quantize_weights(weights, torch.float8_e4m3fn, True, "host-cost-batch"),
+                max(1, args.calls // 4))))
+            rows.append((f"quantize (activation, amax + cast) 2048x2048, {launches}", *_timed(
+                lambda: quantize_kernels.quantize(x, torch.float8_e4m3fn, False), args.calls)))
+            rows.append((f"add + RMSNorm + quantize 2048x2048, {launches}", *_timed(
+                lambda: norm_quantize.forward(x, None, res, w, None, 1e-6, True, "e4m3", False, "", norm="rms"),
+                args.calls)))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.calls} calls each")
     print("| op | host us / call | GPU us / call |")
     print("|---|---|---|")
