@@ -11,7 +11,10 @@ a synchronisation, divided by the calls (the GPU queue never fills at these coun
 events around the same calls after a synchronisation (where the host is slower than the kernels it
 launches, the GPU waits and this reads as the host time).
 
-    python3 bench/host_cost.py [--calls 200]
+    python3 bench/host_cost.py [--calls 200] [--profile]
+
+``--profile`` adds, per cast, torch.profiler's table of 20 calls (CPU and CUDA time per op and
+kernel): whether a cast's time is the host's or the GPU's, and which piece.
 """
 
 from __future__ import annotations
@@ -37,9 +40,25 @@ def _timed(fn, calls: int) -> tuple[float, float]:
     return host, timing.interleaved_us({"fn": lambda i: fn()}, reps=1, calls=calls, warmup=0)["fn"]
 
 
+def _profile(name: str, fn, calls: int = 20) -> None:
+    """torch.profiler's op table over ``calls`` calls of ``fn`` (warmed up first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    print(f"profile of {name}, {calls} calls:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler tables of 20 calls of each cast")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("host_cost: needs a GPU; skipped")
@@ -78,6 +97,12 @@ def main() -> None:
             rows.append((f"add + RMSNorm + quantize 2048x2048, {launches}", *_timed(
                 lambda: norm_quantize.forward(x, None, res, w, None, 1e-6, True, "e4m3", False, "", norm="rms"),
                 args.calls)))
+    if args.profile:
+        _profile("quantize_weight 2048x2048 (one)",
+                 lambda: weight_pow2.quantize_weight(weights[0], torch.float8_e4m3fn, True, "host-cost-one"))
+        _profile("quantize_weights 16 x 2048x2048 (one call)",
+                 lambda: weight_pow2.quantize_weights(weights, torch.float8_e4m3fn, True, "host-cost-batch"))
+        _profile("quantize (activation) 2048x2048", lambda: quantize_kernels.quantize(x, torch.float8_e4m3fn, False))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; {args.calls} calls each")
     print("| op | host us / call | GPU us / call |")
     print("|---|---|---|")

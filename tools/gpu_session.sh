@@ -1163,15 +1163,16 @@ case "$stage" in
   s27-launch)
     # 1-2 GPUs (~8 min; issue 27): opfuse's Triton kernels through cached launches
     # (opfuse/runtime/triton_launch.py) and the amax all-reduce as one functional collective. Host us
-    # per call with the cache and through Triton's own path; then the FP8 step where host time
-    # decides, 'opfuse fp8' alone in its process with the cache and without
+    # per call with the cache and through Triton's own path, and torch.profiler's table of each cast
+    # (session 27: a weight cast's ~150 us moved with neither its launches nor its bytes); then the
+    # FP8 step where host time decides, 'opfuse fp8' alone in its process with the cache and without
     # (OPFUSE_TRITON_LAUNCH_CACHE=0): on 2 GPUs train-sp 2048 of the hidden-8192 model (0.98x of
     # torch.compile bf16 in s27-x2, host-bound), on one the 16-layer small model's train-tp 2048
     # (2.32x in s26-fp8-batch). The small model's case takes ~200 s with every variant from cold
     # caches (session 27's first try at 150 s timed out): hence one variant per run. GPU tests:
     # s27-launch-tests.
     END=${LAUNCH_BUDGET_S:-560}
-    step host_cost 90 python3 bench/host_cost.py
+    step host_cost 120 python3 bench/host_cost.py --profile
     world=$(python3 -c "import torch; print(min(2, torch.cuda.device_count()))")
     if [ "$world" = 2 ]; then
       model_args=(--world 2 --cases train-sp --train 2048 --train-batch 1 --fp8 tensor-pow2 --only "opfuse fp8")
@@ -1182,7 +1183,8 @@ case "$stage" in
     step fp8_cached "$(fits 230 230)" python3 bench/model.py "${model_args[@]}"
     export OPFUSE_TRITON_LAUNCH_CACHE=0
     step fp8_uncached "$(fits 230 0)" python3 bench/model.py "${model_args[@]}"
-    final_summary() { cat "$OUT/host_cost.log"; model_lines fp8_cached fp8_uncached | grep -v "^| [0-9]"; }
+    final_summary() { sed -n '/^torch /,$p' "$OUT/host_cost.log"; grep -A22 "^profile of" "$OUT/host_cost.log" | cut -c1-200
+      model_lines fp8_cached fp8_uncached | grep -v "^| [0-9]"; }
     ;;
   s27-launch-tests)
     # One GPU (~6 min): the GPU tests of every kernel launched through opfuse/runtime/triton_launch.py
