@@ -29,24 +29,44 @@ def add_submodule(gm: fx.GraphModule, base: str, module) -> str:
     return name
 
 
-def reorder_topologically(graph: fx.Graph) -> None:
+def reorder_topologically(graph: fx.Graph, after: fx.Node | None = None, through: fx.Node | None = None) -> None:
     """Reorder nodes so that every node follows its inputs, keeping the original order
-    where it already does (placeholders stay first, the output stays last)."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
+    where it already does (placeholders stay first, the output stays last).
+
+    With ``after`` and ``through``, only the nodes after ``after`` up to ``through`` move: a
+    rewrite that inserted its nodes up to ``through`` passes the node before the first one it
+    replaced, so the rest of the graph (in order before the rewrite) is not walked. The result is
+    the same as reordering the whole graph, at the cost of the span."""
+    if after is None:
+        nodes = list(graph.nodes)
+    else:
+        nodes, node = [], after.next
+        while True:
+            nodes.append(node)
+            if node is through:
+                break
+            node = node.next
+            if node.op == "root":
+                raise ValueError(f"reorder_topologically: {through} does not follow {after}")
+    order = {node: i for i, node in enumerate(nodes)}
+    # Inputs outside the span come before it (the graph was in order outside what the rewrite
+    # touched). Most rewrites leave the span in order too: one linear check.
+    if all(order.get(dep, -1) < i for node, i in order.items() for dep in node.all_input_nodes):
+        return
     placed: set[fx.Node] = set()
     result: list[fx.Node] = []
 
     def visit(node: fx.Node) -> None:
-        if node in placed:
+        if node in placed or node not in order:
             return
-        for dep in sorted(node.all_input_nodes, key=order.__getitem__):
+        for dep in sorted((d for d in node.all_input_nodes if d in order), key=order.__getitem__):
             visit(dep)
         placed.add(node)
         result.append(node)
 
-    for node in list(graph.nodes):
+    for node in nodes:
         visit(node)
-    anchor = None
+    anchor = after
     for node in result:
         if anchor is None:
             anchor = node
@@ -114,6 +134,7 @@ def replace_match(gm: fx.GraphModule, match: Match, replacement: Replacement, mo
 
     graph = gm.graph
     ordered = [n for n in graph.nodes if n in inside]
+    before = ordered[0].prev  # the rewrite touches the graph from here on
     target = add_submodule(gm, module_base, replacement.module)
     with graph.inserting_after(ordered[-1]):
         fused = graph.call_module(target, tuple(replacement.args))
@@ -142,5 +163,5 @@ def replace_match(gm: fx.GraphModule, match: Match, replacement: Replacement, mo
         fused.meta["opfuse_meta"] = tuple(match[n].node.meta.get("opfuse_meta") for n in outputs)
     for node in reversed(ordered):
         graph.erase_node(node)
-    reorder_topologically(graph)
+    reorder_topologically(graph, before, cursor)
     return fused

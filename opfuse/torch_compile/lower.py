@@ -168,12 +168,14 @@ class _Lowering:
         ``Sym(s0)`` input, a ``sym_size`` or arithmetic on them), else ``-1`` when it is the only
         one, else a ``sym_size`` of a graph value of that size. A ``SymInt`` cannot be written
         into a graph as a constant."""
+        varying = [d for d in dims if not is_static_size(d)]
+        if not varying:
+            return [int(size) for size in dims]
         holders = {}
         for node in self.graph.nodes:
             val = fake_value(node)
             if isinstance(val, torch.SymInt):
                 holders.setdefault(val.node.expr, node)
-        varying = [d for d in dims if not is_static_size(d)]
         args = []
         for size in dims:
             if is_static_size(size):

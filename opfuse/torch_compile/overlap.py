@@ -40,7 +40,9 @@ reduce-scatter has no fused alternative, so leaving it to NCCL costs nothing eve
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 
 from torch import fx
 
@@ -95,23 +97,25 @@ def _flops(node) -> int:
     return 2 * a[0] * a[1] * b[1]
 
 
-def _reachable(node: fx.Node, step) -> set[fx.Node]:
-    """Every node reachable from ``node`` (excluded) through ``step(n)``: its inputs or its users."""
+def _reachable(node: fx.Node, step, within=None) -> set[fx.Node]:
+    """Every node reachable from ``node`` (excluded) through ``step(n)``: its inputs or its users;
+    with ``within(n)``, only through nodes it accepts (a window of the graph: every path between
+    two nodes of a window stays inside it, the graph being in order)."""
     seen, stack = set(), list(step(node))
     while stack:
         current = stack.pop()
-        if current not in seen:
+        if current not in seen and (within is None or within(current)):
             seen.add(current)
             stack.extend(step(current))
     return seen
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    return _reachable(node, lambda n: n.all_input_nodes)
+def _ancestors(node: fx.Node, within=None) -> set[fx.Node]:
+    return _reachable(node, lambda n: n.all_input_nodes, within)
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    return _reachable(node, lambda n: n.users)
+def _descendants(node: fx.Node, within=None) -> set[fx.Node]:
+    return _reachable(node, lambda n: n.users, within)
 
 
 def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
@@ -138,14 +142,16 @@ def summing_reductions(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
     return found
 
 
-def _window(graph: fx.Graph, issue: fx.Node, wait: fx.Node, order: dict) -> tuple[int, int]:
-    """Positions ``(after the previous collective, at the first use of wait's result)``."""
-    start = -1
-    for node in graph.nodes:
-        if order[node] >= order[issue]:
-            break
-        if calls(node, *_ISSUES) or calls(node, c10d.wait_tensor.default):
-            start = order[node]
+def _collective_positions(graph: fx.Graph, order: dict) -> list[int]:
+    """The positions (``order``) of every collective issue and wait, ascending."""
+    return [order[n] for n in graph.nodes if calls(n, *_ISSUES) or calls(n, c10d.wait_tensor.default)]
+
+
+def _window(positions: list[int], issue: fx.Node, wait: fx.Node, order: dict) -> tuple[int, int]:
+    """Positions ``(after the previous collective, at the first use of wait's result)``
+    (``positions``: :func:`_collective_positions`)."""
+    before = bisect.bisect_left(positions, order[issue])
+    start = positions[before - 1] if before else -1
     users = [order[u] for u in wait.users]
     return start, min(users) if users else len(order)
 
@@ -154,11 +160,13 @@ def plan_overlaps(graph: fx.Graph) -> list[Overlap]:
     """The reductions of ``graph`` to leave to NCCL (see the module docstring)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     nodes = list(graph.nodes)
+    positions = _collective_positions(graph, order)
     backward = backward_nodes(graph)
     found = []
     for issue, wait in summing_reductions(graph):
-        start, stop = _window(graph, issue, wait, order)
-        feeding, fed = _ancestors(issue), _descendants(wait)
+        start, stop = _window(positions, issue, wait, order)
+        feeding = _ancestors(issue, lambda n, start=start: order[n] > start)
+        fed = _descendants(wait, lambda n, stop=stop: order.get(n, stop) < stop)
         phase = issue in backward
         gemms = [n for n in nodes[start + 1:stop] if calls(n, *_GEMMS) and n not in feeding and n not in fed
                  and (n in backward) == phase]
@@ -176,8 +184,8 @@ def schedule_overlaps(graph: fx.Graph, overlaps: list[Overlap]) -> None:
     for overlap in overlaps:
         issue, wait = overlap.issue, overlap.wait
         order = {node: i for i, node in enumerate(graph.nodes)}
-        start, _ = _window(graph, issue, wait, order)
-        feeding = _ancestors(issue)
+        start, _ = _window(_collective_positions(graph, order), issue, wait, order)
+        feeding = _ancestors(issue, lambda n, start=start: order[n] > start)
         phase = issue in backward
         movable = [n for n in graph.nodes if start < order[n] < order[issue] and n not in feeding
                    and n.op == "call_function" and (n in backward) == phase]
@@ -269,16 +277,24 @@ def defer_weight_gradients(graph: fx.Graph) -> list[str]:
     backward = backward_nodes(graph)
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     notes = []
-    for issue, wait in [pair for pair in issued_collectives(graph) if pair[0] in backward]:
-        nodes = list(graph.nodes)
-        order = {node: i for i, node in enumerate(nodes)}
-        if any(_is_gemm(n) for n in nodes[order[issue] + 1:order[wait]]):
+    # The moves below only reorder nodes: the pairs and which nodes are GEMMs stay.
+    pairs = issued_collectives(graph)
+    is_gemm = {n: _is_gemm(n) for n in graph.nodes}
+    nodes = None
+    for issue, wait in [pair for pair in pairs if pair[0] in backward]:
+        if nodes is None:  # the graph's order, again after a move
+            nodes = list(graph.nodes)
+            order = {node: i for i, node in enumerate(nodes)}
+            gemms_before = list(itertools.accumulate((is_gemm[n] for n in nodes), initial=0))
+
+            def gemms_between(a: int, b: int) -> int:  # GEMMs strictly between positions a and b
+                return gemms_before[b] - gemms_before[a + 1]
+        if gemms_between(order[issue], order[wait]):
             continue
-        gemms_under = [(order[i], order[w], sum(_is_gemm(n) for n in nodes[order[i] + 1:order[w]]))
-                       for i, w in issued_collectives(graph)]
+        gemms_under = [(order[i], order[w], gemms_between(order[i], order[w])) for i, w in pairs]
         taken, chain = None, None
         for node in reversed(nodes[:order[issue]]):
-            if node not in backward or not _is_gemm(node):
+            if node not in backward or not is_gemm[node]:
                 continue
             if any(a < order[node] < b and count < 2 for a, b, count in gemms_under):
                 continue  # the only GEMM under another collective: it stays
@@ -290,6 +306,7 @@ def defer_weight_gradients(graph: fx.Graph) -> list[str]:
             continue
         for node in sorted([taken] + [n for n in chain if order[n] < order[wait]], key=order.__getitem__):
             wait.prepend(node)
+        nodes = None
         notes.append(f"{wait.name}: weight-gradient GEMM {taken.name} moved under this backward collective, which "
                      f"had no work of its own (OPFUSE_OVERLAP_COLLECTIVES=fuse keeps the traced order)")
     if notes:

@@ -98,7 +98,9 @@ def _fuse_run(gm: fx.GraphModule, ctx, value: fx.Node, run: list[fx.Node]) -> li
     module = HorizontalLinear([ctx.op(n).weight for n in run], [ctx.op(b).bias for b in biases] if biases else None,
                               all_gather=gather, group=group, split=activation is None)
     target = ctx.add_module("fused_horizontal_gemm", module)
-    last = max(covered, key=list(graph.nodes).index)
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    before = min(covered, key=position.__getitem__).prev  # the rewrite touches the graph from here on
+    last = max(covered, key=position.__getitem__)
     with graph.inserting_after(last):
         fused = graph.call_module(target, (source,))
     ctx.record_fusion(fused, covered)
@@ -112,6 +114,7 @@ def _fuse_run(gm: fx.GraphModule, ctx, value: fx.Node, run: list[fx.Node]) -> li
             item.meta["opfuse_replaces"] = end.name  # the value the torch.compile lowering rewires
             end.replace_all_uses_with(item)
             cursor = item
+        through = cursor
     else:
         half = ctx.meta(ends[0])
         packed = half.with_(shape=half.shape[:-1] + (2 * half.shape[-1],),
@@ -125,9 +128,10 @@ def _fuse_run(gm: fx.GraphModule, ctx, value: fx.Node, run: list[fx.Node]) -> li
         ctx.record_fusion(gated, [activation])
         activation.replace_all_uses_with(gated)
         graph.erase_node(activation)
+        through = gated
     for node in reversed(covered):
         graph.erase_node(node)
-    reorder_topologically(graph)
+    reorder_topologically(graph, before, through)
     return covered + ([activation] if activation is not None else [])
 
 
