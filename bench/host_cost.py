@@ -6,8 +6,9 @@ An FP8 step of small layers is host-bound without CUDA graphs (docs/PERF_NOTES.m
 power-of-two weight cast alone (``quantize_weight``) against the batched cast of 16 weights
 (``quantize_weights``); the weight cast, the activation cast and the add + RMSNorm + quantize with
 opfuse's cached Triton launches and through Triton's own launch path
-(``OPFUSE_TRITON_LAUNCH_CACHE``, opfuse/runtime/triton_launch.py). Host time: the wall time of issuing ``--calls`` calls back to back without
-a synchronisation, divided by the calls (the GPU queue never fills at these counts); GPU time: CUDA
+(``OPFUSE_TRITON_LAUNCH_CACHE``, opfuse/runtime/triton_launch.py). Host time: the wall time of
+issuing ``--calls`` calls back to back without a synchronisation, divided by the calls (the GPU
+queue never fills at these counts); GPU time: CUDA
 events around the same calls after a synchronisation (where the host is slower than the kernels it
 launches, the GPU waits and this reads as the host time).
 

@@ -127,8 +127,10 @@ def launch(kernel, grid, *args, **meta):
     """Run ``kernel[grid](*args, **meta)`` (same arguments, same result), reusing the compiled
     kernel of an earlier call with the same specialization without Triton's per-call binding."""
     jit = _jit_type()
+    runtime = _KNOBS.runtime
     if (not config.triton_launch_cache or type(kernel) is not jit or callable(grid) or kernel.pre_run_hooks
-            or torch.compiler.is_compiling() or _hooked(_KNOBS.runtime.launch_enter_hook) or _hooked(_KNOBS.runtime.launch_exit_hook)):
+            or torch.compiler.is_compiling() or _hooked(runtime.launch_enter_hook)
+            or _hooked(runtime.launch_exit_hook)):
         return kernel[grid](*args, **meta)
     try:
         key, values = _key_and_values(kernel, args, meta)

@@ -280,15 +280,17 @@ def defer_weight_gradients(graph: fx.Graph) -> list[str]:
     # The moves below only reorder nodes: the pairs and which nodes are GEMMs stay.
     pairs = issued_collectives(graph)
     is_gemm = {n: _is_gemm(n) for n in graph.nodes}
-    nodes = None
+    nodes = order = gemms_before = None
+
+    def gemms_between(a: int, b: int) -> int:
+        """GEMMs strictly between positions ``a`` and ``b`` of the current order."""
+        return gemms_before[b] - gemms_before[a + 1]
+
     for issue, wait in [pair for pair in pairs if pair[0] in backward]:
         if nodes is None:  # the graph's order, again after a move
             nodes = list(graph.nodes)
             order = {node: i for i, node in enumerate(nodes)}
             gemms_before = list(itertools.accumulate((is_gemm[n] for n in nodes), initial=0))
-
-            def gemms_between(a: int, b: int) -> int:  # GEMMs strictly between positions a and b
-                return gemms_before[b] - gemms_before[a + 1]
         if gemms_between(order[issue], order[wait]):
             continue
         gemms_under = [(order[i], order[w], gemms_between(order[i], order[w])) for i, w in pairs]

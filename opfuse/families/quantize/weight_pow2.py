@@ -34,7 +34,7 @@ from torch import Tensor
 from ...fp8 import numerics
 from ...fp8.numerics import Quantized
 from ...machinery.fused_op import graph_op
-from ...runtime.device import allocating_to_graph_pool, is_capturing, outside_graph_pool
+from ...runtime.device import allocating_to_graph_pool, is_capturing, outside_graph_pool, sm_count
 from ...runtime.triton_launch import launch
 from .kernels import fast_path_reason
 
@@ -110,7 +110,7 @@ def _hint(key, device: torch.device, size: int = 1) -> Tensor:
 def _programs(device: torch.device, tiles: int) -> int:
     if device.type != "cuda":  # Triton's CPU interpreter (tests)
         return max(1, min(tiles, 4))
-    return max(1, min(tiles, 2 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(tiles, 2 * sm_count(device.index)))
 
 
 def quantize_weight(weight: Tensor, dtype: torch.dtype, transpose: bool, key=None, create: bool = True):
