@@ -80,6 +80,11 @@
 #   tools/gpu_session.sh s27-launch    # 1-2 GPUs (~8 min): cached Triton launches: host cost, the FP8 step with / without
 #   tools/gpu_session.sh s27-launch-tests # 1 GPU (~6 min): the GPU tests of the kernels launched that way
 #   tools/gpu_session.sh s27-x2        # 2 GPUs (~7 min): the small model at world 2; FP8 train-tp/sp 2048/8192 at world 2
+#   tools/gpu_session.sh s28-ar        # 2 GPUs (~4 min): one-shot protocol tests, quick table (FlashInfer), timeline,
+#                                      # crossover sweep at world 2 and the table fitted from it
+#   tools/gpu_session.sh s28-train     # 2 GPUs (~2 min): kernel tests (simulated ranks), train-tp/sp 2048 kernel tables
+#   tools/gpu_session.sh s28-clocks    # 2 GPUs (~1 min): SM clock and power while train-tp 2048 is timed
+#   tools/gpu_session.sh s28-host      # 1 GPU (~1 min): cached vs Triton launches, A B B A medians
 #   tools/gpu_session.sh s20-chunked-ar # 2 GPUs (~9 min): train-tp 8192 with the chunked GEMM + all-reduce vs without, A B B A
 #   tools/gpu_session.sh s19-wgrad-sweep # 1 GPU (~5 min): FP8 vs bf16 grouped wgrad over 2048-16384 tokens, profiled
 #   tools/gpu_session.sh s19-fp8-dist  # 2 GPUs (~1.5 min): tests/gpu/test_fp8_dist.py (FSDP grouped FP8 wgrad, world 2)
@@ -233,6 +238,14 @@ allreduce_vs_flashinfer() {  # allreduce_vs_flashinfer CHECK-LIMIT CHECK-TIMEOUT
   grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
   step allreduce_bench "$bench_limit" python3 bench/allreduce_norm.py --world "$@" --hidden 8192 5120 \
     --tokens 1 64 256 1024 4096 8192 --json "$OUT/allreduce_norm.json" $fi_flag
+}
+flashinfer_checked() {  # flashinfer_checked RESERVE: the world-2 check of the FlashInfer binding (carried
+  # in .thirdparty); sets fi_flag for bench/allreduce_norm.py: empty when it passed, else --no-flashinfer.
+  fi_flag=--no-flashinfer
+  [ -d .thirdparty/flashinfer ] || return 0
+  step flashinfer_check "$(fits 60 "$1")" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
+  grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
+  return 0
 }
 crossover_sweep() {  # crossover_sweep SWEEP-LIMIT TABLE-LIMIT WORLD...
   local limit=$1 table_limit=$2; shift 2
@@ -1073,11 +1086,7 @@ case "$stage" in
     tests kernels "$(fits 150 420)" -q --maxfail=3 tests/gpu/test_residual_norm_kernels.py \
       -k "oneshot or grid or peer_kernels or skips"
     tests residual_norm_dist "$(fits 90 360)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
-    fi_flag=--no-flashinfer
-    if [ -d .thirdparty/flashinfer ]; then
-      step flashinfer_check "$(fits 60 300)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
-      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
-    fi
+    flashinfer_checked 300
     step allreduce_new "$(fits 150 170)" python3 bench/allreduce_norm.py --quick --tokens 1 4 16 64 256 \
       --json "$OUT/allreduce_new.json" $fi_flag
     if [ -d .baseline/opfuse ]; then
@@ -1105,11 +1114,7 @@ case "$stage" in
       -k "oneshot or grid or peer_kernels or skips"
     tests lamport_kernels "$(fits 120 420)" -q --maxfail=3 tests/gpu/test_residual_norm_lamport.py
     tests residual_norm_dist "$(fits 90 380)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
-    fi_flag=--no-flashinfer
-    if [ -d .thirdparty/flashinfer ]; then
-      step flashinfer_check "$(fits 60 330)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
-      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
-    fi
+    flashinfer_checked 330
     step allreduce_quick "$(fits 150 240)" python3 bench/allreduce_norm.py --quick --json "$OUT/allreduce_quick.json" $fi_flag
     step timeline "$(fits 100 170)" python3 bench/allreduce_timeline.py --world 2 --hidden 8192 --tokens 1 4 16 64 \
       --pdl on --push-packs 0 32 64 256 1024 --json "$OUT/timeline.json"
@@ -1159,6 +1164,72 @@ case "$stage" in
     tests gqa 240 -q tests/gpu/test_grouped_attention_gpu.py
     step decode_gqa 420 python3 bench/model.py --world 1 --cases decode --decode 1 8 --gqa-ab --profile
     final_summary() { grep -E "^\||took|relative" "$OUT/decode_gqa.log" | tail -60; }
+    ;;
+  s28-ar)
+    # Issue 30 (2 GPUs, ~8 min; modules prebuilt, carry .opfuse-cache and .thirdparty): the one-shot
+    # pushing in row-ordered waves (rows arrive in the order blocks reduce them; session 27's timeline
+    # at 256 tokens had ~4.6 us between the last arrival and the end). Protocol tests at world 2, the
+    # quick table with FlashInfer, the timeline at 64 / 256 tokens, then the crossover sweep at world 2
+    # and the table fitted from it (copied into opfuse/families/residual_norm/ to ship it).
+    END=${AR_BUDGET_S:-540}
+    tests residual_norm_dist "$(fits 90 450)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
+    tests peer_timeout "$(fits 60 390)" -x -q tests/gpu/test_peer_timeout.py
+    flashinfer_checked 330
+    step allreduce_quick "$(fits 120 210)" python3 bench/allreduce_norm.py --quick --json "$OUT/allreduce_quick.json" $fi_flag
+    step timeline "$(fits 40 170)" python3 bench/allreduce_timeline.py --world 2 --hidden 8192 --tokens 64 256 \
+      --pdl on --poll-depth 1 --json "$OUT/timeline.json"
+    crossover_sweep "$(fits 140 30)" "$(fits 30 0)" 2
+    final_summary() {
+      grep -E "^(measured ceilings|not measured)" "$OUT/allreduce_quick.log" 2>/dev/null | sort -u | cut -c1-300
+      echo "=== allreduce_quick"; sed -n '/^summary/,$p' "$OUT/allreduce_quick.log" 2>/dev/null | grep -v "^|---" | cut -c1-250
+      echo "=== timeline"; grep -vE "^\[|Warning|enable\(" "$OUT/timeline.log" 2>/dev/null | cut -c1-300
+      show crossover_sweep crossover_table
+    }
+    ;;
+  s28-train)
+    # 2 GPUs (~7 min; issues 30 and 26): the one-shot's kernel tests on simulated ranks after the
+    # row-ordered pushes (s28-ar ran the world-2 protocol tests), then the kernel table per variant of
+    # train-tp and train-sp 2048 at world 2 (compile / opfuse; no profile since session 16-20 on H200):
+    # where each step's time goes next to its GEMMs-alone floor.
+    END=${TRAIN_BUDGET_S:-540}
+    tests kernels "$(fits 150 330)" -x -q tests/gpu/test_residual_norm_kernels.py
+    step train_profile "$(fits 330 0)" python3 bench/model.py --world 2 --cases train-tp train-sp --train 2048 \
+      --train-batch 1 --no-aa --profile
+    final_summary() { model_lines train_profile | grep -v "^| [0-9]"; grep -A16 "GPU time per step" "$OUT/train_profile.log" | cut -c1-200; }
+    ;;
+  s28-clocks)
+    # 2 GPUs (~2 min; issue 26): whether the timed training steps run at lower clocks than the
+    # profiled ones (s28-train: timed train-tp 2048 steps 0.9-1.5 ms longer than the profiler's GPU
+    # wall of the same steps, both variants). nvidia-smi samples SM clock, power and utilisation every
+    # 100 ms while bench/model.py times train-tp 2048 (compile, opfuse); the summary gives the clock
+    # and power quantiles of the busy samples per GPU, against the clock at rest.
+    if [ -z "${DRY:-}" ]; then
+      nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.max.sm,power.draw,power.limit,utilization.gpu,temperature.gpu \
+        --format=csv,noheader,nounits -lms 100 > "$OUT/clocks.csv" 2>&1 &
+      sampler=$!
+    fi
+    step train_tp "300" python3 bench/model.py --world 2 --cases train-tp --train 2048 --train-batch 1 --no-aa
+    [ -z "${DRY:-}" ] && kill "$sampler" 2>/dev/null
+    final_summary() { model_lines train_tp | grep -v "^| [0-9]"; python3 - "$OUT/clocks.csv" <<'PY'
+import statistics, sys
+rows = [[c.strip() for c in line.split(",")] for line in open(sys.argv[1]) if line.count(",") >= 7]
+for gpu in sorted({r[1] for r in rows}):
+    mine = [r for r in rows if r[1] == gpu]
+    busy = [r for r in mine if r[6].isdigit() and int(r[6]) >= 90]
+    rest = [r for r in mine if r[6].isdigit() and int(r[6]) == 0]
+    def q(rs, i):
+        v = sorted(float(r[i]) for r in rs)
+        return "-" if not v else f"{v[len(v) // 10]:.0f} / {statistics.median(v):.0f} / {v[-1 - len(v) // 10]:.0f}"
+    print(f"gpu {gpu}: {len(busy)} busy samples (util >= 90%) of {len(mine)}; SM MHz p10/p50/p90 busy {q(busy, 2)}, "
+          f"at rest {q(rest, 2)} (max {mine[0][3]}); power W busy {q(busy, 4)} (limit {mine[0][5]}); temp C busy {q(busy, 7)}")
+PY
+    }
+    ;;
+  s28-host)
+    # One GPU (~2 min; issue 27): the cached Triton launches against Triton's own path, alternating
+    # A B B A over 8 rounds (sessions 27 and 28 each timed them once, in one order, and disagreed).
+    step host_cost 150 python3 bench/host_cost.py --rounds 8
+    final_summary() { sed -n '/^torch /,$p' "$OUT/host_cost.log"; }
     ;;
   s27-launch)
     # 1-2 GPUs (~8 min; issue 27): opfuse's Triton kernels through cached launches
@@ -1433,11 +1504,7 @@ case "$stage" in
     tests residual_norm_dist "$(fits 90 330)" -x -q tests/gpu/test_residual_norm_dist.py -k "2]"
     tests lamport_dist "$(fits 100 290)" -x -q tests/gpu/test_residual_norm_lamport_dist.py -k "2]"
     tests peer_timeout "$(fits 60 260)" -x -q tests/gpu/test_peer_timeout.py
-    fi_flag=--no-flashinfer
-    if [ -d .thirdparty/flashinfer ]; then
-      step flashinfer_check "$(fits 60 220)" python3 bench/flashinfer_ar/check.py --world 2 --timeout 45
-      grep -q "flashinfer check passed" "$OUT/flashinfer_check.log" 2>/dev/null && fi_flag=
-    fi
+    flashinfer_checked 220
     step allreduce_quick "$(fits 120 140)" python3 bench/allreduce_norm.py --quick --json "$OUT/allreduce_quick.json" $fi_flag
     step allreduce_depth2 "$(fits 80 80)" env OPFUSE_ONESHOT_POLL_DEPTH=2 python3 bench/allreduce_norm.py --quick \
       --tokens 1 4 16 64 256 --no-flashinfer --json "$OUT/allreduce_depth2.json"

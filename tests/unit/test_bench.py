@@ -252,3 +252,31 @@ def test_allreduce_simulated_skips_without_a_gpu_and_prints_recorded_rows(tmp_pa
     again = bench("bench/allreduce_simulated.py", "--from-json", str(saved))
     assert again.returncode == 0, again.stderr
     assert "build new, PDL off" in again.stdout and "| oneshot | 8192 | 1 | 4.56 |" in again.stdout
+
+
+def test_crossover_report_judges_the_choice_not_the_sweeps_noise(tmp_path):
+    """bench/allreduce_crossover.py: a size misses only when the chosen implementation's forced time
+    is more than the tolerance above the fastest forced one; an automatic run of the fastest
+    implementation that timed slower is counted as noise, apart."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import allreduce_crossover as sweep
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+
+    def row(tokens, times, auto_impl, auto_us):
+        return {"world": 2, "hidden": 8192, "tokens": tokens, "bytes": tokens * 16384, "times": times,
+                "auto_impl": auto_impl, "auto_us": auto_us}
+
+    rows = [row(1, {"cuda_oneshot": 4.0, "cuda_twoshot_lamport": 7.0}, "cuda_oneshot", 6.0),  # noise only
+            row(512, {"cuda_oneshot": 16.0, "cuda_twoshot_lamport": 17.0}, "cuda_twoshot_lamport", 17.0),  # a miss
+            row(4096, {"cuda_oneshot": 300.0, "cuda_twoshot_lamport": 200.0}, "cuda_twoshot_lamport", 201.0)]
+    _, misses = sweep.report(rows, 0.03)
+    assert [(r["tokens"], best, round(ratio, 4)) for r, best, ratio in misses] == [(512, "cuda_oneshot", 1.0625)]
+    assert sweep.noisy_runs(rows, 0.03) == 1
+    # the recorded H200 sweep (session 28) through --from-json: every choice within 3%, noise apart
+    recorded = os.path.join(ROOT, "docs", "measurements", "allreduce_crossover_s28_h200x2.json")
+    run = bench("bench/allreduce_crossover.py", "--from-json", recorded)
+    assert run.returncode == 0, run.stderr
+    assert "within 3% of the fastest forced implementation at 45 of 45 sizes" in run.stdout
+    assert "noise: 12 sizes" in run.stdout

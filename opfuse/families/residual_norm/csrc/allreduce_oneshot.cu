@@ -17,8 +17,8 @@
 // from the host per call, can be captured in CUDA graphs, and ends without any grid-wide step: a
 // block is done when its own rows are.
 //
-// Blocks: every block pushes an equal share of the message (several SMs per row at small token
-// counts), then blocks [0, tokens) reduce and normalise one row at a time; at small token counts a
+// Blocks: every block pushes its share of the message (several SMs per row at small token
+// counts; in row order when it takes several waves), then blocks [0, tokens) reduce and normalise one row at a time; at small token counts a
 // row is split over a cluster of up to 8 blocks instead (row_split, ClusterRow in row.cuh), each
 // reducing and normalising its part, so no SM moves a whole row. Before a row's first wait a
 // block requests everything else its part needs (its own contribution, the bias, residual and
@@ -186,13 +186,18 @@ __global__ void __launch_bounds__(kSplitRows ? kMaxPartThreads : kMaxThreads, 1)
   pdl_wait();
   pdl_launch_dependents();
   const uint4* x = static_cast<const uint4*>(a.x);
-  const int64_t per_block = (message_packs + gridDim.x - 1) / gridDim.x;
-  const int64_t push_begin = blockIdx.x * per_block + threadIdx.x;
-  const int64_t push_end = blockIdx.x * per_block + per_block < message_packs ? blockIdx.x * per_block + per_block
-                                                                              : message_packs;
+  // Pushes go in waves of gridDim.x x chunk packs in message order: wave w of block b is packs
+  // [(w * gridDim.x + b) * chunk, +chunk). One wave (chunk = the block's equal share) when the
+  // message fits; beyond that (chunk = blockDim.x) every block's early waves carry the low rows,
+  // so rows arrive in the order the blocks reduce them (row r before row r + row_step) and a
+  // block's first rows are normalised while its later ones are still on the wire.
+  const int64_t share = (message_packs + gridDim.x - 1) / gridDim.x;
+  const int64_t chunk = share < blockDim.x ? share : blockDim.x;
+  const int64_t push_stride = gridDim.x * chunk;
+  const int64_t push_begin = threadIdx.x < chunk ? blockIdx.x * chunk + threadIdx.x : message_packs;
   // The first pack this thread pushes is requested before the call state, so the two loads'
   // latencies overlap (the acquire below only orders the loads after it).
-  const uint4 first_pack = push_begin < push_end ? __ldg(x + push_begin) : make_uint4(0u, 0u, 0u, 0u);
+  const uint4 first_pack = push_begin < message_packs ? __ldg(x + push_begin) : make_uint4(0u, 0u, 0u, 0u);
   const CallState call = read_call_slot(p.state);
   const int current = call.calls % 2;
   char* local = static_cast<char*>(p.state);  // this rank's region (== peers[rank])
@@ -202,11 +207,10 @@ __global__ void __launch_bounds__(kSplitRows ? kMaxPartThreads : kMaxThreads, 1)
   }
 
   // 1. Push this rank's message into slot [rank] of every peer's current buffer. The message is
-  //    split into equal pack ranges over *all* blocks (there may be more blocks than rows): one
-  //    SM cannot keep enough remote stores in flight, so a single-token message spread over
-  //    several SMs arrives sooner.
+  //    split over *all* blocks (there may be more blocks than rows): one SM cannot keep enough
+  //    remote stores in flight, so a single-token message spread over several SMs arrives sooner.
   {
-    for (int64_t i = push_begin; i < push_end; i += blockDim.x) {
+    for (int64_t i = push_begin; i < message_packs; i += push_stride) {
       const uint4 value = clear_negative_zero<T>(i == push_begin ? first_pack : __ldg(x + i));
       for (int step = 1; step < p.world; ++step) {
         const int peer = (p.rank + step) % p.world;  // stagger so ranks do not all hit one peer
