@@ -82,6 +82,7 @@
 #   tools/gpu_session.sh s27-x2        # 2 GPUs (~7 min): the small model at world 2; FP8 train-tp/sp 2048/8192 at world 2
 #   tools/gpu_session.sh s28-ar        # 2 GPUs (~4 min): one-shot protocol tests, quick table (FlashInfer), timeline,
 #                                      # crossover sweep at world 2 and the table fitted from it
+#   tools/gpu_session.sh s28-fp8-rs    # 2 GPUs (~4 min): FP8 train-sp, reduce-scatter over peer memory vs NCCL
 #   tools/gpu_session.sh s28-train     # 2 GPUs (~2 min): kernel tests (simulated ranks), train-tp/sp 2048 kernel tables
 #   tools/gpu_session.sh s28-clocks    # 2 GPUs (~1 min): SM clock and power while train-tp 2048 is timed
 #   tools/gpu_session.sh s28-host      # 1 GPU (~1 min): cached vs Triton launches, A B B A medians
@@ -1185,6 +1186,15 @@ case "$stage" in
       echo "=== timeline"; grep -vE "^\[|Warning|enable\(" "$OUT/timeline.log" 2>/dev/null | cut -c1-300
       show crossover_sweep crossover_table
     }
+    ;;
+  s28-fp8-rs)
+    # 2 GPUs (~4 min; issue 27): FP8 (pow2) train-sp without CUDA graphs, where 2048 tokens are
+    # host-bound (s27-x2: 0.98x of torch.compile bf16; the FP8 GEMM + reduce-scatter over peer memory
+    # ~800 us of CPU per call): 'opfuse fp8' against 'opfuse fp8:nccl-rs' (the FP8 GEMM, then NCCL's
+    # reduce-scatter) and torch.compile bf16 in one process, 2048 and 8192 tokens.
+    step fp8_rs 400 python3 bench/model.py --world 2 --cases train-sp --train 2048 8192 --train-batch 1 \
+      --fp8 tensor-pow2 --variants "opfuse fp8:nccl-rs" --no-aa
+    final_summary() { model_lines fp8_rs | grep -v "^| [0-9]"; }
     ;;
   s28-train)
     # 2 GPUs (~7 min; issues 30 and 26): the one-shot's kernel tests on simulated ranks after the
