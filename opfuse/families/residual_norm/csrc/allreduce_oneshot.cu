@@ -18,11 +18,12 @@
 // block is done when its own rows are.
 //
 // Blocks: every block pushes its share of the message (several SMs per row at small token
-// counts; in row order when it takes several waves), then blocks [0, tokens) reduce and normalise one row at a time; at small token counts a
-// row is split over a cluster of up to 8 blocks instead (row_split, ClusterRow in row.cuh), each
-// reducing and normalising its part, so no SM moves a whole row. Before a row's first wait a
-// block requests everything else its part needs (its own contribution, the bias, residual and
-// norm weight), so those loads' latency overlaps the peers' transfer instead of following it.
+// counts; in row order when it takes several waves), then blocks [0, tokens) reduce and
+// normalise one row at a time; at small token counts a row is split over a cluster of up to 8
+// blocks instead (row_split, ClusterRow in row.cuh), each reducing and normalising its part, so no
+// SM moves a whole row. Before a row's first wait a block requests everything else its part needs
+// (its own contribution, the bias, residual and norm weight), so those loads' latency overlaps the
+// peers' transfer instead of following it.
 //
 // Region layout (bytes): [0, kCallStateBytes) the call slots; then 2 buffers of world * capacity
 // bytes (slot [rank] of this rank's buffers is never written: a rank does not push to itself).
