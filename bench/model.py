@@ -91,6 +91,7 @@ import block  # noqa: E402  (bench/block.py: timing helpers and Inductor's async
 import block_report  # noqa: E402  (bench/block_report.py: number formats)
 import common  # noqa: E402  (bench/common.py)
 import fp8_variants  # noqa: E402  (bench/fp8_variants.py: --fp8, issue 27)
+import gpu_clocks  # noqa: E402  (bench/gpu_clocks.py: SM clock and power while timed)
 import llama_tp  # noqa: E402  (examples/llama_tp.py: the model)
 import model_timing  # noqa: E402  (bench/model_timing.py: decode loop, round-robin timing)
 from model_report import ratio_series, tables  # noqa: E402  (bench/model_report.py: the tables)
@@ -528,13 +529,25 @@ def worker(rank, world, opts, out_path):
             errors[name] = max(block.rel(a.float(), b.float()) for a, b in zip(_local(got), _local(want)))
         calls, reps = opts["calls_train"], opts["reps_train"]
         host = {}
-        measured(row, "interleaved", lambda: row.update(
-            model_timing.interleaved_us({n: step(n) for n in names if not (only and n == "eager")}, calls, reps,
-                                        device, host)))
+        clocks = gpu_clocks.Sampler.for_current_device() if device == "cuda" else None
+        if clocks is not None:
+            clocks.start()
+        try:
+            measured(row, "interleaved", lambda: row.update(
+                model_timing.interleaved_us({n: step(n) for n in names if not (only and n == "eager")}, calls,
+                                            reps, device, host, clocks)))
+        finally:
+            if clocks is not None:
+                clocks.stop()
         row.pop("interleaved", None)
         if host and rank == 0:  # rank 0's: a host slower than the GPU idles it (issue 26: look here first)
             notes.append(f"{row['case']} {row['shape']}: host time to issue one step (us, rank 0): " + ", ".join(
                 f"{name} {us:.0f}" for name, us in host.items()))
+        if clocks is not None and rank == 0:  # the timed steps run at the power limit (session 28): at what clock
+            seen = gpu_clocks.summary(clocks.samples, clocks.spans)
+            notes.append(f"{row['case']} {row['shape']}: SM clock and board power while timed (rank 0's GPU, median "
+                         f"of NVML samples every 10 ms): " + ", ".join(
+                             f"{name} {mhz:.0f} MHz {watts:.0f} W ({n})" for name, (mhz, watts, n) in seen.items()))
         profiled(row, {name: step(name) for name in names[1:]})
         if "opfuse" in steps_:
             row["fusions"], row["opfuse passes s"] = _fusions(steps_["opfuse"])

@@ -68,7 +68,8 @@ def loop_us(loop, steps, reps, device):
     return statistics.median(times)
 
 
-def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | None = None) -> dict:
+def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | None = None,
+                   clocks=None) -> dict:
     """Per-call time of each function, median of ``reps`` rounds; each round times ``calls``
     back-to-back calls of every function in turn (clock and power drift hit every variant alike),
     the order rotated every round so that no variant always follows the same one
@@ -78,7 +79,9 @@ def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | N
     training loop runs them: not the start from an idle GPU after the barrier, whose host
     issue and rank skew land on the first step (with 3 calls a round, a third of it per step).
     ``host``: filled with each function's host time to issue one call (median; on a GPU, a value
-    close to the per-call time means the host, not the GPU, sets the pace)."""
+    close to the per-call time means the host, not the GPU, sets the pace).
+    ``clocks``: a started ``gpu_clocks.Sampler`` that is told when each function's timed calls ran
+    (from the issue of the first, warm-up call included, to the end's completion)."""
     for fn in fns.values():
         fn()
     times: dict = {name: [] for name in fns}
@@ -95,6 +98,7 @@ def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | N
                 times[name].append((time.perf_counter() - t0) * 1e6 / calls)
                 continue
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            started = time.perf_counter()
             fn()
             begin.record()
             t0 = time.perf_counter()
@@ -104,6 +108,8 @@ def interleaved_us(fns: dict, calls: int, reps: int, device: str, host: dict | N
             end.record()
             end.synchronize()
             times[name].append(begin.elapsed_time(end) * 1000.0 / calls)
+            if clocks is not None:
+                clocks.span(name, started, time.perf_counter())
     if host is not None:
         host.update({name: statistics.median(values) for name, values in issued.items() if values})
     return {name: statistics.median(values) for name, values in times.items()}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -238,3 +239,54 @@ def test_every_extra_variant_of_the_bench_has_a_column_in_its_report():
     import model
 
     assert set(model.EXTRA_VARIANTS) <= set(model_report.EXTRA_COLUMNS)
+
+
+def test_gpu_clocks_summary_takes_each_variants_samples_inside_its_spans():
+    """bench/gpu_clocks.py: a sample counts for the variant whose span holds its time (both ends
+    included), spans of one name pool their samples, and a name with no sample is left out."""
+    import gpu_clocks
+
+    samples = [(0.5, 1980.0, 300.0), (1.0, 1700.0, 690.0), (1.5, 1600.0, 700.0), (2.5, 1500.0, 699.0),
+               (3.0, 1900.0, 400.0), (9.0, 1000.0, 100.0)]
+    spans = [("compile", 1.0, 1.5), ("opfuse", 2.0, 3.0), ("compile", 2.4, 2.6), ("eager", 4.0, 5.0)]
+    got = gpu_clocks.summary(samples, spans)
+    assert got == {"compile": (1600.0, 699.0, 3), "opfuse": (1700.0, 549.5, 2)}
+
+
+def test_gpu_clocks_sampler_is_none_without_a_gpu():
+    import gpu_clocks
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the sampler may open")
+    assert gpu_clocks.Sampler.for_current_device() is None
+
+
+def test_gpu_clocks_sampler_reads_clock_and_power_on_its_thread_and_stops():
+    """The sampling thread with a stand-in for NVML: readings converted (mW -> W), a refused reading
+    skipped, nothing sampled after stop()."""
+    import time
+
+    import gpu_clocks
+
+    class FakeNvml:
+        calls = 0
+
+        def nvmlDeviceGetClockInfo(self, handle, kind, out):
+            FakeNvml.calls += 1
+            out._obj.value = 1755
+            return 0 if FakeNvml.calls % 3 else 999  # every third reading refused
+
+        def nvmlDeviceGetPowerUsage(self, handle, out):
+            out._obj.value = 688500
+            return 0
+
+    sampler = gpu_clocks.Sampler(FakeNvml(), None, interval=0.001)
+    assert sampler.read() == (1755.0, 688.5)
+    sampler.start()
+    time.sleep(0.05)
+    sampler.stop()
+    count = len(sampler.samples)
+    assert count >= 3 and all(s[1:] == (1755.0, 688.5) for s in sampler.samples)
+    assert FakeNvml.calls > count  # the refused readings left no sample
+    time.sleep(0.01)
+    assert len(sampler.samples) == count
