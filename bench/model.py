@@ -245,8 +245,8 @@ EXTRA_VARIANTS = {
     # FP8 (needs --fp8): each weight cast launched alone, as before the batched casts (issue 27).
     "opfuse fp8:unbatched": {"fp8_weight_batch_mb": 0},
     # FP8 (needs --fp8): the row-parallel GEMM + reduce-scatter as the FP8 GEMM then NCCL's
-    # reduce-scatter, not the chunked GEMMs over peer memory (fewer host calls per step: issue 27's
-    # train-sp 2048 step is host-bound without CUDA graphs).
+    # reduce-scatter, not the chunked GEMMs over peer memory (issue 27's train-sp 2048 step is
+    # host-bound without CUDA graphs; session 28: the same host time either way).
     "opfuse fp8:nccl-rs": {"force_impl": "linear_reduce_scatter_fp8=nccl"},
     # A/A control: a second torch.compile model, timed like the others (the noise and any bias
     # of the timing between two identical variants).
