@@ -248,6 +248,9 @@ EXTRA_VARIANTS = {
     # reduce-scatter, not the chunked GEMMs over peer memory (issue 27's train-sp 2048 step is
     # host-bound without CUDA graphs; session 28: the same host time either way).
     "opfuse fp8:nccl-rs": {"force_impl": "linear_reduce_scatter_fp8=nccl"},
+    # FP8 (needs --fp8): the norms + quantize as opfuse's kernels behind custom ops, as before
+    # session 29 made them aten ops for Inductor in graphs without CUDA graphs (opfuse.config.fp8_aten).
+    "opfuse fp8:norm-kernels": {"fp8_aten": "never"},
     # A/A control: a second torch.compile model, timed like the others (the noise and any bias
     # of the timing between two identical variants).
     "compile:again": {},

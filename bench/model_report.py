@@ -12,8 +12,8 @@ TARGETS = {"decode": 0.93, "decode_floor": 1.05, "train-tp": 0.92, "train-sp": 0
 #: Variant columns besides eager / compile / opfuse (bench/model.py's EXTRA_VARIANTS, --fp8, --merge-ab).
 EXTRA_COLUMNS = ("compile:again", "opfuse:fuse-all", "opfuse:nccl-norm", "opfuse:sp-batch-on",
                  "opfuse:sp-batch-on-no-async-tp", "opfuse:no-fuse", "opfuse:no-fuse-no-overlap", "opfuse:no-norm",
-                 "opfuse:no-merge", "opfuse fp8", "opfuse fp8:unbatched", "opfuse fp8:nccl-rs", "torchao fp8",
-                 "opfuse unmerged", "opfuse no PDL")
+                 "opfuse:no-merge", "opfuse fp8", "opfuse fp8:unbatched", "opfuse fp8:nccl-rs",
+                 "opfuse fp8:norm-kernels", "torchao fp8", "opfuse unmerged", "opfuse no PDL")
 
 
 def _target(case: str) -> float:

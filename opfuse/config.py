@@ -128,6 +128,12 @@ class Config:
     #: launches and four allocations is paid once per batch; the cap bounds the peak memory a cast
     #: moved ahead of its layer adds (opfuse/torch_compile/batch_weight_casts.py).
     fp8_weight_batch_mb: int = 256
+    #: Compiled FP8 graphs: the FP8 producers (add + norm + quantize, quantize) written as aten ops
+    #: that Inductor fuses and launches, instead of opfuse's Triton kernels behind a custom op
+    #: (``OPFUSE_FP8_ATEN``): ``auto`` where the graph runs without CUDA graphs (a custom-op call
+    #: costs ~100 us of host time there; opfuse/torch_compile/fp8_aten.py), ``always``, ``never``.
+    #: The all-reduce + add + RMSNorm + quantize keeps its peer-memory kernels.
+    fp8_aten: str = "auto"
     #: opfuse's own Triton kernels launch through a dict of compiled kernels keyed by what Triton
     #: specializes on, skipping Triton's per-call argument binding (``OPFUSE_TRITON_LAUNCH_CACHE``;
     #: opfuse/runtime/triton_launch.py); off launches every one through ``kernel[grid](...)``.
@@ -339,6 +345,7 @@ _VALIDATORS: dict[str, Callable[..., Any]] = {
     "grouped_query_attention": _choice("auto", "fold", "decode_attention", "repeat"),
     "reference_fusions": _choice("auto", "inductor", "keep"),
     "fp8_weight_batch_mb": _integer(0),
+    "fp8_aten": _choice("auto", "always", "never"),
     "triton_launch_cache": _boolean,
     "pdl": _boolean,
     "peer_timeout_ms": _integer(0),
@@ -368,6 +375,7 @@ _ENV_NAMES = {
     "grouped_query_attention": "GROUPED_QUERY_ATTENTION",
     "reference_fusions": "REFERENCE_FUSIONS",
     "fp8_weight_batch_mb": "FP8_WEIGHT_BATCH_MB",
+    "fp8_aten": "FP8_ATEN",
     "triton_launch_cache": "TRITON_LAUNCH_CACHE",
     "pdl": "PDL",
     "peer_timeout_ms": "PEER_TIMEOUT_MS",

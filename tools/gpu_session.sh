@@ -86,6 +86,8 @@
 #   tools/gpu_session.sh s28-train     # 2 GPUs (~2 min): kernel tests (simulated ranks), train-tp/sp 2048 kernel tables
 #   tools/gpu_session.sh s28-clocks    # 2 GPUs (~1 min): SM clock and power while train-tp 2048 is timed
 #   tools/gpu_session.sh s28-host      # 1 GPU (~1 min): cached vs Triton launches, A B B A medians
+#   tools/gpu_session.sh s29-fp8-aten  # 1 GPU (~9 min): FP8 norm + quantize as aten ops without CUDA graphs:
+#                                      # compile FP8 GPU tests, 16-layer FP8 train-tp 2048 with and without
 #   tools/gpu_session.sh s20-chunked-ar # 2 GPUs (~9 min): train-tp 8192 with the chunked GEMM + all-reduce vs without, A B B A
 #   tools/gpu_session.sh s19-wgrad-sweep # 1 GPU (~5 min): FP8 vs bf16 grouped wgrad over 2048-16384 tokens, profiled
 #   tools/gpu_session.sh s19-fp8-dist  # 2 GPUs (~1.5 min): tests/gpu/test_fp8_dist.py (FSDP grouped FP8 wgrad, world 2)
@@ -1234,6 +1236,18 @@ for gpu in sorted({r[1] for r in rows}):
           f"at rest {q(rest, 2)} (max {mine[0][3]}); power W busy {q(busy, 4)} (limit {mine[0][5]}); temp C busy {q(busy, 7)}")
 PY
     }
+    ;;
+  s29-fp8-aten)
+    # One GPU (~9 min; issue 27): the FP8 producers (add + norm + quantize) written as aten ops for
+    # Inductor in graphs compiled without CUDA graphs (opfuse.config.fp8_aten=auto) against opfuse's
+    # kernels behind custom ops ('opfuse fp8:norm-kernels', fp8_aten=never), on the 16-layer small
+    # model (hidden 2048) at world 1 where FP8's host time decides (2.32x of torch.compile bf16 in
+    # s26-fp8-batch); first the compile FP8 GPU tests (the graphed-vs-plain one compares the two forms).
+    END=${FP8_ATEN_BUDGET_S:-570}
+    tests compile_fp8_gpu "$(fits 170 330)" -q tests/gpu/test_compile_fp8_moe.py
+    step fp8_small "$(fits 330 0)" python3 bench/model.py --world 1 --shape small --cases train-tp --train 2048 \
+      --train-batch 1 --fp8 tensor-pow2 --variants "opfuse fp8:norm-kernels" --no-aa
+    final_summary() { tail -3 "$OUT/compile_fp8_gpu.log"; model_lines fp8_small | grep -v "^| [0-9]"; }
     ;;
   s28-host)
     # One GPU (~2 min; issue 27): the cached Triton launches against Triton's own path, alternating

@@ -99,7 +99,8 @@ class OpfuseBackend:
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(options)
         _no_async_tp_under_graphs(gm, patches, inductor_config, settings, example_inputs)
-        _fp8_without_graphs(settings, graphs=patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+        settings.cuda_graphs = bool(patches.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+        _fp8_without_graphs(settings, graphs=settings.cuda_graphs)
         if "reorder_for_peak_memory" not in patches and _keeps_collective_order(gm, example_inputs):
             # Inductor's peak-memory reordering moves a collective's wait back before the GEMMs
             # that overlap.schedule_overlaps placed under it (measured: they then ran after it).

@@ -74,6 +74,8 @@ class CompileSettings:
     routers: set = dataclasses.field(default_factory=set)
     #: Inductor compiles the fused graphs (``False``: ``options={"inductor": False}``, run eagerly).
     inductor: bool = True
+    #: Inductor compiles them into CUDA graphs (``mode="reduce-overhead"``, ``triton.cudagraphs``).
+    cuda_graphs: bool = False
     #: What the backend changed in Inductor's settings for this graph, and why (``explain()`` lists them).
     notes: list[str] = dataclasses.field(default_factory=list)
 

@@ -17,6 +17,16 @@ scales are powers of two and their quantization is opfuse's one-read custom op i
 (``TensorScaling``) on ``fp8_linear`` (:func:`applies` says where). The collective FP8 GEMMs
 (all-gather / reduce-scatter) keep a custom op for their forward, and their backward GEMMs are
 :class:`Backward`; per-row scales keep the custom ops throughout.
+
+The producers have an aten form too (:class:`NormQuantize`, :class:`ActivationQuantize`), and
+so have the collective FP8 GEMMs (an FP8 all-gather as a functional collective, then the GEMM;
+the GEMM, then :class:`ReduceScatterTokens`), for graphs
+compiled without CUDA graphs (:func:`producers_in_aten`): there each custom-op call of opfuse's
+norm + quantize kernels costs ~100 us of host time (its allocations, launches and
+tensor-subclass payload) and each call of the FP8 GEMM + reduce-scatter ~800 us under the
+profiler, while Inductor launches the same work as a few generated kernels, an extern GEMM and a
+functional collective. Under CUDA graphs the host cost is gone and opfuse's kernels (and the
+GEMM + reduce-scatter's overlap over peer memory) stay.
 """
 
 from __future__ import annotations
@@ -25,11 +35,18 @@ import math
 
 import torch
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..config import config
 from ..families.quantize import weight_pow2
+from ..families.quantize.reference import DTYPES
+from ..families.residual_norm import reference as norm_reference
 from ..fp8.numerics import fp8_max, scales_from_amax
+from ..ops import group as groups
 
-__all__ = ["IMPLEMENTATIONS", "applies", "quantize", "scaled_mm", "GemmQuantizing", "GemmFromPayload", "Backward"]
+__all__ = ["IMPLEMENTATIONS", "applies", "quantize", "scaled_mm", "GemmQuantizing", "GemmFromPayload", "Backward",
+           "producers_in_aten", "quantize_activation", "NormQuantize", "ActivationQuantize", "SharedQuantize",
+           "ReduceScatterTokens"]
 
 #: ``fp8_linear`` implementations whose GEMMs the compile front end writes as aten ops: those built
 #: on ``torch._scaled_mm`` (the same GEMM, minus the Python around it).
@@ -86,6 +103,108 @@ class _WeightQuantizer(nn.Module):
         data, scale_inv, data_t = torch.ops.opfuse.quantize_weight_pow2(
             self.weight, self.hint_key, weight_pow2.dtype_name(dtype), transpose)
         return data, scale_inv, (data_t if transpose else None)
+
+
+def producers_in_aten(inductor: bool, cuda_graphs: bool) -> bool:
+    """Whether a graph's FP8 producers (norm + quantize, quantize) are written as aten ops
+    (``opfuse.config.fp8_aten``: ``auto`` where Inductor compiles the graph without CUDA graphs,
+    ``always``, ``never``). The all-reduce + add + RMSNorm + quantize keeps its peer-memory
+    kernels either way (:func:`producer_applies`)."""
+    if config.fp8_aten == "auto":
+        return inductor and not cuda_graphs
+    return config.fp8_aten == "always"
+
+
+def producer_applies(fused) -> bool:
+    """Whether FP8 producer ``fused`` has an aten form: a quantize, or a norm + quantize with no
+    all-reduce in it."""
+    return not getattr(fused, "reduces", False)
+
+
+def quantize_activation(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, amax_group: str = "",
+                        world: int = 1):
+    """``(data, scale_inv)`` of 2-D ``x``, one scale per row or per tensor; a tensor's amax is
+    all-reduced (max) over ``amax_group`` (``world`` ranks) first, so that the ranks' shards
+    gathered next share one scale (:func:`opfuse.families.quantize.reference.share_amax`)."""
+    limit = fp8_max(dtype)
+    if statically_known_true(x.shape[0] == 0):  # (a symbolic token count is taken to be nonzero)
+        a = x.new_zeros((0 if rowwise else 1, 1), dtype=torch.float32)
+    elif rowwise:
+        a = x.abs().amax(dim=-1, keepdim=True).float()
+    else:
+        a = x.abs().amax().float().reshape(1, 1)
+        if amax_group and world > 1:
+            c10d = torch.ops._c10d_functional
+            a = c10d.wait_tensor(c10d.all_reduce(a, "max", amax_group))
+    scale, scale_inv = scales_from_amax(a, dtype)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype), scale_inv
+
+
+def _world(group: str) -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_group_size_by_name(group) if group else 1
+
+
+class ActivationQuantize(nn.Module):
+    """The ``quantize`` fused op as aten ops: ``(data, scale)`` of ``x`` (any leading dims)."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, x):
+        f = self.fused
+        group = f._group()
+        data, scale = quantize_activation(x.reshape(-1, x.shape[-1]), f.dtype, f.rowwise, group, _world(group))
+        return data.view(x.shape), scale
+
+
+class NormQuantize(nn.Module):
+    """``add_rmsnorm_quantize`` / ``add_layernorm_quantize`` as aten ops: ``(data, scale, h)``,
+    the norm's output rounded to the activation dtype and then quantized, as the kernels do
+    (``h`` empty unless the fused op writes the residual). The norm's backward is the joint
+    graph's own, as for the kernels' form."""
+
+    def __init__(self, fused):
+        super().__init__()
+        self.fused = fused
+
+    def forward(self, x, residual=None):
+        f = self.fused
+        y, h = norm_reference.forward(x, f.bias, residual, f.weight, f.norm_bias, f.eps, "", f.write_residual,
+                                      norm=f.norm)
+        group = groups.group_name(f.amax_group) if f.amax_group is not None else ""
+        data, scale = quantize_activation(y.reshape(-1, y.shape[-1]), DTYPES[f.dtype], f.rowwise, group,
+                                          _world(group))
+        return data.view(x.shape), scale, h
+
+
+class SharedQuantize(nn.Module):
+    """``(data, scale)`` of 2-D ``x`` with one scale per tensor from the amax all-reduced over
+    ``group_name`` (``world`` ranks): the operand of an FP8 all-gather whose input came unquantized."""
+
+    def __init__(self, dtype: torch.dtype, group_name: str, world: int):
+        super().__init__()
+        self.dtype, self.group_name, self.world = dtype, group_name, world
+
+    def forward(self, x):
+        return quantize_activation(x, self.dtype, False, self.group_name, self.world)
+
+
+class ReduceScatterTokens(nn.Module):
+    """``reduce_scatter_tokens(y) [+ bias]`` as a functional collective: the second half of
+    ``linear_reduce_scatter_fp8`` written as aten ops (the FP8 GEMM before it without its bias,
+    which is added once, after the sum)."""
+
+    def __init__(self, group_name: str, world: int, bias):
+        super().__init__()
+        self.group_name, self.world, self.bias = group_name, world, bias
+
+    def forward(self, y):
+        c10d = torch.ops._c10d_functional
+        out = c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", self.world, self.group_name))
+        return out if self.bias is None else out + self.bias
 
 
 def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,

@@ -144,9 +144,16 @@ class JointLowering(_Lowering):
     :class:`~.fp8_backward.LinearGrads`; ``hideable``: the backward GEMMs :mod:`.overlap` plans to
     run under a collective (a weight gradient among them gets its own call)."""
 
-    def __init__(self, op_graph, aten_gm, grads: dict[str, LinearGrads] | None = None, hideable=frozenset()):
+    def __init__(self, op_graph, aten_gm, grads: dict[str, LinearGrads] | None = None, hideable=frozenset(),
+                 aten_producers: bool = False):
         super().__init__(op_graph, aten_gm)
         self.grads = grads or {}
+        #: Write the FP8 producers that have an aten form as aten ops (:func:`.fp8_aten.producers_in_aten`).
+        self.aten_producers = aten_producers
+        #: The fused nodes written that way, for explain(); the FP8 GEMM + reduce-scatters likewise.
+        self.producers_written_as_aten: list[str] = []
+        self.scatters_written_as_aten: list[str] = []
+        self.gathers_written_as_aten: list[str] = []
         #: Joint-graph GEMMs that .overlap scheduled under a collective (their own op where possible).
         self.hideable = set(hideable)
         self.payloads: dict[str, tuple[fx.Node, fx.Node]] = {}  # op-graph value -> (data, scale)
@@ -173,11 +180,16 @@ class JointLowering(_Lowering):
 
     def _lower_producer(self, node, module, rule: str) -> None:
         inputs = [self.value_of(a) for a in node.args]
-        wrapper = _QuantizePayload(module) if isinstance(module, QuantizeActivation) else _NormQuantizePayload(module)
+        quantize = isinstance(module, QuantizeActivation)
+        if self.aten_producers and fp8_aten.producer_applies(module):
+            wrapper = fp8_aten.ActivationQuantize(module) if quantize else fp8_aten.NormQuantize(module)
+            self.producers_written_as_aten.append(f"{node.name} ({module.name})")
+        else:
+            wrapper = _QuantizePayload(module) if quantize else _NormQuantizePayload(module)
         out = self.emit(wrapper, inputs, where=node.name, tokens_first=True)
         amax_group = getattr(module, "amax_group", None)
         shared = groups.group_name(amax_group) if amax_group is not None else ""
-        if isinstance(module, QuantizeActivation):
+        if quantize:
             self.payloads[node.name] = (out[0], out[1])
             self.scale_shared_by[node.name] = shared
             return
@@ -247,6 +259,9 @@ class JointLowering(_Lowering):
         data_t = None
         if isinstance(module, Fp8Linear) and self._lower_gemm_aten(node, module, rule, source, old):
             return
+        if isinstance(module, (AllGatherLinearFp8, LinearReduceScatterFp8)) and self.aten_producers and \
+                self._lower_gemm_aten(node, module, rule, source, old):
+            return
         payload = self._payload_of(source)
         if payload is not None:
             data, scale = payload
@@ -275,30 +290,55 @@ class JointLowering(_Lowering):
         self._lower_backward(node, module, data, scale, data_t)
 
     def _lower_gemm_aten(self, node, module, rule: str, source, old) -> bool:
-        """Write ``fp8_linear`` fusion ``node`` as aten ops (:mod:`.fp8_aten`), forward and
-        backward, where :func:`.fp8_aten.applies`; ``False`` leaves it to the custom ops."""
+        """Write FP8 GEMM fusion ``node`` as aten ops (:mod:`.fp8_aten`), forward and backward,
+        where :func:`.fp8_aten.applies`; ``False`` leaves it to the custom ops. An
+        ``fp8_linear``; or (``aten_producers``) an all-gather + FP8 GEMM, the gather moving FP8
+        bytes as a functional collective (their scale shared by the group), or an FP8 GEMM +
+        reduce-scatter, the GEMM then the reduce-scatter as a functional collective."""
         grads = self.grads.get(self._linear_node(node))
         need_wgrad = grads is not None and grads.wgrad is not None and module.recipe.fp8_wgrad
         payload = self._payload_of(source)
         x = payload[0] if payload is not None else self.value_of(source)
-        if fp8_aten.applies(module.impl, module.recipe, x.meta["val"].shape, need_wgrad) is not None:
+        scatter, gather = isinstance(module, LinearReduceScatterFp8), isinstance(module, AllGatherLinearFp8)
+        shape = tuple(x.meta["val"].shape)
+        if gather:
+            shape = (shape[0] * groups.world_size(module.group),) + shape[1:]
+            if payload is not None and self.scale_shared_by.get(source.name, "") != groups.group_name(module.group):
+                return False  # each rank's own scale: one tensor scale cannot describe the gathered bytes
+        # The GEMM of a collective GEMM runs where fp8_linear's implementation would.
+        impl = self._gemm_impl(module, x, old.meta["val"].dtype, payload is not None) if scatter or gather \
+            else module.impl
+        if fp8_aten.applies(impl, module.recipe, shape, need_wgrad) is not None:
             return False
+        bias = None if scatter else module.bias  # added once, after the sum
+        if gather:
+            if payload is None:  # quantized here with the group's amax, so the gathered bytes share one scale
+                name = groups.group_name(module.group)
+                payload = tuple(self.emit(fp8_aten.SharedQuantize(module.recipe.forward_dtype, name,
+                                                                  groups.world_size(module.group)),
+                                          [x], where=node.name + "_quantize", tokens_first=True))
+            payload = self._gathered(module.group, *payload, where=node.name + "_gather")
+            self.gathers_written_as_aten.append(node.name)
         # The data gradient's W operand is written by the forward (one quantization of W per step).
         need_dgrad = grads is not None and grads.dgrad is not None
         weight_t = None
         if payload is not None:
             inputs = list(payload)
-            gemm = fp8_aten.GemmFromPayload(module.weight, module.bias, module.recipe, old.meta["val"].dtype, need_dgrad)
+            gemm = fp8_aten.GemmFromPayload(module.weight, bias, module.recipe, old.meta["val"].dtype, need_dgrad)
             out = self.emit(gemm.reserve(_device(inputs[0])), inputs, where=node.name)
             y, weight_t = (out[0], tuple(out[1:])) if need_dgrad else (out, None)
             data, scale, data_t = payload[0], payload[1], None
         else:
             inputs = [x]
-            gemm = fp8_aten.GemmQuantizing(module.weight, module.bias, module.recipe, need_wgrad, need_dgrad)
+            gemm = fp8_aten.GemmQuantizing(module.weight, bias, module.recipe, need_wgrad, need_dgrad)
             out = self.emit(gemm.reserve(_device(x)), inputs, where=node.name, tokens_first=True)
             y, data, scale = out[:3]
             data_t = out[3] if need_wgrad else None
             weight_t = tuple(out[-2:]) if need_dgrad else None
+        if scatter:
+            y = self.emit(fp8_aten.ReduceScatterTokens(groups.group_name(module.group), groups.world_size(module.group),
+                                                       module.bias), [y], where=node.name + "_scatter")
+            self.scatters_written_as_aten.append(node.name)
         self.replace(node.meta["opfuse_replaces"], y, rule, inputs)
         self.values[node.name] = y
         self._lower_backward(node, module, data, scale, data_t, aten=True, weight_t=weight_t)
@@ -411,6 +451,16 @@ class JointLowering(_Lowering):
             user.replace_all_uses_with(dx if user.args[1] == 0 else dw_t)
             self.graph.erase_node(user)
         self.graph.erase_node(backward)
+
+    def _gemm_impl(self, module, x: fx.Node, dtype: torch.dtype, quantized: bool) -> str:
+        """The ``fp8_linear`` implementation that would run ``module``'s GEMM on ``x`` (an FP8
+        payload's data when ``quantized``; ``dtype``: the activations')."""
+        val = x.meta["val"]
+        meta = TensorMeta(tuple(val.shape), dtype, val.device, True,
+                          quantized=tag(module.recipe.forward_dtype, module.recipe.rowwise) if quantized else None)
+        spec = Fp8Linear(weight=module.weight, bias=None, recipe=module.recipe).call_spec([meta])
+        impls = implementations.for_op("fp8_linear", spec)
+        return choose(spec, impls, forced_for("fp8_linear", impls, forced_implementations())).name
 
     def _backward_impl(self, module, grads: LinearGrads, data) -> str:
         """The ``fp8_linear`` implementation for the backward GEMMs (the forward's when it is one)."""

@@ -27,6 +27,7 @@ from .batch_weight_casts import batch_weight_casts
 from .fp8 import CompileSettings, plan_fp8, unfused_fp8
 from .casts import merge_duplicate_casts
 from .chunked_all_reduce import plan_chunked_all_reduces, split_all_reduces
+from .fp8_aten import producers_in_aten
 from .fp8_lower import JointLowering
 from .direct_calls import use_direct_overloads
 from .group_counts import integer_histogram_counts
@@ -112,7 +113,23 @@ def fuse_graph(gm: fx.GraphModule, settings: CompileSettings | None = None) -> G
         ctx.notes.append(("fp8", unfused_fp8(op_graph.gm)))
     left = left_to_inductor(op_graph.gm, op_graph.aten) if settings.inductor else {}
     hideable = {gemm for o in overlaps for gemm in o.gemms}
-    lower_fusions(op_graph, gm, JointLowering(op_graph, gm, grads, hideable), left=left)
+    lowering = JointLowering(op_graph, gm, grads, hideable,
+                             aten_producers=producers_in_aten(settings.inductor, settings.cuda_graphs))
+    lower_fusions(op_graph, gm, lowering, left=left)
+    if lowering.producers_written_as_aten:
+        ctx.notes.append(("fp8", f"{len(lowering.producers_written_as_aten)} FP8 producer(s) written as aten ops for "
+                                 f"Inductor to fuse and launch, not opfuse's kernels behind a custom op (no CUDA "
+                                 f"graphs: a custom-op call's host time would exceed its kernels' gain; "
+                                 f"OPFUSE_FP8_ATEN=never keeps the kernels): "
+                                 f"{', '.join(lowering.producers_written_as_aten)}"))
+    for names, what in ((lowering.gathers_written_as_aten, "all-gather + FP8 GEMM(s) written as aten ops (the "
+                         "FP8 bytes gathered by a functional collective, then torch._scaled_mm)"),
+                        (lowering.scatters_written_as_aten, "FP8 GEMM + reduce-scatter(s) written as aten ops "
+                         "(torch._scaled_mm, then the reduce-scatter as a functional collective)")):
+        if names:
+            ctx.notes.append(("fp8", f"{len(names)} {what}, not the custom op's GEMM chunks over peer memory (no CUDA "
+                                     f"graphs: that op's host time per call would exceed its overlap's gain; "
+                                     f"OPFUSE_FP8_ATEN=never keeps it): {', '.join(names)}"))
     if left:
         ctx.fusions[:] = [record for record in ctx.fusions if record.fused_node not in left]
         ctx.notes.extend(("reference_fusions", why) for why in left.values())

@@ -232,12 +232,19 @@ def fill_with_weight_work(graph: fx.Graph, is_weight) -> list[str]:
     notes = []
     for issue, wait in pairs:
         moved = []
+        # Only work whose inputs all come before the wait moves there (a graph input placed after a
+        # collective that the lowering emitted among the placeholders stays where it is, and so
+        # does the work reading it).
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        ready = set()
         node = wait.next
         while node.op != "output" and not calls(node, *_ISSUES) and node not in backward:
             following = node.next
-            if node in weight_work:
+            if node in weight_work and node.op != "placeholder" and all(
+                    a in ready or order[a] < order[wait] for a in node.all_input_nodes):
                 wait.prepend(node)
                 moved.append(node)
+                ready.add(node)
             node = following
         work = [n for n in moved if n.op == "call_function" and not _is_view(n)]
         if work:

@@ -6,7 +6,8 @@
   emulation (outputs and every gradient): each row-parallel projection's all-reduce fuses with the
   residual add, the next norm and the quantization of the next GEMMs' input; with sequence
   parallelism each row projection's FP8 GEMM fuses with its reduce-scatter, and each norm quantizes
-  the activation that the next all-gather then moves as FP8.
+  the activation that the next all-gather then moves as FP8; the same with the norms + quantize
+  written as aten ops (``opfuse.config.fp8_aten``), their amax all-reduced in the graph.
 * Mixtral- and Qwen2-MoE-style blocks (examples/hf_moe.py) with tensor-parallel experts: the
   rewritten blocks against Hugging Face's loop run eagerly, and the all-reduce after each MoE
   block fused with the residual add and the next norm.
@@ -37,11 +38,17 @@ def _emulated(model, recipe, keep):
     return model
 
 
-def llama_case(rank, world, tp, recipe, seq=8):
-    import llama_tp
-
+def llama_case(rank, world, tp, recipe, seq=8, fp8_aten=None):
     import opfuse
 
+    if fp8_aten is not None:
+        with opfuse.config.override(fp8_aten=fp8_aten):
+            return llama_case(rank, world, tp, recipe, seq)
+    import llama_tp
+
+    # Every case compiles the same forward code: past Dynamo's recompile limit a frame would run
+    # eagerly (no FP8 at all), so each starts from an empty cache.
+    torch._dynamo.reset()
     cfg = llama_tp.Config(kv_heads=max(2, world))  # world 4: one key/value head per rank
     # Sequence parallelism shards the output head over the vocabulary (its weight scale then
     # differs from the hand-sharded model's): compared in high precision there.
@@ -53,8 +60,8 @@ def llama_case(rank, world, tp, recipe, seq=8):
     batch = 1 if tp == "dtensor-sp" else 2
     tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
     want, got = reference(tokens), compiled(tokens)
-    label = f"{tp} {recipe.describe()}"
-    assert llama_tp.relative_error(got, want) <= TIGHT, label
+    label = f"{tp} {recipe.describe()}, {seq} tokens, fp8_aten={opfuse.config.fp8_aten}"
+    assert llama_tp.relative_error(got, want) <= TIGHT, f"{label}: {llama_tp.relative_error(got, want):.3g}"
     grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(2))
     want.backward(grad)
     got.backward(grad)
@@ -83,6 +90,19 @@ def llama_case(rank, world, tp, recipe, seq=8):
         assert forward.count("allreduce_add_rmsnorm_quantize") == row_parallel, program.explain()
         assert forward.count("fp8_linear") == 7 * cfg.layers + 1, program.explain()
     assert "projection GEMM(s) in FP8, forward and backward" in program.explain()
+    if opfuse.config.fp8_aten == "always":
+        # The norms that quantize without an all-reduce in them (sequence parallelism: each one's
+        # amax all-reduced for the FP8 gather after it) are aten ops; the others keep their kernels.
+        written = 2 * cfg.layers if tp == "dtensor-sp" else 0
+        assert (f"{written} FP8 producer(s) written as aten ops" in program.explain()) == bool(written), \
+            program.explain()
+        # So are the FP8 GEMM + reduce-scatters where their GEMM is a torch._scaled_mm one.
+        from opfuse.torch_compile import fp8_aten
+
+        scatters = row_parallel if tp == "dtensor-sp" and not recipe.rowwise and "reference" in \
+            fp8_aten.IMPLEMENTATIONS else 0
+        assert (f"{scatters} FP8 GEMM + reduce-scatter(s) written as aten ops" in program.explain()) == \
+            bool(scatters), program.explain()
     if recipe.pow2_weight_scales and tp == "dist":  # the layers' same-shape weights: one cast call each
         assert "FP8 weight casts quantized in" in program.explain(), program.explain()
 
@@ -147,6 +167,12 @@ def aten_cases(rank, world):
         llama_case(rank, world, "dist", fp8.TensorScaling(pow2_weight_scales=True))
         if world == 2:
             llama_case(rank, world, "dtensor-sp", fp8.TensorScaling(pow2_weight_scales=True), seq=16 * world)
+        # The norms + quantize as aten ops (opfuse.config.fp8_aten; what a GPU graph compiled
+        # without CUDA graphs gets), their amax all-reduced as a functional collective in the graph.
+        llama_case(rank, world, "dtensor-sp", fp8.TensorScaling(), seq=16 * world, fp8_aten="always")
+        llama_case(rank, world, "dist", fp8.TensorScaling(), fp8_aten="always")
+        if world == 2:
+            llama_case(rank, world, "dtensor-sp", fp8.RowwiseScaling(), seq=16 * world, fp8_aten="always")
     finally:
         fp8_aten.IMPLEMENTATIONS = saved
 

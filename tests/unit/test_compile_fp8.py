@@ -444,7 +444,10 @@ def test_power_of_two_weight_scales_reach_compiled_graphs_through_the_one_read_q
     assert after.count("opfuse.quantize_weight_pow2.direct(") == 2
     assert re.findall(r"opfuse\.quantize_weights_pow2\.direct\(\[([^\]]*)\]", after) and sorted(
         len(w.split(",")) for w in re.findall(r"opfuse\.quantize_weights_pow2\.direct\(\[([^\]]*)\]", after)) == [2, 4]
-    assert after.count("aten.amax") == 2 + 8  # o's and down's inputs, and the output gradients
+    # o's and down's inputs, and the output gradients; compiled by Inductor (no CUDA graphs) the
+    # three norms' quantizations too (written as aten ops: opfuse.config.fp8_aten).
+    assert after.count("aten.amax") == 2 + 8 + (3 if inductor else 0)
+    assert after.count("opfuse.compiled_norm_quantize") == (0 if inductor else 3)
     assert "pow2 weight scales" in programs[0].explain()
 
 
@@ -491,3 +494,128 @@ def test_the_host_note_is_only_for_fp8_graphs_compiled_without_cuda_graphs():
         settings = types.SimpleNamespace(fp8=recipe, notes=[])
         _fp8_without_graphs(settings, graphs=graphs)
         assert bool(settings.notes) is noted, (recipe, graphs, settings.notes)
+
+
+class LayerNormBlock(nn.Module):
+    """A biased LayerNorm + residual before q/k/v, a bias before the add (the add + LayerNorm +
+    quantize producer with every optional input)."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        with torch.no_grad():
+            self.norm.weight.add_(0.1 * torch.randn(hidden))
+            self.norm.bias.add_(0.1 * torch.randn(hidden))
+        self.q, self.k = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.o = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = x + self.o(x)
+        f = self.norm(h)
+        return h + torch.tanh(self.q(f)) * self.k(f)
+
+
+PRODUCER_MODELS = {"llama-block": lambda: Block(), "layernorm": LayerNormBlock,
+                   "gathered-quantize": lambda: GatheredThroughAView(None, True)}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["tensor", "row"])
+@pytest.mark.parametrize("model", list(PRODUCER_MODELS))
+@pytest.mark.parametrize("inductor", [False, True], ids=["eager-graph", "inductor"])
+def test_fp8_producers_written_as_aten_ops_match_the_recipe_and_the_kernels_form(world1, recipe, model, inductor,
+                                                                                 tmp_path):
+    """``opfuse.config.fp8_aten``: the norm + quantize (RMSNorm, LayerNorm with a bias) and the
+    standalone quantize written as aten ops give the recipe's emulation, outputs and gradients,
+    as the custom-op form does; the dumped graph holds no producer custom op, and explain() lists
+    each producer written that way."""
+    make = PRODUCER_MODELS[model]
+    if model == "gathered-quantize":
+        make = lambda: GatheredThroughAView(world1, True)  # noqa: E731
+    x = torch.randn(2, 8, 32) if model != "gathered-quantize" else torch.randn(1, 8, 32)
+    options = {} if inductor else EAGER
+    results = {}
+    for mode in ("always", "never"):
+        dump = tmp_path / mode
+        with opfuse.config.override(fp8_aten=mode, dump_dir=str(dump)):
+            (y, grads), (want, want_grads), programs = run_both(make, recipe, x, options=options,
+                                                                merge_projections=False)
+        for got, ref in zip([y, *grads], [want, *want_grads]):
+            assert relative(got, ref) < 1e-5, (mode, recipe)
+        results[mode] = [y, *grads]
+        after = "".join((dump / folder / "aten_after.py").read_text() for folder in os.listdir(dump))
+        producers = [f for f in rules(programs, "forward") if f in ("add_rmsnorm_quantize", "add_layernorm_quantize",
+                                                                    "quantize")]
+        assert producers, programs[0].explain()
+        text = programs[0].explain()
+        if mode == "always":
+            assert "opfuse.compiled_norm_quantize" not in after and "opfuse.compiled_quantize" not in after
+            assert f"{len(producers)} FP8 producer(s) written as aten ops" in text, text
+        else:
+            assert after.count("opfuse.compiled_norm_quantize") + after.count("opfuse.compiled_quantize") \
+                == len(producers), after
+            assert "written as aten ops" not in text
+    for a, b in zip(results["always"], results["never"]):
+        assert relative(a, b) < 1e-5
+
+
+def test_fp8_aten_auto_follows_inductor_and_cuda_graphs():
+    from opfuse.torch_compile.fp8_aten import producers_in_aten
+
+    with opfuse.config.override(fp8_aten="auto"):
+        assert producers_in_aten(inductor=True, cuda_graphs=False)
+        assert not producers_in_aten(inductor=True, cuda_graphs=True)
+        assert not producers_in_aten(inductor=False, cuda_graphs=False)
+    for mode, want in (("always", True), ("never", False)):
+        with opfuse.config.override(fp8_aten=mode):
+            assert all(producers_in_aten(i, g) is want for i in (False, True) for g in (False, True))
+    with pytest.raises(ValueError, match="fp8_aten.*'auto', 'always', 'never'"):
+        opfuse.config.fp8_aten = "yes"
+
+
+class BiasedSequenceParallel(SequenceParallel):
+    """:class:`SequenceParallel` with a bias on the row GEMM, added once after the reduce-scatter
+    (Megatron's row-parallel linear)."""
+
+    def __init__(self, group, hidden=32, ffn=64):
+        super().__init__(group, hidden, ffn)
+        self.down_bias = nn.Parameter(0.1 * torch.randn(hidden))
+
+    def forward(self, x):
+        gathered = all_gather(self.norm(x), 0, self.group)
+        summed = reduce_scatter(self.down(F.gelu(self.up(gathered))), "sum", 0, self.group)
+        return x + (summed + self.down_bias)
+
+
+@pytest.mark.parametrize("model", [SequenceParallel, BiasedSequenceParallel], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("recipe", [fp8.TensorScaling(), fp8.TensorScaling(pow2_weight_scales=True)],
+                         ids=["tensor", "tensor-pow2"])
+def test_fp8_collective_gemms_written_as_aten_ops(world1, monkeypatch, tmp_path, model, recipe):
+    """``opfuse.config.fp8_aten``: the all-gather + FP8 GEMM as the FP8 bytes gathered by a
+    functional collective then ``torch._scaled_mm``, and the FP8 GEMM + reduce-scatter as
+    ``torch._scaled_mm`` then a functional reduce-scatter (the bias once after it), forward and
+    backward the recipe's, as the custom ops' (the reference stands in for the GPU's scaled-GEMM
+    implementation here)."""
+    from opfuse.torch_compile import fp8_aten
+
+    monkeypatch.setattr(fp8_aten, "IMPLEMENTATIONS", {"reference"})
+    x = torch.randn(16, 32)  # 16 tokens: the FP8 weight gradient's multiple of 16
+    results = {}
+    for mode in ("always", "never"):
+        dump = tmp_path / mode
+        with opfuse.config.override(fp8_aten=mode, dump_dir=str(dump)):
+            (y, grads), (want, want_grads), programs = run_both(lambda: model(world1), recipe, x)
+        for got, ref in zip([y, *grads], [want, *want_grads]):
+            assert relative(got, ref) < 1e-5, mode
+        results[mode] = [y, *grads]
+        after = "".join((dump / folder / "aten_after.py").read_text() for folder in os.listdir(dump))
+        assert "linear_reduce_scatter_fp8" in rules(programs, "forward")
+        text = programs[0].explain()
+        if mode == "always":
+            assert "opfuse.compiled_fp8_gemm" not in after and "_c10d_functional.reduce_scatter_tensor" in after
+            assert "1 FP8 GEMM + reduce-scatter(s) written as aten ops" in text, text
+            assert "1 all-gather + FP8 GEMM(s) written as aten ops" in text, text
+        else:
+            assert "opfuse.compiled_fp8_gemm" in after
+            assert "written as aten ops" not in text
+    for a, b in zip(results["always"], results["never"]):
+        assert relative(a, b) < 1e-5
