@@ -107,6 +107,9 @@ EXCEPTIONS = {
     ("opfuse.torch_compile.fp8_aten", "opfuse.families.quantize.weight_pow2"):
         "the FP8 linears the lowering writes as aten ops call the quantize family's one-read weight quantizer "
         "(opfuse::quantize_weight_pow2) for power-of-two weight scales, and reserve its hints; " + _FP8_LOWERING,
+    ("opfuse.torch_compile.fp8_aten", "opfuse.families.residual_norm.reference"):
+        "the aten form of the FP8 norm + quantize producers is the residual-norm family's reference forward "
+        "(the unfused chain), traced into the graph for Inductor; " + _FP8_LOWERING,
     ("opfuse.torch_compile.batch_weight_casts", "opfuse.families.quantize.weight_pow2"):
         "the pass that batches a compiled FP8 graph's same-shape weight casts writes the quantize family's "
         "opfuse::quantize_weights_pow2 in place of its per-weight calls and reserves the batch's hints; "

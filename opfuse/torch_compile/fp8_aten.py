@@ -39,9 +39,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..config import config
 from ..families.quantize import weight_pow2
-from ..families.quantize.reference import DTYPES
 from ..families.residual_norm import reference as norm_reference
 from ..fp8.numerics import fp8_max, scales_from_amax
+from ..fp8.recipe import E4M3, E5M2
 from ..ops import group as groups
 
 __all__ = ["IMPLEMENTATIONS", "applies", "quantize", "scaled_mm", "GemmQuantizing", "GemmFromPayload", "Backward",
@@ -140,6 +140,10 @@ def quantize_activation(x: torch.Tensor, dtype: torch.dtype, rowwise: bool, amax
     return (x.float() * scale).clamp(-limit, limit).to(dtype), scale_inv
 
 
+#: The norm + quantize ops' ``dtype`` argument.
+_FP8 = {"e4m3": E4M3, "e5m2": E5M2}
+
+
 def _world(group: str) -> int:
     from torch.distributed import distributed_c10d as c10d
 
@@ -175,7 +179,7 @@ class NormQuantize(nn.Module):
         y, h = norm_reference.forward(x, f.bias, residual, f.weight, f.norm_bias, f.eps, "", f.write_residual,
                                       norm=f.norm)
         group = groups.group_name(f.amax_group) if f.amax_group is not None else ""
-        data, scale = quantize_activation(y.reshape(-1, y.shape[-1]), DTYPES[f.dtype], f.rowwise, group,
+        data, scale = quantize_activation(y.reshape(-1, y.shape[-1]), _FP8[f.dtype], f.rowwise, group,
                                           _world(group))
         return data.view(x.shape), scale, h
 
