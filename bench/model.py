@@ -251,6 +251,9 @@ EXTRA_VARIANTS = {
     # FP8 (needs --fp8): the norms + quantize as opfuse's kernels behind custom ops, as before
     # session 29 made them aten ops for Inductor in graphs without CUDA graphs (opfuse.config.fp8_aten).
     "opfuse fp8:norm-kernels": {"fp8_aten": "never"},
+    # FP8 (needs --fp8): also the collective FP8 GEMMs as aten ops (functional all-gather /
+    # reduce-scatter around torch._scaled_mm), not the GEMM chunks over peer memory.
+    "opfuse fp8:aten-collectives": {"fp8_aten": "always"},
     # A/A control: a second torch.compile model, timed like the others (the noise and any bias
     # of the timing between two identical variants).
     "compile:again": {},

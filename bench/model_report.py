@@ -13,7 +13,8 @@ TARGETS = {"decode": 0.93, "decode_floor": 1.05, "train-tp": 0.92, "train-sp": 0
 EXTRA_COLUMNS = ("compile:again", "opfuse:fuse-all", "opfuse:nccl-norm", "opfuse:sp-batch-on",
                  "opfuse:sp-batch-on-no-async-tp", "opfuse:no-fuse", "opfuse:no-fuse-no-overlap", "opfuse:no-norm",
                  "opfuse:no-merge", "opfuse fp8", "opfuse fp8:unbatched", "opfuse fp8:nccl-rs",
-                 "opfuse fp8:norm-kernels", "torchao fp8", "opfuse unmerged", "opfuse no PDL")
+                 "opfuse fp8:norm-kernels", "opfuse fp8:aten-collectives", "torchao fp8", "opfuse unmerged",
+                 "opfuse no PDL")
 
 
 def _target(case: str) -> float:

@@ -131,8 +131,10 @@ class Config:
     #: Compiled FP8 graphs: the FP8 producers (add + norm + quantize, quantize) written as aten ops
     #: that Inductor fuses and launches, instead of opfuse's Triton kernels behind a custom op
     #: (``OPFUSE_FP8_ATEN``): ``auto`` where the graph runs without CUDA graphs (a custom-op call
-    #: costs ~100 us of host time there; opfuse/torch_compile/fp8_aten.py), ``always``, ``never``.
-    #: The all-reduce + add + RMSNorm + quantize keeps its peer-memory kernels.
+    #: costs ~100 us of host time there; opfuse/torch_compile/fp8_aten.py), ``always`` everywhere,
+    #: and then the collective FP8 GEMMs too (functional collectives + ``torch._scaled_mm``, not
+    #: yet measured on GPUs), ``never``. The all-reduce + add + RMSNorm + quantize keeps its
+    #: peer-memory kernels.
     fp8_aten: str = "auto"
     #: opfuse's own Triton kernels launch through a dict of compiled kernels keyed by what Triton
     #: specializes on, skipping Triton's per-call argument binding (``OPFUSE_TRITON_LAUNCH_CACHE``;

@@ -20,7 +20,8 @@ scales are powers of two and their quantization is opfuse's one-read custom op i
 
 The producers have an aten form too (:class:`NormQuantize`, :class:`ActivationQuantize`), and
 so have the collective FP8 GEMMs (an FP8 all-gather as a functional collective, then the GEMM;
-the GEMM, then :class:`ReduceScatterTokens`), for graphs
+the GEMM, then :class:`ReduceScatterTokens`; only with ``fp8_aten="always"``:
+:func:`collectives_in_aten`), for graphs
 compiled without CUDA graphs (:func:`producers_in_aten`): there each custom-op call of opfuse's
 norm + quantize kernels costs ~100 us of host time (its allocations, launches and
 tensor-subclass payload) and each call of the FP8 GEMM + reduce-scatter ~800 us under the
@@ -45,7 +46,7 @@ from ..fp8.recipe import E4M3, E5M2
 from ..ops import group as groups
 
 __all__ = ["IMPLEMENTATIONS", "applies", "quantize", "scaled_mm", "GemmQuantizing", "GemmFromPayload", "Backward",
-           "producers_in_aten", "quantize_activation", "NormQuantize", "ActivationQuantize", "SharedQuantize",
+           "producers_in_aten", "collectives_in_aten", "quantize_activation", "NormQuantize", "ActivationQuantize", "SharedQuantize",
            "ReduceScatterTokens"]
 
 #: ``fp8_linear`` implementations whose GEMMs the compile front end writes as aten ops: those built
@@ -112,6 +113,14 @@ def producers_in_aten(inductor: bool, cuda_graphs: bool) -> bool:
     kernels either way (:func:`producer_applies`)."""
     if config.fp8_aten == "auto":
         return inductor and not cuda_graphs
+    return config.fp8_aten == "always"
+
+
+def collectives_in_aten() -> bool:
+    """Whether the collective FP8 GEMMs (all-gather + GEMM, GEMM + reduce-scatter) are written as
+    aten ops: only with ``opfuse.config.fp8_aten="always"``. Their backward then schedules its
+    weight-gradient GEMMs under the collectives differently (``tests/unit/test_compile_overlap.py``
+    keeps the custom ops' schedule), and no GPU has measured that form yet."""
     return config.fp8_aten == "always"
 
 

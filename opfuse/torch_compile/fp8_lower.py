@@ -259,7 +259,7 @@ class JointLowering(_Lowering):
         data_t = None
         if isinstance(module, Fp8Linear) and self._lower_gemm_aten(node, module, rule, source, old):
             return
-        if isinstance(module, (AllGatherLinearFp8, LinearReduceScatterFp8)) and self.aten_producers and \
+        if isinstance(module, (AllGatherLinearFp8, LinearReduceScatterFp8)) and fp8_aten.collectives_in_aten() and \
                 self._lower_gemm_aten(node, module, rule, source, old):
             return
         payload = self._payload_of(source)
@@ -291,9 +291,9 @@ class JointLowering(_Lowering):
 
     def _lower_gemm_aten(self, node, module, rule: str, source, old) -> bool:
         """Write FP8 GEMM fusion ``node`` as aten ops (:mod:`.fp8_aten`), forward and backward,
-        where :func:`.fp8_aten.applies`; ``False`` leaves it to the custom ops. An
-        ``fp8_linear``; or (``aten_producers``) an all-gather + FP8 GEMM, the gather moving FP8
-        bytes as a functional collective (their scale shared by the group), or an FP8 GEMM +
+        where :func:`.fp8_aten.applies`; ``False`` leaves it to the custom ops. An ``fp8_linear``;
+        or (:func:`.fp8_aten.collectives_in_aten`) an all-gather + FP8 GEMM, the gather moving
+        FP8 bytes as a functional collective (their scale shared by the group), or an FP8 GEMM +
         reduce-scatter, the GEMM then the reduce-scatter as a functional collective."""
         grads = self.grads.get(self._linear_node(node))
         need_wgrad = grads is not None and grads.wgrad is not None and module.recipe.fp8_wgrad
