@@ -72,10 +72,7 @@ def applies(impl: str, recipe, shape, need_fp8_wgrad: bool) -> str | None:
 def quantize(x: torch.Tensor, dtype: torch.dtype, transpose: bool = False):
     """``(data, scale_inv, data_t)`` of 2-D ``x`` with one scale (``data_t``: the transposed
     bytes, or ``None``)."""
-    limit = fp8_max(dtype)
-    scale, scale_inv = scales_from_amax(x.abs().amax().reshape(1, 1), dtype)
-    # numerics.cast's arithmetic, with an out-of-place clamp (this is traced into the graph).
-    data = (x.float() * scale).clamp(-limit, limit).to(dtype)
+    data, scale_inv = quantize_activation(x, dtype, False)
     return data, scale_inv, (data.t().contiguous() if transpose else None)
 
 
